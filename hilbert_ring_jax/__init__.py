@@ -1,0 +1,22 @@
+"""hilbert_ring_jax: LongNet dilated attention, Hilbert token orderings and ring attention in JAX."""
+
+from .api import dilated_attention
+from .merge import merge
+from .ordering import (hilbert_permutation, hilbert_permutation_per_segment,
+                       inverse_permutation, serialize, unserialize)
+from .pattern import DilatedPattern
+from .reference import dilated_attention_reference
+
+__all__ = [
+    "DilatedPattern",
+    "dilated_attention",
+    "dilated_attention_reference",
+    "hilbert_permutation",
+    "hilbert_permutation_per_segment",
+    "inverse_permutation",
+    "merge",
+    "serialize",
+    "unserialize",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,205 @@
+"""Hilbert orderings of grid tokens and the gathers that apply them (sequence axis 1).
+
+`perm[j]` is the caller's index of the token processed `j`-th: `x_serial[:, j] = x[:, perm[j]]`.
+Permutations are host-side NumPy arrays built once per (static) shape.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _check_grid_shape(grid_shape) -> tuple[int, ...]:
+  try:
+    dims = tuple(grid_shape)
+  except TypeError:
+    dims = (grid_shape,)
+  if not 1 <= len(dims) <= 3 or any(
+      isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in dims):
+    raise ValueError(f"grid_shape must be 1 to 3 positive ints, got grid_shape={grid_shape!r}")
+  return tuple(int(d) for d in dims)
+
+
+def _sign(v):
+  return tuple((x > 0) - (x < 0) for x in v)
+
+
+def _add(*vs):
+  return tuple(map(sum, zip(*vs)))
+
+
+def _neg(v):
+  return tuple(-x for x in v)
+
+
+def _box_curve(a, b, c, memo) -> np.ndarray:
+  """Cells of the box spanned by axis vectors `a, b, c` along a generalized Hilbert curve.
+
+  The curve starts at the box's origin and ends at `a - sign(a)`, one edge away, so the
+  curves of consecutive sub-boxes join as grid neighbours. A long box is cut in two along
+  `a`; a flat one into three (the 2-D Hilbert step); otherwise into five pieces that visit
+  the eight octants in Gray-code order, two pairs merged. Halves are nudged to even lengths,
+  which keeps every step a unit step except in rare odd shapes, where one may be diagonal.
+  On a `2^k x 2^k` square this is the classic Hilbert curve. Curves depend on `(a, b, c)`
+  alone, and few distinct boxes occur, so `memo` makes the whole curve cost O(cells).
+
+  Returns int64 `[cells, 3]` offsets from the origin, in curve order.
+  """
+  key = (a, b, c)
+  if key in memo:
+    return memo[key]
+  la, lb, lc = (abs(sum(v)) for v in (a, b, c))
+  ua, ub, uc = _sign(a), _sign(b), _sign(c)
+  if (la == 1) + (lb == 1) + (lc == 1) >= 2:  # a straight run
+    length, unit = max((la, ua), (lb, ub), (lc, uc))
+    out = np.arange(length, dtype=np.int64)[:, None] * np.array(unit, np.int64)
+  else:
+    def half(v, u, length):
+      h = tuple(x // 2 for x in v)
+      return _add(h, u) if abs(sum(h)) % 2 and length > 2 else h
+
+    a2, b2, c2 = half(a, ua, la), half(b, ub, lb), half(c, uc, lc)
+    ra, rb, rc = _add(a, _neg(a2)), _add(b, _neg(b2)), _add(c, _neg(c2))  # the other halves
+    ea, eb2, ec2 = _add(a, _neg(ua)), _add(b2, _neg(ub)), _add(c2, _neg(uc))  # far edges
+    if 2 * la > 3 * lb and 2 * la > 3 * lc:
+      subs = [((0, 0, 0), a2, b, c), (a2, ra, b, c)]
+    elif 3 * lb > 4 * lc:
+      subs = [((0, 0, 0), b2, c, a2), (b2, a, rb, c), (_add(ea, eb2), _neg(b2), c, _neg(ra))]
+    elif 3 * lc > 4 * lb:
+      subs = [((0, 0, 0), c2, a2, b), (c2, a, b, rc), (_add(ea, ec2), _neg(c2), _neg(ra), b)]
+    else:
+      ec = _add(c, _neg(uc))
+      subs = [((0, 0, 0), b2, c2, a2), (b2, c, a2, rb), (_add(eb2, ec), a, _neg(b2), _neg(rc)),
+              (_add(ea, b2, ec), _neg(c), _neg(ra), rb), (_add(ea, eb2), _neg(b2), c2, _neg(ra))]
+    out = np.concatenate([np.array(o, np.int64) + _box_curve(sa, sb, sc, memo)
+                          for o, sa, sb, sc in subs
+                          if all(sum(v) != 0 for v in (sa, sb, sc))])
+  memo[key] = out
+  return out
+
+
+def _curve(sizes: tuple[int, int, int]) -> np.ndarray:
+  """Cells `(x, y, z)` of a box of `sizes` in generalized Hilbert order, `[cells, 3]`."""
+  axes = sorted(range(3), key=lambda i: -sizes[i])  # the longest axis leads ...
+  if np.prod(sizes) % 2 == 0 and sizes[axes[0]] % 2:
+    # ... unless it is odd and the cell count even: a curve from a corner to the next corner
+    # along an odd edge then has both ends on one colour of the checkerboard, which forces a
+    # diagonal step; leading with an even edge avoids it.
+    axes.sort(key=lambda i: sizes[i] % 2)
+  e = np.eye(3, dtype=np.int64)
+  vecs = [tuple(int(x) for x in e[i] * sizes[i]) for i in axes]
+  return _box_curve(*vecs, {})
+
+
+@functools.lru_cache(maxsize=64)
+def _hilbert_cached(dims: tuple[int, ...]) -> np.ndarray:
+  sizes = tuple(reversed(dims)) + (1,) * (3 - len(dims))  # (x, y, z) = last axis first
+  xyz = _curve(sizes)
+  index = xyz[:, 0] + sizes[0] * (xyz[:, 1] + sizes[1] * xyz[:, 2])
+  index.flags.writeable = False
+  return index
+
+
+def hilbert_permutation(grid_shape) -> np.ndarray:
+  """Row-major cell indices of a 1-D, 2-D or 3-D grid in the order of a Hilbert curve.
+
+  Cells are numbered row-major: `(H, W)` -> `y * W + x`, `(T, H, W)` -> `(t * H + y) * W + x`.
+  On a `2^k x 2^k` grid this is the classic Hilbert curve (every step moves to a grid
+  neighbour); other shapes get a generalized Hilbert curve that is continuous wherever the
+  shape allows.
+
+  Args:
+    grid_shape: `(H, W)` or `(T, H, W)` (a 1-D shape gives the identity).
+
+  Returns:
+    int64 `perm` of length `prod(grid_shape)`; use with `serialize` / `unserialize`.
+
+  Example:
+    >>> hilbert_permutation((2, 2)).tolist()
+    [0, 2, 3, 1]
+  """
+  return np.array(_hilbert_cached(_check_grid_shape(grid_shape)))
+
+
+def hilbert_permutation_per_segment(n: int, w: int) -> np.ndarray:
+  """A Hilbert order inside each segment of `w` tokens (the 1-D variant of the PyTorch work).
+
+  Token `t` of a segment of length `L` sits at cell `(t // 2^k, t % 2^k)` of the smallest
+  `2^k x 2^k` grid with `4^k >= L`; the segment's tokens follow the Hilbert curve over that
+  grid, skipping cells `t >= L`. The last, shorter segment uses its own length.
+
+  Example:
+    >>> hilbert_permutation_per_segment(8, 4).tolist()
+    [0, 2, 3, 1, 4, 6, 7, 5]
+  """
+  for name, val in (("n", n), ("w", w)):
+    if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 1:
+      raise ValueError(f"{name} must be a positive int, got {name}={val!r}")
+
+  def within(length: int) -> np.ndarray:
+    side = 1
+    while side * side < length:
+      side *= 2
+    order = _hilbert_cached((side, side))
+    return order[order < length]
+
+  full, last = divmod(n, w)
+  parts = [(np.arange(full)[:, None] * w + within(w)[None]).reshape(-1)]
+  if last:
+    parts.append(full * w + within(last))
+  return np.concatenate(parts).astype(np.int64)
+
+
+def _check_perm(perm, n: int | None = None, name: str = "perm") -> np.ndarray | jax.Array:
+  if isinstance(perm, jax.core.Tracer):
+    if perm.ndim != 1 or (n is not None and perm.shape[0] != n):
+      raise ValueError(f"{name} must be 1-D of length {n}, got shape {perm.shape}")
+    return perm
+  arr = np.asarray(perm)
+  if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or (n is not None and len(arr) != n):
+    raise ValueError(
+        f"{name} must be a 1-D integer permutation of 0..{'N' if n is None else n}-1, "
+        f"got dtype {arr.dtype} and shape {arr.shape}")
+  if not np.array_equal(np.sort(arr), np.arange(len(arr))):
+    raise ValueError(f"{name} is not a permutation of 0..{len(arr) - 1}")
+  return arr
+
+
+def inverse_permutation(perm) -> np.ndarray:
+  """`inv` with `inv[perm[j]] = j`.
+
+  Example:
+    >>> inverse_permutation([2, 0, 1]).tolist()
+    [1, 2, 0]
+  """
+  perm = _check_perm(perm)
+  if isinstance(perm, jax.core.Tracer):
+    return jnp.argsort(perm)
+  inv = np.empty_like(perm)
+  inv[perm] = np.arange(len(perm), dtype=perm.dtype)
+  return inv
+
+
+def serialize(x, perm):
+  """Reorders the sequence axis (1) of `x` into processing order: `x[:, perm]`.
+
+  Example:
+    >>> x = jnp.arange(4.0).reshape(1, 4)
+    >>> serialize(x, hilbert_permutation((2, 2))).tolist()
+    [[0.0, 2.0, 3.0, 1.0]]
+  """
+  if jnp.ndim(x) < 2:
+    raise ValueError(f"x must have a sequence axis 1, got shape {jnp.shape(x)}")
+  return jnp.take(x, _check_perm(perm, x.shape[1]), axis=1)
+
+
+def unserialize(x, perm):
+  """Undoes `serialize`: `unserialize(serialize(x, perm), perm) == x`."""
+  if jnp.ndim(x) < 2:
+    raise ValueError(f"x must have a sequence axis 1, got shape {jnp.shape(x)}")
+  return jnp.take(x, inverse_permutation(_check_perm(perm, x.shape[1])), axis=1)

@@ -1,0 +1,119 @@
+"""`DilatedPattern`: the static description of a LongNet-style dilated attention pattern."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Sequence
+
+_OFFSETS = ("head", "all")
+
+
+def _as_int_tuple(name: str, value) -> tuple[int, ...]:
+  if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    value = (value,)
+  if not isinstance(value, Sequence) or isinstance(value, str):
+    raise ValueError(f"{name} must be an int or a sequence of ints, got {name}={value!r}")
+  out = []
+  for x in value:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+      raise ValueError(f"{name} must hold ints, got {name}={tuple(value)!r}")
+    out.append(int(x))
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class DilatedPattern:
+  """Branches `(w_b, r_b)` of segment length and dilation rate, mixed as in LongNet.
+
+  For branch `b`, key `j` is visible to query `i` (head `h`) when both lie in the same
+  segment of `w_b` tokens and share the residue `(p % w_b) % r_b`; with `offsets="head"` that
+  residue must also be `h % r_b`, with `offsets="all"` every residue class attends within
+  itself. `causal` adds `j <= i`; `head_groups` gives branch `b` only the `b`-th contiguous
+  group of heads. See SPEC.md for the exact function.
+
+  Hashable and immutable, so it can be a static argument of `jax.jit`.
+
+  Example:
+    >>> p = DilatedPattern(segment_lengths=(2048, 4096, 8192), dilation_rates=(1, 2, 4))
+    >>> p.num_branches
+    3
+  """
+
+  segment_lengths: tuple[int, ...]
+  dilation_rates: tuple[int, ...]
+  causal: bool = False
+  offsets: str = "head"
+  head_groups: bool = False
+
+  def __post_init__(self):
+    segment_lengths = _as_int_tuple("segment_lengths", self.segment_lengths)
+    dilation_rates = _as_int_tuple("dilation_rates", self.dilation_rates)
+    object.__setattr__(self, "segment_lengths", segment_lengths)
+    object.__setattr__(self, "dilation_rates", dilation_rates)
+    if not segment_lengths:
+      raise ValueError(f"segment_lengths must not be empty, got {segment_lengths=}")
+    if len(segment_lengths) != len(dilation_rates):
+      raise ValueError(
+          f"{segment_lengths=} and {dilation_rates=} must have the same length")
+    for b, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
+      if w < 1:
+        raise ValueError(f"segment_lengths must be >= 1, got {segment_lengths=}")
+      if r < 1:
+        raise ValueError(f"dilation_rates must be >= 1, got {dilation_rates=}")
+      if r > w:
+        raise ValueError(
+            f"dilation_rates[{b}]={r} exceeds segment_lengths[{b}]={w}: "
+            f"need r <= w ({segment_lengths=}, {dilation_rates=})")
+    if self.offsets not in _OFFSETS:
+      raise ValueError(f"offsets must be one of {_OFFSETS}, got offsets={self.offsets!r}")
+    for name in ("causal", "head_groups"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
+
+  @property
+  def num_branches(self) -> int:
+    return len(self.segment_lengths)
+
+  @property
+  def branches(self) -> tuple[tuple[int, int], ...]:
+    """`((w_0, r_0), (w_1, r_1), ...)`."""
+    return tuple(zip(self.segment_lengths, self.dilation_rates))
+
+  def head_ranges(self, num_heads: int) -> tuple[tuple[int, int], ...]:
+    """The `[start, stop)` query heads each branch applies to.
+
+    Without `head_groups` every branch covers all heads; with it the heads split into
+    `num_branches` contiguous groups whose sizes differ by at most one, the first groups
+    taking the extra head.
+    """
+    k = self.num_branches
+    if not self.head_groups:
+      return ((0, num_heads),) * k
+    if num_heads < k:
+      raise ValueError(
+          f"head_groups=True needs at least one head per branch: num_heads={num_heads} "
+          f"< {k} branches ({self.segment_lengths=})")
+    base, extra = divmod(num_heads, k)
+    bounds = [0]
+    for b in range(k):
+      bounds.append(bounds[-1] + base + (1 if b < extra else 0))
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+  def visible_pairs(self, seq_len: int, num_heads: int) -> int:
+    """Query-key-head triples the pattern makes visible, counted with multiplicity `m`.
+
+    `4 * batch * head_dim * visible_pairs` is the FLOP count of forward attention used by the
+    benchmarks (the backward is counted as 2.5x that).
+    """
+    total = 0
+    for (w, r), (h0, h1) in zip(self.branches, self.head_ranges(num_heads)):
+      w = min(w, seq_len)
+      for h in range(h0, h1):
+        residues = range(r) if self.offsets == "all" else (h % r,)
+        # (segment length, how many segments of it): the full ones and a shorter last one.
+        for length, count in ((w, seq_len // w), (seq_len % w, 1)):
+          for c in residues:
+            n = len(range(c, length, r))
+            total += count * (n * (n + 1) // 2 if self.causal else n * n)
+    return total

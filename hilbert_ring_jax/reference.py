@@ -1,0 +1,50 @@
+"""A dense reference of SPEC.md's function: O(N^2) memory, for checks and small examples."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from .pattern import DilatedPattern
+
+
+def visibility_counts(pattern: DilatedPattern, n: int, num_heads: int) -> np.ndarray:
+  """`m[h, i, j]`: in how many branches key `j` is visible to query `i` for head `h`."""
+  p = np.arange(n)
+  counts = np.zeros((num_heads, n, n), np.int32)
+  for (w, r), (h0, h1) in zip(pattern.branches, pattern.head_ranges(num_heads)):
+    w = min(w, n)
+    res = (p % w) % r
+    vis = (p[:, None] // w == p[None, :] // w) & (res[:, None] == res[None, :])
+    if pattern.causal:
+      vis &= p[None, :] <= p[:, None]
+    for h in range(h0, h1):
+      head_vis = vis & (res[:, None] == h % r) if pattern.offsets == "head" else vis
+      counts[h] += head_vis
+  return counts
+
+
+def dilated_attention_reference(q, k, v, pattern: DilatedPattern, *, scale=None,
+                                return_lse=False):
+  """Dense `dilated_attention` (same arguments) with explicit multiplicity masks.
+
+  Materializes `[B, H, N, N]` scores: use it to check results at small N.
+  """
+  b, n, h, d = q.shape
+  scale = d ** -0.5 if scale is None else scale
+  acc = jnp.promote_types(q.dtype, jnp.float32)
+  counts = jnp.asarray(visibility_counts(pattern, n, h), acc)
+  group = h // k.shape[2]
+  kh = jnp.repeat(k, group, axis=2).astype(acc)
+  vh = jnp.repeat(v, group, axis=2).astype(acc)
+  # s: [B, H, N, N]
+  s = jnp.einsum("BTHD,BSHD->BHTS", q.astype(acc), kh) * scale
+  s = jnp.where(counts > 0, s, -jnp.inf)
+  mx = jnp.max(s, axis=-1, keepdims=True)
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  e = counts * jnp.exp(s - mx)
+  den = jnp.sum(e, axis=-1)
+  out = jnp.einsum("BHTS,BSHD->BTHD", e / jnp.where(den > 0, den, 1.0)[..., None], vh)
+  lse = jnp.moveaxis(mx[..., 0] + jnp.log(den), 1, 2)
+  out = out.astype(q.dtype)
+  return (out, lse.astype(jnp.float32)) if return_lse else out
