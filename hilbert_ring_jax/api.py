@@ -85,6 +85,8 @@ def _attention_bwd(pattern, scale, name, res, cotangents):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+# Compiled as one program even when called eagerly; inlined under an outer jit.
+_attention_jit = jax.jit(_attention, static_argnums=(3, 4, 5))
 
 
 def dilated_attention(q, k, v, pattern: DilatedPattern, *, scale: float | None = None,
@@ -123,7 +125,7 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, scale: float | None =
   errors = []
   for name in implementation_names(implementation):
     try:
-      out, lse = _attention(q, k, v, pattern, scale, name)
+      out, lse = _attention_jit(q, k, v, pattern, scale, name)
     except NotImplementedError as e:
       errors.append(f"{name}: {e}")
       continue

@@ -1,0 +1,81 @@
+"""Shared checks: one configuration run through an implementation and the float64 reference."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import reference_np
+from hilbert_ring_jax import DilatedPattern, dilated_attention
+
+# Relative L2 error allowed against the float64 reference, by input dtype.
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 6e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  n: int
+  heads: int
+  kv_heads: int
+  segment_lengths: tuple
+  dilation_rates: tuple
+  offsets: str = "head"
+  head_groups: bool = False
+  batch: int = 1
+  head_dim: int = 8
+
+  def pattern(self, causal):
+    return DilatedPattern(self.segment_lengths, self.dilation_rates, causal=causal,
+                          offsets=self.offsets, head_groups=self.head_groups)
+
+
+def random_inputs(case, dtype, seed):
+  """q, k, v, dout (dtype) and dlse (float32), drawn with NumPy: no compile per shape."""
+  rng = np.random.default_rng(seed)
+  q_shape = (case.batch, case.n, case.heads, case.head_dim)
+  kv_shape = (case.batch, case.n, case.kv_heads, case.head_dim)
+  draw = lambda shape, dt=dtype: jnp.asarray(rng.standard_normal(shape), dt)
+  return draw(q_shape), draw(kv_shape), draw(kv_shape), draw(q_shape), draw(q_shape[:3],
+                                                                             jnp.float32)
+
+
+def rel_err(x, ref):
+  x = np.asarray(x, np.float64)
+  return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def reference(case, causal, q, k, v, dout, dlse, scale=None):
+  scale = case.head_dim ** -0.5 if scale is None else scale
+  m = reference_np.multiplicity(case.n, case.heads, case.segment_lengths, case.dilation_rates,
+                                causal, case.offsets, case.head_groups)
+  return reference_np.attention(*(np.asarray(x, np.float64) for x in (q, k, v)), m, scale,
+                                np.asarray(dout, np.float64), np.asarray(dlse, np.float64))
+
+
+def check_lse(lse, ref_lse, tol):
+  lse = np.asarray(lse, np.float64)
+  assert lse.dtype == np.float64 and np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+  assert not np.isnan(lse).any()
+  finite = np.isfinite(ref_lse)
+  np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=50 * tol, rtol=0)
+
+
+def check_case(case, causal, dtype, implementation, seed=0, fn=None):
+  """Forward, lse and gradients of `fn` (default: dilated_attention) against the reference."""
+  q, k, v, dout, dlse = random_inputs(case, dtype, seed)
+  pattern = case.pattern(causal)
+  if fn is None:
+    fn = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True,
+                                           implementation=implementation)
+  (out, lse), vjp = jax.vjp(jax.jit(fn), q, k, v)
+  grads = vjp((dout, dlse))
+  ref_out, ref_lse, ref_grads = reference(case, causal, q, k, v, dout, dlse)
+  tol = TOL[dtype]
+  assert out.dtype == dtype and out.shape == q.shape and lse.dtype == jnp.float32
+  assert rel_err(out, ref_out) < tol, rel_err(out, ref_out)
+  check_lse(lse, ref_lse, tol)
+  for name, g, ref, x in zip("qkv", grads, ref_grads, (q, k, v)):
+    assert g.dtype == x.dtype and g.shape == x.shape
+    assert np.isfinite(np.asarray(g, np.float32)).all()
+    assert rel_err(g, ref) < 2 * tol, (f"d{name}", rel_err(g, ref))

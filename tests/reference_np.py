@@ -1,0 +1,62 @@
+"""A float64 NumPy reference written from SPEC.md, independent of the library's code."""
+
+import numpy as np
+
+
+def multiplicity(n, num_heads, segment_lengths, dilation_rates, causal=False, offsets="head",
+                 head_groups=False):
+  """`m[h, i, j]`: the number of branches in which key j is visible to query i, head h."""
+  m = np.zeros((num_heads, n, n), np.float64)
+  k = len(segment_lengths)
+  if head_groups:
+    sizes = [num_heads // k + (1 if b < num_heads % k else 0) for b in range(k)]
+    starts = np.cumsum([0] + sizes)
+    group_of = {h: b for b in range(k) for h in range(starts[b], starts[b + 1])}
+  i = np.arange(n)[:, None]
+  j = np.arange(n)[None, :]
+  for b, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
+    w = min(w, n)
+    res_i, res_j = (i % w) % r, (j % w) % r
+    for h in range(num_heads):
+      if head_groups and group_of[h] != b:
+        continue
+      vis = (i // w == j // w) & (res_i == res_j)
+      if offsets == "head":
+        vis &= res_i == h % r
+      if causal:
+        vis &= j <= i
+      m[h] += vis
+  return m
+
+
+def attention(q, k, v, m, scale, dout=None, dlse=None):
+  """Returns out, lse and, given cotangents, (dq, dk, dv), all in float64.
+
+  q: [B, N, H, D]; k, v: [B, N, Hkv, D]; m: [H, N, N] multiplicities.
+  """
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  h, hkv = q.shape[2], k.shape[2]
+  kh, vh = (np.repeat(x, h // hkv, axis=2) for x in (k, v))
+  s = scale * np.einsum("bihd,bjhd->bhij", q, kh)
+  visible = m[None] > 0
+  s_max = np.where(visible, s, -np.inf).max(-1, keepdims=True)
+  s_max = np.where(np.isfinite(s_max), s_max, 0.0)
+  e = np.where(visible, m[None] * np.exp(np.where(visible, s - s_max, 0.0)), 0.0)
+  den = e.sum(-1)
+  with np.errstate(divide="ignore"):
+    lse = np.log(den) + s_max[..., 0]  # [B, H, N]
+  p = e / np.where(den > 0, den, 1.0)[..., None]  # m * exp(s - lse)
+  out = np.einsum("bhij,bjhd->bihd", p, vh)
+  lse = np.moveaxis(lse, 1, 2)  # [B, N, H]
+  if dout is None:
+    return out, lse
+  dout = np.asarray(dout, np.float64)
+  dlse = np.asarray(dlse, np.float64)
+  delta = (dout * out).sum(-1) - dlse  # [B, N, H]
+  dp = np.einsum("bihd,bjhd->bhij", dout, vh)
+  ds = p * (dp - np.moveaxis(delta, 1, 2)[..., None])
+  dq = scale * np.einsum("bhij,bjhd->bihd", ds, kh)
+  dkh = scale * np.einsum("bhij,bihd->bjhd", ds, q)
+  dvh = np.einsum("bhij,bihd->bjhd", p, dout)
+  sum_groups = lambda x: x.reshape(*x.shape[:2], hkv, h // hkv, x.shape[-1]).sum(3)
+  return out, lse, (dq, sum_groups(dkh), sum_groups(dvh))

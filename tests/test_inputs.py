@@ -1,0 +1,101 @@
+"""Every "Bad input" of SPEC.md raises ValueError naming the argument; patterns behave."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hilbert_ring_jax import (DilatedPattern, dilated_attention, hilbert_permutation,
+                              hilbert_permutation_per_segment, inverse_permutation, serialize,
+                              unserialize)
+
+P = DilatedPattern((8,), (1,))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(segment_lengths=(), dilation_rates=()), "segment_lengths"),
+    (dict(segment_lengths=(8, 16), dilation_rates=(1,)), "dilation_rates"),
+    (dict(segment_lengths=(0,), dilation_rates=(1,)), "segment_lengths"),
+    (dict(segment_lengths=(8,), dilation_rates=(0,)), "dilation_rates"),
+    (dict(segment_lengths=(4,), dilation_rates=(5,)), "dilation_rates"),
+    (dict(segment_lengths=(8.0,), dilation_rates=(1,)), "segment_lengths"),
+    (dict(segment_lengths=(8,), dilation_rates=(1,), offsets="every"), "offsets"),
+    (dict(segment_lengths=(8,), dilation_rates=(1,), causal="yes"), "causal"),
+])
+def test_bad_pattern(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    DilatedPattern(**kwargs)
+
+
+def test_pattern_normalizes_and_hashes():
+  p = DilatedPattern([8, 16], [1, 2])
+  assert p.segment_lengths == (8, 16) and p.branches == ((8, 1), (16, 2))
+  assert hash(p) == hash(DilatedPattern((8, 16), (1, 2)))
+  assert DilatedPattern(8, 2).branches == ((8, 2),)
+
+
+def test_head_ranges():
+  p = DilatedPattern((4, 8, 16), (1, 2, 4), head_groups=True)
+  assert p.head_ranges(5) == ((0, 2), (2, 4), (4, 5))
+  assert p.head_ranges(3) == ((0, 1), (1, 2), (2, 3))
+  assert DilatedPattern((4, 8), (1, 2)).head_ranges(3) == ((0, 3), (0, 3))
+
+
+def test_visible_pairs_counts_the_multiplicity():
+  p = DilatedPattern((4, 8), (1, 2), causal=True, offsets="all")
+  n, h = 10, 2
+  # Branch (4, 1): segments 4, 4, 2 -> 10 + 10 + 3 causal pairs; branch (8, 2): segment of 8
+  # with residues of 4 tokens each (10 + 10), a segment of 2 with one token per residue (2).
+  assert p.visible_pairs(n, h) == h * ((10 + 10 + 3) + (10 + 10 + 2))
+
+
+x = jnp.zeros((1, 8, 2, 4))
+
+
+@pytest.mark.parametrize("q,k,v,pattern,match", [
+    (x[0], x, x, P, "q"),
+    (x, x[..., None], x, P, "k"),
+    (x, x, x[:, :4], P, "v"),
+    (x, x[:, :4], x[:, :4], P, "sequence length"),
+    (x, jnp.zeros((2, 8, 2, 4)), jnp.zeros((2, 8, 2, 4)), P, "batch"),
+    (x, x[..., :2], x[..., :2], P, "head dim"),
+    (jnp.zeros((1, 8, 3, 4)), x, x, P, "heads"),
+    (x.astype(jnp.int32), x, x, P, "q"),
+    (x, x.astype(jnp.bfloat16), x.astype(jnp.bfloat16), P, "dtype"),
+    (x, x, x, DilatedPattern((4, 8, 8), (1, 2, 4), head_groups=True), "head_groups"),
+    (x, x, x, "pattern", "pattern"),
+])
+def test_bad_attention_inputs(q, k, v, pattern, match):
+  with pytest.raises(ValueError, match=match):
+    dilated_attention(q, k, v, pattern)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), "0.5", True])
+def test_bad_scale(scale):
+  with pytest.raises(ValueError, match="scale"):
+    dilated_attention(x, x, x, P, scale=scale)
+
+
+@pytest.mark.parametrize("grid", [(0, 4), (2, 3, 4, 5), (2.5, 4), "ab", -3])
+def test_bad_grid(grid):
+  with pytest.raises(ValueError, match="grid_shape"):
+    hilbert_permutation(grid)
+
+
+@pytest.mark.parametrize("perm", [[0, 0, 1], [0, 1, 3], [[0, 1, 2]], [0.0, 1.0, 2.0]])
+def test_bad_permutation(perm):
+  with pytest.raises(ValueError, match="perm"):
+    inverse_permutation(perm)
+
+
+def test_permutation_length_must_match():
+  y = jnp.zeros((1, 4, 2))
+  with pytest.raises(ValueError, match="perm"):
+    serialize(y, np.arange(3))
+  with pytest.raises(ValueError, match="perm"):
+    unserialize(y, np.arange(5))
+
+
+@pytest.mark.parametrize("n,w,match", [(0, 4, "n"), (8, 0, "w"), (8, 2.0, "w")])
+def test_bad_per_segment(n, w, match):
+  with pytest.raises(ValueError, match=match):
+    hilbert_permutation_per_segment(n, w)
