@@ -124,3 +124,24 @@ def test_dispatcher():
     dilated_attention(q, k, v, pattern, implementation="cuda")
   with pytest.raises(ValueError, match="implementation"):
     dilated_attention(q, k, v, pattern, implementation=[])
+
+
+def _temp_bytes(n, w, r, grad):
+  pattern = DilatedPattern((w,), (r,))
+  x = jax.ShapeDtypeStruct((1, n, 2, 16), jnp.float32)
+  f = lambda q, k, v: dilated_attention(q, k, v, pattern, implementation="xla").sum()
+  f = jax.grad(f, argnums=(0, 1, 2)) if grad else f
+  return jax.jit(f).lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradient"])
+def test_xla_memory_is_linear_in_n_and_flat_in_w(grad):
+  """Compiled temporary buffers: double N -> about double; grow w past a key block -> flat.
+
+  (Below one key block of 512, a longer segment means a longer block, as it should.)
+  """
+  base = _temp_bytes(2048, 512, 1, grad)
+  assert _temp_bytes(2048, 2048, 1, grad) < 1.3 * base
+  assert _temp_bytes(2048, 2048, 2, grad) < 1.3 * base
+  assert 1.6 * base < _temp_bytes(4096, 512, 1, grad) < 2.4 * base
+  assert 1.6 * base < _temp_bytes(4096, 4096, 1, grad) < 2.4 * base
