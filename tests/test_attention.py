@@ -140,8 +140,8 @@ def test_xla_memory_is_linear_in_n_and_flat_in_w(grad):
 
   (Below one key block of 512, a longer segment means a longer block, as it should.)
   """
-  base = _temp_bytes(2048, 512, 1, grad)
+  base = _temp_bytes(2048, 1024, 1, grad)
   assert _temp_bytes(2048, 2048, 1, grad) < 1.3 * base
   assert _temp_bytes(2048, 2048, 2, grad) < 1.3 * base
-  assert 1.6 * base < _temp_bytes(4096, 512, 1, grad) < 2.4 * base
+  assert 1.6 * base < _temp_bytes(4096, 1024, 1, grad) < 2.4 * base
   assert 1.6 * base < _temp_bytes(4096, 4096, 1, grad) < 2.4 * base
