@@ -2,14 +2,18 @@
 
 from .api import dilated_attention
 from .merge import merge
+from .nn import DilatedMultiHeadAttention, dilated_attention_fn
 from .ordering import (hilbert_permutation, hilbert_permutation_per_segment,
                        inverse_permutation, serialize, unserialize)
 from .pattern import DilatedPattern
 from .reference import dilated_attention_reference
+from . import linen  # hilbert_ring_jax.linen.DilatedMultiHeadAttention
 
 __all__ = [
+    "DilatedMultiHeadAttention",
     "DilatedPattern",
     "dilated_attention",
+    "dilated_attention_fn",
     "dilated_attention_reference",
     "hilbert_permutation",
     "hilbert_permutation_per_segment",
