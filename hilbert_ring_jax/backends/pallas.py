@@ -1,0 +1,592 @@
+"""The "pallas" backend: blockwise dilated attention as Pallas kernels.
+
+On a GPU the kernels lower through Pallas's Triton backend; everywhere else they run in Pallas
+interpret mode, so the CPU test suite checks the very code the GPU compiles.
+
+Per branch `(w, r)`, `[B, N, H, D]` is viewed as `[B, S, M, R, H, D]` (S segments, M dilated
+rows of R residues): a free reshape when `N % w == 0`, `w % r == 0` and M is a multiple of the
+block size, otherwise a zero-padded copy whose padding the kernels mask from each row's index.
+A dilated segment is then one strided row of M tokens, so the BlockSpecs pick a segment, a
+residue (`h % r` for offsets="head", a grid axis for "all") and a head straight from the
+view: no gather of q, k, v or out. GQA reads the shared key/value head in the index map.
+In dilated coordinates causality is `key row <= query row`, so the kernels loop over the key
+blocks up to the diagonal only; the upper triangle is never loaded.
+
+Branches combine through the project's one `merge`, inside the forward kernel: each branch
+takes the running float32 `(out, lse)` aliased to its outputs and merges its partial into the
+rows it covers. The backward follows the kernel contract (global `lse`, `delta`): a dq kernel
+and a dk/dv kernel per branch, accumulating into aliased float32 gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ..merge import merge
+from ..pattern import DilatedPattern
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_MIN_BLOCK = 16      # Triton's smallest matrix-multiplied block
+_MAX_HEAD_DIM = 256  # beyond this the [block, D] float32 tiles no longer fit in registers
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _pow2(x: int) -> bool:
+  return x >= 1 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes and Triton launch parameters of the kernels.
+
+  Attributes:
+    block_q: query rows per program of the forward kernel.
+    block_k: key rows per step of the forward kernel's loop.
+    block_q_bwd: query rows per program (dq) and per loop step (dk/dv) of the backward.
+    block_k_bwd: key rows per loop step (dq) and per program (dk/dv) of the backward.
+    num_warps, num_stages: Triton launch parameters of the forward kernel.
+    num_warps_bwd: Triton warps of the backward kernels.
+
+  Blocks are powers of two; a branch whose dilated segment is shorter than a block uses the
+  smallest power of two (at least 16) that holds it, padding the segment.
+  """
+
+  block_q: int = 128
+  block_k: int = 64
+  block_q_bwd: int = 64
+  block_k_bwd: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  num_warps_bwd: int = 4
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
+      value = getattr(self, name)
+      if not (_pow2(value) and value >= _MIN_BLOCK):
+        raise ValueError(f"{name} must be a power of two >= {_MIN_BLOCK}, got {name}={value}")
+    for name in ("num_warps", "num_stages", "num_warps_bwd"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}")
+
+  @classmethod
+  def default(cls, head_dim: int, dtype, interpret: bool) -> BlockSizes:
+    """Defaults for `head_dim` and `dtype`: small tiles in interpret mode (fast CPU tests)."""
+    if interpret:
+      return cls(16, 16, 16, 16, 1, 1, 1)
+    wide = head_dim > 64 or jnp.dtype(dtype).itemsize > 2
+    return cls(block_q=128, block_k=64 if wide else 128, block_q_bwd=64, block_k_bwd=64,
+               num_warps=8 if wide else 4, num_stages=2 if head_dim > 128 else 3,
+               num_warps_bwd=8 if wide else 4)
+
+
+def default_interpret() -> bool:
+  """Interpret mode everywhere but on a GPU (where the kernels go through Triton)."""
+  return jax.default_backend() != "gpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Branch:
+  """One branch laid out as `[B, S, M_pad, R, X, ...]`, with the blocks its kernels use."""
+
+  n: int          # sequence length
+  w: int          # effective segment length min(w_b, N)
+  r: int          # dilation rate
+  h0: int         # the query heads [h0, h1) this branch covers
+  h1: int
+  per_head: bool  # offsets="head" and r > 1: head h reads residue h % r only
+  causal: bool
+  bq: int         # forward query block
+  bk: int         # forward key block
+  bq_bwd: int
+  bk_bwd: int
+
+  @property
+  def m(self) -> int:
+    """Dilated rows per residue (the last rows may be padding when r does not divide w)."""
+    return -(-self.w // self.r)
+
+  @property
+  def m_pad(self) -> int:
+    unit = max(self.bq, self.bk, self.bq_bwd, self.bk_bwd)
+    return -(-self.m // unit) * unit
+
+  @property
+  def s(self) -> int:
+    return -(-self.n // self.w)
+
+  @property
+  def padded(self) -> bool:
+    """Whether the view is a padded copy (and the kernels must mask rows past the tokens)."""
+    return self.n % self.w != 0 or self.w % self.r != 0 or self.m_pad != self.m
+
+  @property
+  def all_residues(self) -> bool:
+    """offsets="all" with r > 1: residues are a grid axis."""
+    return not self.per_head and self.r > 1
+
+  def covers_all(self, num_heads: int) -> bool:
+    """Whether every (token, head) is a query row of this branch."""
+    return not self.per_head and (self.h0, self.h1) == (0, num_heads)
+
+  def split(self, x, fill=0):
+    """`[B, N, ...]` -> `[B, S, M_pad, R, ...]`; free unless `padded`."""
+    b, rest = x.shape[0], x.shape[2:]
+    if not self.padded:
+      return x.reshape(b, self.s, self.m, self.r, *rest)
+    widths = [(0, 0)] * (x.ndim - 2)
+    x = jnp.pad(x, [(0, 0), (0, self.s * self.w - self.n), *widths], constant_values=fill)
+    x = x.reshape(b, self.s, self.w, *rest)
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, self.m_pad * self.r - self.w), *widths],
+                constant_values=fill)
+    return x.reshape(b, self.s, self.m_pad, self.r, *rest)
+
+  def unsplit(self, x):
+    """Inverse of `split`: drops the padding."""
+    b, rest = x.shape[0], x.shape[4:]
+    if not self.padded:
+      return x.reshape(b, self.n, *rest)
+    x = x.reshape(b, self.s, self.m_pad * self.r, *rest)[:, :, :self.w]
+    return x.reshape(b, self.s * self.w, *rest)[:, :self.n]
+
+  def n_valid(self, s, c):
+    """Real tokens in the dilated row of segment `s`, residue `c` (traced ints)."""
+    if not self.padded:
+      return self.m
+    w_s = jnp.minimum(self.w, self.n - s * self.w)  # the last segment may be shorter
+    return lax.div(w_s - c + self.r - 1, self.r)  # numerator >= 1: w_s >= 1, c < r
+
+
+def _branches(pattern: DilatedPattern, n: int, num_heads: int, blocks: BlockSizes):
+  for (w, r), (h0, h1) in zip(pattern.branches, pattern.head_ranges(num_heads)):
+    w = min(w, n)
+    # A segment shorter than a block runs in the smallest power-of-two block holding it.
+    cap = max(_MIN_BLOCK, pl.next_power_of_2(-(-w // r)))
+    yield _Branch(n, w, r, h0, h1, pattern.offsets == "head" and r > 1, pattern.causal,
+                  min(blocks.block_q, cap), min(blocks.block_k, cap),
+                  min(blocks.block_q_bwd, cap), min(blocks.block_k_bwd, cap))
+
+
+def _check(q, blocks, interpret):
+  d = q.shape[-1]
+  if d > _MAX_HEAD_DIM:
+    raise NotImplementedError(
+        f"the pallas backend supports head dims up to {_MAX_HEAD_DIM} (its [block, D] float32 "
+        f"tiles live in registers), got head_dim={d}")
+  if not any(q.dtype == t for t in _DTYPES):
+    raise NotImplementedError(
+        f"the pallas backend runs float32, bfloat16 and float16, got dtype={q.dtype}")
+  interpret = default_interpret() if interpret is None else interpret
+  if blocks is None:
+    blocks = BlockSizes.default(d, q.dtype, interpret)
+  return blocks, interpret
+
+
+# ---------------------------------------------------------------------------------------------
+# In-kernel helpers. Refs hold [rows, Dp] tiles with Dp = D rounded up to a power of two (at
+# least 16); the columns past D are masked on load (read as 0) and on store.
+
+
+def _head_mask(d, dp):
+  return None if d == dp else (jnp.arange(dp) < d)[None, :]
+
+
+def _load(ref, dmask):
+  return ref[...] if dmask is None else plgpu.load(ref, mask=dmask, other=0.0)
+
+
+def _store(ref, x, dmask):
+  if dmask is None:
+    ref[...] = x
+  else:
+    plgpu.store(ref, x, mask=dmask)
+
+
+def _dot(a, b, trans_a=False, trans_b=False):
+  # Float32 inputs ask for IEEE float32 products: Triton's default would be tf32.
+  precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return pl.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
+
+
+def _coords(br: _Branch, ids):
+  """Grid indices -> (block, b, h, s, c): the residue comes from the head or the grid."""
+  blk, b, hh, s = ids[:4]
+  h = hh + br.h0
+  if br.all_residues:
+    c = ids[4]
+  elif br.per_head:
+    c = lax.rem(h, br.r)
+  else:
+    c = 0
+  return blk, b, h, s, c
+
+
+def _kv_coords(br: _Branch, g0: int, ids):
+  """dk/dv grid indices -> (key block, b, kv head, s, c): every residue is a grid axis."""
+  blk, b, gg, s = ids[:4]
+  return blk, b, gg + g0, s, (ids[4] if br.r > 1 else 0)
+
+
+def _program_ids(ndim):
+  return [pl.program_id(a) for a in range(ndim)]
+
+
+def _grid(br: _Branch, blocks: int, heads: int, batch: int):
+  return (blocks, batch, heads, br.s) + ((br.r,) if br.all_residues else ())
+
+
+def _mask(br, q_rows, k_rows, n_valid):
+  """Visibility of a [rows, keys] tile in dilated coordinates (None: all visible)."""
+  mask = None
+  if br.causal:
+    mask = k_rows[None, :] <= q_rows[:, None]
+  if br.padded:
+    valid = (k_rows[None, :] < n_valid) & (q_rows[:, None] < n_valid)
+    mask = valid if mask is None else mask & valid
+  return mask
+
+
+def _key_ranges(br, q_block, bq, bk, n_valid):
+  """`[(lo, hi, masked)]`: key blocks a query block visits, split where masks are needed."""
+  n_blocks = br.m_pad // bk
+  if br.padded:  # rare: one masked loop over the blocks holding real keys
+    hi = pl.cdiv(n_valid, bk)
+    if br.causal:
+      hi = jnp.minimum(hi, pl.cdiv((q_block + 1) * bq, bk))
+    return [(0, hi, True)]
+  if not br.causal:
+    return [(0, n_blocks, False)]
+  # Blocks entirely at or below the first query row need no mask; then up to the diagonal.
+  n_full = lax.div(q_block * bq + 1, bk)
+  return [(0, n_full, False), (n_full, pl.cdiv((q_block + 1) * bq, bk), True)]
+
+
+def _query_ranges(br, k_block, bq, bk, n_valid):
+  """`[(lo, hi, masked)]`: query blocks that see a key block (the dk/dv loop)."""
+  n_blocks = br.m_pad // bq
+  if br.padded:
+    lo = lax.div(k_block * bk, bq) if br.causal else 0
+    return [(lo, pl.cdiv(n_valid, bq), True)]
+  if not br.causal:
+    return [(0, n_blocks, False)]
+  lo = lax.div(k_block * bk, bq)
+  full = pl.cdiv(k_block * bk + bk - 1, bq)  # first block whose rows all follow the keys
+  full = jnp.minimum(full, n_blocks)
+  return [(lo, full, True), (full, n_blocks, False)]
+
+
+def _fori(ranges, body, carry):
+  for lo, hi, masked in ranges:
+    carry = lax.fori_loop(lo, hi, functools.partial(body, masked), carry)
+  return carry
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward.
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode):
+  if mode == "merge":
+    o_prev_ref, lse_prev_ref, o_ref, lse_ref = refs
+  elif mode == "first":  # aliased, but nothing to merge with yet
+    _, _, o_ref, lse_ref = refs
+  else:
+    o_ref, lse_ref = refs
+  bq, bk, dp = br.bq, br.bk, q_ref.shape[-1]
+  i, _, _, s, c = _coords(br, _program_ids(4 + br.all_residues))
+  n_valid = br.n_valid(s, c)
+  dmask = _head_mask(d, dp)
+  q = _load(q_ref, dmask)  # [bq, Dp]
+  q_rows = i * bq + jnp.arange(bq)
+
+  def body(masked, j, carry):
+    acc, m2, l = carry
+    kb = _load(k_ref.at[pl.ds(j * bk, bk)], dmask)
+    # s2: [bq, bk], scores in base 2 so the exponentials are exp2
+    s2 = _dot(q, kb, trans_b=True) * (scale * _LOG2E)
+    if masked:
+      s2 = jnp.where(_mask(br, q_rows, j * bk + jnp.arange(bk), n_valid), s2, -jnp.inf)
+    m_new = jnp.maximum(m2, jnp.max(s2, axis=1))
+    # A row with nothing visible yet keeps m = -inf; shifting by 0 keeps exp2 from NaN.
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp2(s2 - shift[:, None])
+    alpha = jnp.exp2(m2 - shift)
+    vb = _load(v_ref.at[pl.ds(j * bk, bk)], dmask)
+    acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb)
+    return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+
+  init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
+          jnp.zeros((bq,), jnp.float32))
+  acc, m2, l = _fori(_key_ranges(br, i, bq, bk, n_valid), body, init)
+  seen = l > 0
+  l = jnp.where(seen, l, 1.0)
+  out = acc / l[:, None]
+  lse = jnp.where(seen, (m2 + jnp.log2(l)) * _LN2, -jnp.inf)
+  if mode == "merge":
+    out, lse = merge([_load(o_prev_ref, dmask), out], [lse_prev_ref[...], lse])
+  _store(o_ref, out.astype(o_ref.dtype), dmask)
+  lse_ref[...] = lse
+
+
+def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, blocks, interpret):
+  """Runs one branch; returns the running `(out, lse)` in `[B, N, H, D]`, `[B, N, H]`."""
+  bsz, _, h, d = q.shape
+  group = h // k.shape[2]
+  dp = max(_MIN_BLOCK, pl.next_power_of_2(d))
+  qs, ks, vs = br.split(q), br.split(k), br.split(v)
+  grid = _grid(br, br.m_pad // br.bq, br.h1 - br.h0, bsz)
+
+  def q_map(*ids):
+    i, b, hh, s, c = _coords(br, ids)
+    return b, s, i, c, hh, 0
+
+  def kv_map(*ids):
+    _, b, hh, s, c = _coords(br, ids)
+    return b, s, 0, c, hh // group, 0
+
+  def lse_map(*ids):
+    return q_map(*ids)[:5]
+
+  q_spec = pl.BlockSpec((None, None, br.bq, None, None, dp), q_map)
+  kv_spec = pl.BlockSpec((None, None, br.m_pad, None, None, dp), kv_map)
+  lse_spec = pl.BlockSpec((None, None, br.bq, None, None), lse_map)
+  args, in_specs, aliases = [qs, ks, vs], [q_spec, kv_spec, kv_spec], {}
+  if mode != "fresh":
+    args += [br.split(acc[0]), br.split(acc[1], fill=-jnp.inf)]
+    in_specs += [q_spec, lse_spec]
+    aliases = {3: 0, 4: 1}
+  out, lse = pl.pallas_call(
+      functools.partial(_forward_kernel, br=br, d=d, scale=scale, mode=mode),
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=[q_spec, lse_spec],
+      out_shape=[jax.ShapeDtypeStruct(qs.shape, out_dtype),
+                 jax.ShapeDtypeStruct(qs.shape[:-1], jnp.float32)],
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                           num_stages=blocks.num_stages),
+      interpret=interpret,
+      name=f"dilated_forward_w{br.w}_r{br.r}",
+  )(*args)
+  return br.unsplit(out), br.unsplit(lse)
+
+
+def forward(q, k, v, pattern: DilatedPattern, scale: float, *,
+            block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+  """`(out [B, N, H, D] in q's dtype, lse [B, N, H] float32)`, branches merged in-kernel.
+
+  Raises:
+    NotImplementedError: head dim above 256 or a dtype other than float32/bfloat16/float16.
+  """
+  blocks, interpret = _check(q, block_sizes, interpret)
+  b, n, h, _ = q.shape
+  branches = list(_branches(pattern, n, h, blocks))
+  # One branch writes the result directly; several merge into float32 accumulators.
+  out_dtype = q.dtype if len(branches) == 1 else jnp.float32
+  acc = None
+  for idx, br in enumerate(branches):
+    if idx > 0:
+      mode = "merge"
+    elif br.covers_all(h):
+      mode = "fresh"
+    else:  # rows the first branch does not cover must read as out = 0, lse = -inf
+      mode = "first"
+      acc = (jnp.zeros(q.shape, out_dtype), jnp.full((b, n, h), -jnp.inf, jnp.float32))
+    acc = _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, blocks, interpret)
+  return acc[0].astype(q.dtype), acc[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward.
+
+
+def _probs(br, q, kb, lse2, q_rows, k_rows, n_valid, masked, scale):
+  """`p = exp(s - lse)` of a [rows, keys] tile; lse2 is the global lse in base 2."""
+  s2 = _dot(q, kb, trans_b=True) * (scale * _LOG2E)
+  if masked:
+    s2 = jnp.where(_mask(br, q_rows, k_rows, n_valid), s2, -jnp.inf)
+  return jnp.exp2(s2 - lse2[:, None])
+
+
+def _global_lse2(lse):
+  # Rows with no visible key (lse = -inf) must give p = 0: +inf does that without a NaN.
+  return jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, scale, accumulate):
+  dq_ref = refs[-1]
+  bq, bk, dp = br.bq_bwd, br.bk_bwd, q_ref.shape[-1]
+  i, _, _, s, c = _coords(br, _program_ids(4 + br.all_residues))
+  n_valid = br.n_valid(s, c)
+  dmask = _head_mask(d, dp)
+  q, do = _load(q_ref, dmask), _load(do_ref, dmask)
+  lse2, delta = _global_lse2(lse_ref[...]), delta_ref[...]
+  q_rows = i * bq + jnp.arange(bq)
+
+  def body(masked, j, dq):
+    kb = _load(k_ref.at[pl.ds(j * bk, bk)], dmask)
+    vb = _load(v_ref.at[pl.ds(j * bk, bk)], dmask)
+    p = _probs(br, q, kb, lse2, q_rows, j * bk + jnp.arange(bk), n_valid, masked, scale)
+    ds = p * (_dot(do, vb, trans_b=True) - delta[:, None])  # [bq, bk]
+    return dq + _dot(ds.astype(kb.dtype), kb)
+
+  dq = _fori(_key_ranges(br, i, bq, bk, n_valid), body, jnp.zeros((bq, dp), jnp.float32))
+  dq = dq * scale
+  if accumulate:
+    dq = dq + _load(refs[0], dmask)
+  _store(dq_ref, dq.astype(dq_ref.dtype), dmask)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, scale, group,
+                g0, accumulate):
+  dk_ref, dv_ref = refs[-2:]
+  bq, bk, dp = br.bq_bwd, br.bk_bwd, q_ref.shape[-1]
+  j, _, g, s, c = _kv_coords(br, g0, _program_ids(4 + (br.r > 1)))
+  n_valid = br.n_valid(s, c)
+  dmask = _head_mask(d, dp)
+  kb, vb = _load(k_ref, dmask), _load(v_ref, dmask)
+  k_rows = j * bk + jnp.arange(bk)
+  # The query heads of kv head g in this branch's range; offsets="head": those with h % r == c.
+  h_lo = jnp.maximum(g * group, br.h0)
+  h_hi = jnp.minimum((g + 1) * group, br.h1)
+  step = br.r if br.per_head else 1
+  if br.per_head:
+    h_lo = h_lo + lax.rem(c - lax.rem(h_lo, br.r) + br.r, br.r)
+  n_heads = jnp.maximum(lax.div(h_hi - h_lo + step - 1, step), 0)
+
+  def head_body(t, carry):
+    h = h_lo + t * step
+
+    def body(masked, i, carry):
+      dk, dv = carry
+      rows = pl.ds(i * bq, bq)
+      q = _load(q_ref.at[rows, h], dmask)
+      do = _load(do_ref.at[rows, h], dmask)
+      lse2, delta = _global_lse2(lse_ref[rows, h]), delta_ref[rows, h]
+      p = _probs(br, q, kb, lse2, i * bq + jnp.arange(bq), k_rows, n_valid, masked, scale)
+      dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+      ds = p * (_dot(do, vb, trans_b=True) - delta[:, None])  # [bq, bk]
+      return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
+
+    return _fori(_query_ranges(br, j, bq, bk, n_valid), body, carry)
+
+  zeros = jnp.zeros((bk, dp), jnp.float32)
+  dk, dv = lax.fori_loop(0, n_heads, head_body, (zeros, zeros))
+  dk = dk * scale
+  if accumulate:
+    dk = dk + _load(refs[0], dmask)
+    dv = dv + _load(refs[1], dmask)
+  _store(dk_ref, dk.astype(dk_ref.dtype), dmask)
+  _store(dv_ref, dv.astype(dv_ref.dtype), dmask)
+
+
+def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes, blocks,
+                     interpret):
+  """Adds one branch's `(dq, dk, dv)` to `grads` (or creates them: mode "fresh")."""
+  bsz, _, h, d = q.shape
+  hkv = k.shape[2]
+  group = h // hkv
+  dp = max(_MIN_BLOCK, pl.next_power_of_2(d))
+  qs, ks, vs, dos = (br.split(x) for x in (q, k, v, dout))
+  lses, deltas = br.split(lse, fill=-jnp.inf), br.split(delta)
+  params = plgpu.CompilerParams(num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages)
+  dq_mode, kv_mode = modes
+  dq, dk, dv = grads
+
+  # dq: one program per (query block, b, h, s, c), like the forward.
+  def q_map(*ids):
+    i, b, hh, s, c = _coords(br, ids)
+    return b, s, i, c, hh, 0
+
+  def kv_map(*ids):
+    _, b, hh, s, c = _coords(br, ids)
+    return b, s, 0, c, hh // group, 0
+
+  q_spec = pl.BlockSpec((None, None, br.bq_bwd, None, None, dp), q_map)
+  kv_spec = pl.BlockSpec((None, None, br.m_pad, None, None, dp), kv_map)
+  row_spec = pl.BlockSpec((None, None, br.bq_bwd, None, None), lambda *ids: q_map(*ids)[:5])
+  args = [qs, ks, vs, dos, lses, deltas]
+  in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+  accumulate = dq_mode == "merge"
+  if dq_mode != "fresh":
+    args.append(br.split(dq))
+    in_specs.append(q_spec)
+  dq = br.unsplit(pl.pallas_call(
+      functools.partial(_dq_kernel, br=br, d=d, scale=scale, accumulate=accumulate),
+      grid=_grid(br, br.m_pad // br.bq_bwd, br.h1 - br.h0, bsz),
+      in_specs=in_specs,
+      out_specs=q_spec,
+      out_shape=jax.ShapeDtypeStruct(qs.shape, dtypes[0]),
+      input_output_aliases={6: 0} if dq_mode != "fresh" else {},
+      compiler_params=params,
+      interpret=interpret,
+      name=f"dilated_dq_w{br.w}_r{br.r}",
+  )(*args))
+
+  # dk, dv: one program per (key block, b, kv head, s, c); the kernel loops over query heads.
+  g0, g1 = br.h0 // group, (br.h1 - 1) // group + 1
+
+  def k_map(*ids):
+    j, b, g, s, c = _kv_coords(br, g0, ids)
+    return b, s, j, c, g, 0
+
+  def q_all_map(*ids):
+    _, b, _, s, c = _kv_coords(br, g0, ids)
+    return b, s, 0, c, 0, 0
+
+  k_spec = pl.BlockSpec((None, None, br.bk_bwd, None, None, dp), k_map)
+  qa_spec = pl.BlockSpec((None, None, br.m_pad, None, h, dp), q_all_map)
+  rows_spec = pl.BlockSpec((None, None, br.m_pad, None, h), lambda *ids: q_all_map(*ids)[:5])
+  args = [qs, ks, vs, dos, lses, deltas]
+  in_specs = [qa_spec, k_spec, k_spec, qa_spec, rows_spec, rows_spec]
+  if kv_mode != "fresh":
+    args += [br.split(dk), br.split(dv)]
+    in_specs += [k_spec, k_spec]
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, br=br, d=d, scale=scale, group=group, g0=g0,
+                        accumulate=kv_mode == "merge"),
+      grid=(br.m_pad // br.bk_bwd, bsz, g1 - g0, br.s) + ((br.r,) if br.r > 1 else ()),
+      in_specs=in_specs,
+      out_specs=[k_spec, k_spec],
+      out_shape=[jax.ShapeDtypeStruct(ks.shape, dtypes[1]),
+                 jax.ShapeDtypeStruct(vs.shape, dtypes[2])],
+      input_output_aliases={6: 0, 7: 1} if kv_mode != "fresh" else {},
+      compiler_params=params,
+      interpret=interpret,
+      name=f"dilated_dkv_w{br.w}_r{br.r}",
+  )(*args)
+  return dq, br.unsplit(dk), br.unsplit(dv)
+
+
+def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
+             block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+  """`(dq, dk, dv)` from the global `lse` and `delta = rowsum(dout * out) - dlse`."""
+  blocks, interpret = _check(q, block_sizes, interpret)
+  n, h, hkv = q.shape[1], q.shape[2], k.shape[2]
+  group = h // hkv
+  branches = list(_branches(pattern, n, h, blocks))
+  single = len(branches) == 1
+  dtypes = (q.dtype, k.dtype, v.dtype) if single else (jnp.float32,) * 3
+  lse, delta = lse.astype(jnp.float32), delta.astype(jnp.float32)
+  grads = (None, None, None)
+  for idx, br in enumerate(branches):
+    if idx > 0:
+      modes = ("merge", "merge")
+    else:
+      all_kv = (br.h0 // group, (br.h1 - 1) // group + 1) == (0, hkv)
+      modes = ("fresh" if br.covers_all(h) else "first", "fresh" if all_kv else "first")
+      # Rows or heads the first branch does not write must read as zero gradients.
+      grads = tuple(jnp.zeros(x.shape, dt) if mode == "first" else None
+                    for x, dt, mode in zip((q, k, v), dtypes, (modes[0], modes[1], modes[1])))
+    grads = _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes,
+                             blocks, interpret)
+  dq, dk, dv = grads
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
