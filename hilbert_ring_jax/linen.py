@@ -2,7 +2,7 @@
 
 Same computation and the same parameter tree (`query`, `key`, `value`, `out`, each with
 `kernel` and `bias` of the same shapes) as the NNX layer, so weights copy across as they are:
-`{"params": nnx.state(nnx_layer, nnx.Param).to_pure_dict()}`.
+`{"params": nnx.to_pure_dict(nnx.state(nnx_layer, nnx.Param))}`.
 """
 
 from __future__ import annotations
