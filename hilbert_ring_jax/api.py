@@ -67,11 +67,12 @@ def implementation_names(implementation) -> tuple[str, ...]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _attention(q, k, v, pattern, scale, name):
-  return backends.load(name).forward(q, k, v, pattern, scale)
+  out, lse = backends.load(name).forward(q, k, v, pattern, scale)
+  return out.astype(q.dtype), lse.astype(jnp.float32)
 
 
 def _attention_fwd(q, k, v, pattern, scale, name):
-  out, lse = backends.load(name).forward(q, k, v, pattern, scale)
+  out, lse = _attention(q, k, v, pattern, scale, name)
   return (out, lse), (q, k, v, out, lse)
 
 
@@ -81,7 +82,8 @@ def _attention_bwd(pattern, scale, name, res, cotangents):
   # delta_i = sum_d dout * out - dlse: the one row statistic every backward needs.
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   delta = delta - dlse.astype(jnp.float32)
-  return backends.load(name).backward(q, k, v, dout, lse, delta, pattern, scale)
+  grads = backends.load(name).backward(q, k, v, dout, lse, delta, pattern, scale)
+  return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,11 +1,14 @@
 """Backends of `dilated_attention`. Each module provides, per the kernel contract:
 
-- `forward(q, k, v, pattern, scale) -> (out, lse)`: `out` in q's dtype, `lse` float32 `[B, N, H]`;
-- `backward(q, k, v, dout, lse, delta, pattern, scale) -> (dq, dk, dv)`, taking the global
-  `lse` and `delta = rowsum(dout * out) - dlse`;
+- `forward(q, k, v, pattern, scale, branches=None) -> (out, lse)`: `out [B, N, H, D]` and
+  `lse [B, N, H]`, both float32 (the accumulation dtype), merged over `branches` (indices into
+  `pattern.branches`; None: all);
+- `backward(q, k, v, dout, lse, delta, pattern, scale, branches=None) -> (dq, dk, dv)`: the
+  float32 contribution of `branches`, taking the global `lse` and
+  `delta = rowsum(dout * out) - dlse`, so branches and ring steps add up exactly;
 
-and raises `NotImplementedError` from `forward` for a configuration it cannot run, so the
-dispatcher moves on to the next implementation.
+Callers cast to the input dtypes once, at the end. A backend raises `NotImplementedError` from
+`forward` for a configuration it cannot run, so the dispatcher moves on to the next one.
 """
 
 import importlib
@@ -19,3 +22,19 @@ def load(name: str):
     return importlib.import_module(f"{__name__}.{name}")
   except ImportError as e:  # e.g. jax_triton missing: fall through to the next backend
     raise NotImplementedError(f"backend {name!r} is unavailable: {e}") from e
+
+
+def select(names, q, k, v, pattern, scale, branches=None) -> str:
+  """The first backend in `names` whose forward accepts this configuration (checked abstractly)."""
+  import jax  # local: keeps `load` importable without initializing JAX
+
+  errors = []
+  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  for name in names:
+    try:
+      jax.eval_shape(lambda q, k, v: load(name).forward(q, k, v, pattern, scale, branches),
+                     spec(q), spec(k), spec(v))
+      return name
+    except NotImplementedError as e:
+      errors.append(f"{name}: {e}")
+  raise NotImplementedError("no implementation can run this configuration: " + "; ".join(errors))

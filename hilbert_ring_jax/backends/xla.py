@@ -100,8 +100,10 @@ class _Fold:
     return cover & ((pos % self.w) % self.r == head % self.r) if self.per_head else cover
 
 
-def _folds(pattern: DilatedPattern, n: int, num_heads: int, kv_group: int):
-  for (w, r), (h0, h1) in zip(pattern.branches, pattern.head_ranges(num_heads)):
+def _folds(pattern: DilatedPattern, n: int, num_heads: int, kv_group: int, branches):
+  ranges = pattern.head_ranges(num_heads)
+  for b in range(pattern.num_branches) if branches is None else branches:
+    (w, r), (h0, h1) = pattern.branches[b], ranges[b]
     yield _Fold(n, min(w, n), r, h0, h1, kv_group, pattern.offsets == "head" and r > 1)
 
 
@@ -165,33 +167,39 @@ def _branch_forward(fold, q, k, v, causal, scale):
   return _scan(step, init, blocks)[0]
 
 
-def _unfold(fold, x, shape):
-  """Transpose of `fold.query`: folded `x` back to `shape` `[B, N, H, D]`."""
-  return jax.linear_transpose(fold.query, jax.ShapeDtypeStruct(shape, x.dtype))(x)[0]
+def transpose(fn, y, like):
+  """`fn^T(y)` for a linear `fn` of arrays shaped like `like` (an unfold for a fold).
+
+  Built with `jax.vjp` at `zeros_like(like)` rather than `jax.linear_transpose`, so the
+  result keeps `like`'s varying-mesh-axes type inside `shard_map`.
+  """
+  return jax.vjp(fn, jnp.zeros_like(like, dtype=y.dtype))[1](y)[0]
 
 
-def forward(q, k, v, pattern: DilatedPattern, scale: float):
-  """`(out [B, N, H, D] in q's dtype, lse [B, N, H] float32)`, branches merged."""
-  b, n, h, _ = q.shape
+def forward(q, k, v, pattern: DilatedPattern, scale: float, branches=None):
+  """`(out [B, N, H, D], lse [B, N, H])` in float32 (or wider), branches merged.
+
+  `branches`: indices of the branches to compute (default all); ring steps use one.
+  """
+  n, h = q.shape[1], q.shape[2]
   outs, lses = [], []
-  for fold in _folds(pattern, n, h, h // k.shape[2]):
+  for fold in _folds(pattern, n, h, h // k.shape[2], branches):
     o, lse = _branch_forward(fold, q, k, v, pattern.causal, scale)
-    outs.append(_unfold(fold, o, q.shape))
+    outs.append(transpose(fold.query, o, q))
     # Padding rows may hold -inf; a covered row sees at least itself, so its lse is finite.
-    lse = _unfold(fold, jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None], (b, n, h, 1))
+    lse = transpose(fold.query, jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None], q[..., :1])
     lses.append(jnp.where(fold.covered(h), lse[..., 0], -jnp.inf))
-  out, lse = merge(outs, lses)
-  return out.astype(q.dtype), lse.astype(jnp.float32)
+  return merge(outs, lses)
 
 
-def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float):
+def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, branches=None):
   """`(dq, dk, dv)` from the global `lse` and `delta = rowsum(dout * out) - dlse`."""
   n, h = q.shape[1], q.shape[2]
   acc = jnp.promote_types(q.dtype, jnp.float32)
   # p = exp(s - lse) must vanish on rows with no visible key (lse = -inf) and on padding.
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(acc))
   dq, dk, dv = (jnp.zeros(x.shape, acc) for x in (q, k, v))
-  for fold in _folds(pattern, n, h, h // k.shape[2]):
+  for fold in _folds(pattern, n, h, h // k.shape[2], branches):
     qf, dof = fold.query(q), fold.query(dout)
     lsef = fold.query(lse[..., None], fill=jnp.inf)[..., 0]
     deltaf = fold.query(delta[..., None].astype(acc))[..., 0]
@@ -216,8 +224,7 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float):
     # [nb, B, Z, K, bk, D] -> [B, Z, K, M, D]
     dkb, dvb = (jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], -1, x.shape[-1])[..., :fold.m, :]
                 for x in (dkb, dvb))
-    unfold_kv = jax.linear_transpose(fold.key, jax.ShapeDtypeStruct(k.shape, acc))
-    dq = dq + _unfold(fold, dqf, q.shape)
-    dk = dk + unfold_kv(dkb)[0]
-    dv = dv + unfold_kv(dvb)[0]
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    dq = dq + transpose(fold.query, dqf, q)
+    dk = dk + transpose(fold.key, dkb, k)
+    dv = dv + transpose(fold.key, dvb, k)
+  return dq, dk, dv

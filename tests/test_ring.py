@@ -1,0 +1,115 @@
+"""Ring dilated attention on 8 CPU devices equals the single-device result, gradients too."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+from hilbert_ring_jax import DilatedPattern, dilated_attention
+from hilbert_ring_jax.ring import ring_dilated_attention, sharded_dilated_attention
+
+AUTO = jax.sharding.AxisType.Auto
+
+# (P, N, H, Hkv, pattern) -- local-only, spanning, full attention, mixed, fallbacks.
+CASES = {
+    "local_only": (4, 64, 2, 2, DilatedPattern((8, 16), (1, 2))),
+    "spanning_head": (4, 64, 4, 4, DilatedPattern((8, 32, 64), (1, 2, 4), causal=True)),
+    "spanning_all_gqa": (8, 64, 4, 2, DilatedPattern((16, 64), (2, 8), offsets="all")),
+    "full_attention": (8, 64, 2, 1, DilatedPattern((128,), (1,), causal=True)),
+    "full_attention_p2": (2, 32, 2, 2, DilatedPattern((32,), (1,))),
+    "mqa_not_compact": (4, 48, 4, 1, DilatedPattern((12, 24), (3, 2), causal=True)),
+    "head_groups_gqa": (8, 64, 6, 2, DilatedPattern((8, 32, 64), (1, 4, 2), causal=True,
+                                                    head_groups=True)),
+    "gather_fallback": (4, 48, 2, 2, DilatedPattern((8, 18), (2, 3), causal=True)),
+    "single_shard": (1, 32, 2, 2, DilatedPattern((8, 32), (1, 4), causal=True)),
+}
+
+
+def mesh(p):
+  return jax.make_mesh((p,), ("seq",), axis_types=(AUTO,), devices=jax.devices()[:p])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_ring_equals_single_device(name):
+  p, n, h, hkv, pattern = CASES[name]
+  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
+                      pattern.offsets, pattern.head_groups)
+  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.float32, 7)
+  single = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
+  ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
+      q, k, v, pattern, mesh=mesh(p), axis_name="seq", return_lse=True))
+  (out, lse), vjp = jax.vjp(single, q, k, v)
+  (rout, rlse), rvjp = jax.vjp(ring, q, k, v)
+  np.testing.assert_allclose(rout, out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.isneginf(rlse), np.isneginf(lse))
+  finite = np.isfinite(np.asarray(lse))
+  np.testing.assert_allclose(np.asarray(rlse)[finite], np.asarray(lse)[finite], atol=1e-5)
+  for g, rg in zip(vjp((dout, dlse)), rvjp((dout, dlse))):
+    np.testing.assert_allclose(rg, g, rtol=1e-5, atol=1e-5)
+  # And against the float64 reference directly.
+  ref_out, _, _ = helpers.reference(case, pattern.causal, q, k, v, dout, dlse)
+  assert helpers.rel_err(rout, ref_out) < helpers.TOL[jnp.float32]
+
+
+def test_ring_bf16_and_explicit_mesh():
+  p, n, h, hkv, pattern = CASES["spanning_head"]
+  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates)
+  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 8)
+  explicit = jax.make_mesh((p,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,),
+                           devices=jax.devices()[:p])
+  out = jax.jit(lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=explicit,
+                                                          axis_name="seq"))(q, k, v)
+  assert out.dtype == jnp.bfloat16
+  ref_out, _, _ = helpers.reference(case, True, q, k, v, dout, dlse)
+  assert helpers.rel_err(out, ref_out) < helpers.TOL[jnp.bfloat16]
+
+
+def _collectives(pattern, p=4, n=64, h=2, hkv=2):
+  """Shapes of the operands of every collective in the compiled ring program."""
+  x = jax.ShapeDtypeStruct((1, n, h, 16), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, n, hkv, 16), jnp.float32)
+  f = jax.jit(lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh(p),
+                                                        axis_name="seq"))
+  hlo = f.lower(x, kv, kv).compile().as_text()
+  return re.findall(r"= (\S+) (collective-permute|all-gather|all-reduce|all-to-all)"
+                    r"(?:-start)?\(", hlo)
+
+
+def test_local_patterns_send_nothing():
+  assert _collectives(DilatedPattern((8, 16), (1, 2), causal=True)) == []
+
+
+def test_spanning_branches_send_only_dilated_rows():
+  # n = 16 tokens per shard; w = 64 spans all 4 shards; r = 4 with one kv head per query
+  # head: each step sends k and v of 16 / 4 = 4 rows for each of the 2 heads.
+  found = _collectives(DilatedPattern((64,), (4,)))
+  assert found and {kind for _, kind in found} == {"collective-permute"}
+  for shape, _ in found:
+    assert re.fullmatch(r"(\(?f32\[1,4,2,16\][^ ]*,? ?)+\)?", shape), shape
+  # Undilated: the whole shard travels.
+  for shape, _ in _collectives(DilatedPattern((64,), (1,))):
+    assert "f32[1,16,2,16]" in shape, shape
+
+
+def test_sequence_not_divisible_raises():
+  x = jnp.zeros((1, 30, 2, 8))
+  with pytest.raises(ValueError, match="axis_name"):
+    sharded_dilated_attention(x, x, x, DilatedPattern((8,), (1,)), mesh=mesh(4), axis_name="seq")
+  with pytest.raises(ValueError, match="axis_name"):
+    sharded_dilated_attention(x, x, x, DilatedPattern((8,), (1,)), mesh=mesh(2), axis_name="s")
+
+
+def test_ring_inside_user_shard_map():
+  """The inner entry, called in the caller's own shard_map."""
+  p, n, h, hkv, pattern = CASES["spanning_all_gqa"]
+  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates, "all")
+  q, k, v, *_ = helpers.random_inputs(case, jnp.float32, 9)
+  spec = jax.P(None, "seq")
+  f = jax.jit(jax.shard_map(lambda q, k, v: ring_dilated_attention(q, k, v, pattern,
+                                                                   axis_name="seq"),
+                            mesh=mesh(p), in_specs=(spec,) * 3, out_specs=spec))
+  np.testing.assert_allclose(f(q, k, v), dilated_attention(q, k, v, pattern), rtol=1e-5,
+                             atol=1e-5)
