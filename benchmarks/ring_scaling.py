@@ -1,0 +1,166 @@
+"""Ring dilated attention scaling over the GPUs of one host (weak, strong, longest sequence).
+
+For P in `--devices` (e.g. 1,2,4), with the sequence sharded over P GPUs:
+- weak scaling: `--per-gpu` tokens on each GPU (N = P * t);
+- strong scaling: N = `--strong` tokens split over P GPUs;
+for the patterns `full` (w = N, r = 1) and `longnet` (w = 2048..32768, r = 1..16), forward and
+forward+backward, bf16, B = 1. Efficiency is `T_1(N) / (P * T_P(N))`: one GPU doing the whole
+problem alone against P GPUs sharing it ("whole"). For full attention also against one GPU
+running the same per-GPU steps without communication ("steps": P blocks of t x t).
+`--longest` doubles N (H = 8 unless set) until forward+backward on all GPUs fails.
+
+  python benchmarks/ring_scaling.py --devices 1,2,4 --json out/ring.json
+  python benchmarks/ring_scaling.py --devices 1,2 --per-gpu 512 --strong 2048 --heads 2 \
+      --head-dim 32 --dtype float32   # CPU smoke test (XLA_FLAGS=--xla_force_host_platform_device_count=4)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from hilbert_ring_jax import DilatedPattern, dilated_attention
+from hilbert_ring_jax.ring import sharded_dilated_attention
+
+LONGNET = ((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16))
+
+
+def pattern_for(name, n, causal):
+  if name == "full":
+    return DilatedPattern((n,), (1,), causal=causal)
+  segs, rates = LONGNET
+  return DilatedPattern(tuple(min(w, n) for w in segs),
+                        tuple(min(r, min(w, n)) for w, r in zip(segs, rates)), causal=causal)
+
+
+def median_ms(fn, args, runs):
+  jax.block_until_ready(fn(*args))  # compile, warm up
+  times = []
+  for _ in range(runs):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(1e3 * (time.perf_counter() - t))
+  return statistics.median(times)
+
+
+def inputs(n, heads, head_dim, dtype, mesh=None):
+  """Random q, k, v (and a cotangent), created already sharded over the sequence axis."""
+  shape = (1, n, heads, head_dim)
+  sharding = None if mesh is None else jax.NamedSharding(mesh, jax.P(None, "seq"))
+  make = jax.jit(lambda key: tuple(jax.random.normal(k, shape, dtype)
+                                   for k in jax.random.split(key, 4)),
+                 out_shardings=None if sharding is None else (sharding,) * 4)
+  return make(jax.random.PRNGKey(n))
+
+
+def attention_fn(pattern, mesh, impl, backward):
+  if mesh is None:
+    fwd = lambda q, k, v: dilated_attention(q, k, v, pattern, implementation=impl)
+  else:
+    fwd = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq",
+                                                    implementation=impl)
+  if not backward:
+    return jax.jit(fwd)
+  def fwd_bwd(q, k, v, do):
+    out, vjp = jax.vjp(fwd, q, k, v)
+    return out, vjp(do)
+  return jax.jit(fwd_bwd)
+
+
+def time_case(n, p, pattern, args, backward):
+  mesh = None if p == 1 else jax.make_mesh(
+      (p,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:p])
+  q, k, v, do = inputs(n, args.heads, args.head_dim, jnp.dtype(args.dtype), mesh)
+  fn = attention_fn(pattern, mesh, args.impl, backward)
+  try:
+    return median_ms(fn, (q, k, v, do) if backward else (q, k, v), args.runs)
+  except Exception as e:  # e.g. out of memory: reported, not fatal
+    print(f"  failed: N={n} P={p} {type(e).__name__}: {str(e)[:200]}", flush=True)
+    return float("nan")
+
+
+def tflops(pattern, n, args, backward, ms):
+  flops = 4 * args.head_dim * pattern.visible_pairs(n, args.heads) * (3.5 if backward else 1)
+  return flops / ms / 1e9
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--devices", default="1,2,4")
+  ap.add_argument("--per-gpu", default="8192,32768,131072")
+  ap.add_argument("--strong", type=int, default=131072)
+  ap.add_argument("--patterns", default="full,longnet")
+  ap.add_argument("--passes", default="fwd,fwdbwd")
+  ap.add_argument("--causal", action="store_true")
+  ap.add_argument("--heads", type=int, default=16)
+  ap.add_argument("--head-dim", type=int, default=128)
+  ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--impl", default=None)
+  ap.add_argument("--runs", type=int, default=5)
+  ap.add_argument("--longest", action="store_true")
+  ap.add_argument("--longest-heads", type=int, default=8)
+  ap.add_argument("--longest-start", type=int, default=1 << 20)
+  ap.add_argument("--json", default=None)
+  args = ap.parse_args()
+  devices = [int(x) for x in args.devices.split(",")]
+  rows = []
+  print(f"JAX {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].device_kind}", flush=True)
+
+  def record(kind, name, backward, n, p, ms, base_ms, step_ms=None):
+    pattern = pattern_for(name, n, args.causal)
+    row = dict(kind=kind, pattern=name, causal=args.causal, pass_="fwdbwd" if backward else "fwd",
+               n=n, p=p, ms=ms, tflops_per_gpu=tflops(pattern, n, args, backward, ms) / p,
+               eff_whole=base_ms / (p * ms) if base_ms else None,
+               eff_steps=step_ms * p / ms if step_ms else None)
+    rows.append(row)
+    pct = lambda x: "-" if x is None else f"{x:.0%}"
+    print(f"{kind:6} {name:8} {row['pass_']:7} N={n:>9} P={p} {ms:10.2f} ms "
+          f"{row['tflops_per_gpu']:7.1f} TFLOP/s/GPU  eff(whole)={pct(row['eff_whole'])} "
+          f"eff(steps)={pct(row['eff_steps'])}", flush=True)
+
+  for name in args.patterns.split(","):
+    for backward in [p == "fwdbwd" for p in args.passes.split(",")]:
+      for t in [int(x) for x in args.per_gpu.split(",")]:
+        single = {}
+        for p in devices:
+          n = p * t
+          ms = time_case(n, p, pattern_for(name, n, args.causal), args, backward)
+          base = time_case(n, 1, pattern_for(name, n, args.causal), args, backward) if p > 1 else ms
+          step = None
+          if name == "full" and not args.causal and p > 1:
+            step = time_case(t, 1, DilatedPattern((t,), (1,)), args, backward)
+          single[p] = ms
+          record("weak", name, backward, n, p, ms, base, step)
+      n = args.strong
+      base = None
+      for p in devices:
+        ms = time_case(n, p, pattern_for(name, n, args.causal), args, backward)
+        base = ms if p == 1 else base
+        record("strong", name, backward, n, p, ms, base)
+
+  if args.longest:
+    p = max(devices)
+    args.heads = args.longest_heads
+    n, best = args.longest_start, None
+    while True:
+      ms = time_case(n, p, pattern_for("longnet", n, args.causal), args, True)
+      if ms != ms:  # NaN: failed
+        break
+      best = (n, ms)
+      print(f"longest: N={n} forward+backward on {p} GPUs in {ms:.0f} ms", flush=True)
+      n *= 2
+    rows.append(dict(kind="longest", pattern="longnet", p=p, heads=args.heads,
+                     n=best[0] if best else None, ms=best[1] if best else None))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
+                     devices=len(jax.devices()), args=vars(args), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
