@@ -7,6 +7,7 @@ from .ordering import (hilbert_permutation, hilbert_permutation_per_segment,
                        inverse_permutation, serialize, unserialize)
 from .pattern import DilatedPattern
 from .reference import dilated_attention_reference
+from .ring import ring_dilated_attention, sharded_dilated_attention
 from . import linen  # hilbert_ring_jax.linen.DilatedMultiHeadAttention
 
 __all__ = [
@@ -19,7 +20,9 @@ __all__ = [
     "hilbert_permutation_per_segment",
     "inverse_permutation",
     "merge",
+    "ring_dilated_attention",
     "serialize",
+    "sharded_dilated_attention",
     "unserialize",
 ]
 
