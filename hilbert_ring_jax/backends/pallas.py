@@ -49,43 +49,63 @@ class BlockSizes:
   """Tile sizes and Triton launch parameters of the kernels.
 
   Attributes:
-    block_q: query rows per program of the forward kernel.
-    block_k: key rows per step of the forward kernel's loop.
-    block_q_bwd: query rows per program (dq) and per loop step (dk/dv) of the backward.
-    block_k_bwd: key rows per loop step (dq) and per program (dk/dv) of the backward.
+    block_q, block_k: forward: query rows per program, key rows per loop step.
+    block_q_dq, block_k_dq: dq kernel: query rows per program, key rows per loop step.
+    block_q_dkv, block_k_dkv: dk/dv kernel: query rows per loop step, key rows per program.
     num_warps, num_stages: Triton launch parameters of the forward kernel.
-    num_warps_bwd: Triton warps of the backward kernels.
+    num_warps_bwd, num_stages_bwd: the same for the two backward kernels.
 
-  Blocks are powers of two; a branch whose dilated segment is shorter than a block uses the
-  smallest power of two (at least 16) that holds it, padding the segment.
+  Blocks are powers of two >= 16 (Triton's matrix tiles); a branch whose dilated segment is
+  shorter than a block uses the smallest power of two (at least 16) that holds it.
   """
 
   block_q: int = 128
-  block_k: int = 64
-  block_q_bwd: int = 64
-  block_k_bwd: int = 64
-  num_warps: int = 4
-  num_stages: int = 2
+  block_k: int = 128
+  block_q_dq: int = 64
+  block_k_dq: int = 64
+  block_q_dkv: int = 64
+  block_k_dkv: int = 64
+  num_warps: int = 8
+  num_stages: int = 3
   num_warps_bwd: int = 4
+  num_stages_bwd: int = 2
 
   def __post_init__(self):
-    for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
+    for name in ("block_q", "block_k", "block_q_dq", "block_k_dq", "block_q_dkv",
+                 "block_k_dkv"):
       value = getattr(self, name)
       if not (_pow2(value) and value >= _MIN_BLOCK):
         raise ValueError(f"{name} must be a power of two >= {_MIN_BLOCK}, got {name}={value}")
-    for name in ("num_warps", "num_stages", "num_warps_bwd"):
+    for name in ("num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}")
 
+  @property
+  def blocks(self) -> tuple[int, ...]:
+    return (self.block_q, self.block_k, self.block_q_dq, self.block_k_dq, self.block_q_dkv,
+            self.block_k_dkv)
+
   @classmethod
   def default(cls, head_dim: int, dtype, interpret: bool) -> BlockSizes:
-    """Defaults for `head_dim` and `dtype`: small tiles in interpret mode (fast CPU tests)."""
+    """Defaults by head dim and dtype, measured on an H100 (benchmarks/tune_pallas.py).
+
+    In interpret mode: the smallest tiles, which keep CPU tests fast.
+    """
     if interpret:
-      return cls(16, 16, 16, 16, 1, 1, 1)
-    wide = head_dim > 64 or jnp.dtype(dtype).itemsize > 2
-    return cls(block_q=128, block_k=64 if wide else 128, block_q_bwd=64, block_k_bwd=64,
-               num_warps=8 if wide else 4, num_stages=2 if head_dim > 128 else 3,
-               num_warps_bwd=8 if wide else 4)
+      return cls(*(16,) * 6, 1, 1, 1, 1)
+    if jnp.dtype(dtype).itemsize > 2:  # float32: twice the shared memory per tile
+      b = 64 if head_dim <= 128 else 32
+      return cls(b, b, b, b, b, b, num_warps=4, num_stages=2, num_warps_bwd=4,
+                 num_stages_bwd=2)
+    if head_dim <= 64:
+      return cls(64, 64, 64, 64, 64, 64, num_warps=4, num_stages=3, num_warps_bwd=4,
+                 num_stages_bwd=2)
+    if head_dim <= 128:
+      # 128x128 forward tiles with 3 stages just fit the H100's 227 KiB of shared memory.
+      return cls(128, 128, 64, 64, 64, 64, num_warps=8, num_stages=3, num_warps_bwd=4,
+                 num_stages_bwd=2)
+    return cls(64, 64, 32, 32, 32, 32, num_warps=8, num_stages=2, num_warps_bwd=8,
+               num_stages_bwd=2)
 
 
 def default_interpret() -> bool:
@@ -104,10 +124,15 @@ class _Branch:
   h1: int
   per_head: bool  # offsets="head" and r > 1: head h reads residue h % r only
   causal: bool
-  bq: int         # forward query block
-  bk: int         # forward key block
-  bq_bwd: int
-  bk_bwd: int
+  blocks: tuple[int, ...]  # BlockSizes.blocks, each clipped to the segment
+
+  @property
+  def bq(self) -> int:
+    return self.blocks[0]
+
+  @property
+  def bk(self) -> int:
+    return self.blocks[1]
 
   @property
   def m(self) -> int:
@@ -116,7 +141,7 @@ class _Branch:
 
   @property
   def m_pad(self) -> int:
-    unit = max(self.bq, self.bk, self.bq_bwd, self.bk_bwd)
+    unit = max(self.blocks)  # powers of two: a multiple of every block
     return -(-self.m // unit) * unit
 
   @property
@@ -171,8 +196,7 @@ def _branches(pattern: DilatedPattern, n: int, num_heads: int, blocks: BlockSize
     # A segment shorter than a block runs in the smallest power-of-two block holding it.
     cap = max(_MIN_BLOCK, pl.next_power_of_2(-(-w // r)))
     yield _Branch(n, w, r, h0, h1, pattern.offsets == "head" and r > 1, pattern.causal,
-                  min(blocks.block_q, cap), min(blocks.block_k, cap),
-                  min(blocks.block_q_bwd, cap), min(blocks.block_k_bwd, cap))
+                  tuple(min(b, cap) for b in blocks.blocks))
 
 
 def _check(q, blocks, interpret):
@@ -213,7 +237,7 @@ def _store(ref, x, dmask):
 def _dot(a, b, trans_a=False, trans_b=False):
   # Float32 inputs ask for IEEE float32 products: Triton's default would be tf32.
   precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-  return pl.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
+  return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
 
 
 def _coords(br: _Branch, ids):
@@ -423,7 +447,7 @@ def _global_lse2(lse):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, scale, accumulate):
   dq_ref = refs[-1]
-  bq, bk, dp = br.bq_bwd, br.bk_bwd, q_ref.shape[-1]
+  bq, bk, dp = br.blocks[2], br.blocks[3], q_ref.shape[-1]
   i, _, _, s, c = _coords(br, _program_ids(4 + br.all_residues))
   n_valid = br.n_valid(s, c)
   dmask = _head_mask(d, dp)
@@ -448,7 +472,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, sc
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, scale, group,
                 g0, accumulate):
   dk_ref, dv_ref = refs[-2:]
-  bq, bk, dp = br.bq_bwd, br.bk_bwd, q_ref.shape[-1]
+  bq, bk, dp = br.blocks[4], br.blocks[5], q_ref.shape[-1]
   j, _, g, s, c = _kv_coords(br, g0, _program_ids(4 + (br.r > 1)))
   n_valid = br.n_valid(s, c)
   dmask = _head_mask(d, dp)
@@ -497,7 +521,9 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes,
   dp = max(_MIN_BLOCK, pl.next_power_of_2(d))
   qs, ks, vs, dos = (br.split(x) for x in (q, k, v, dout))
   lses, deltas = br.split(lse, fill=-jnp.inf), br.split(delta)
-  params = plgpu.CompilerParams(num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages)
+  params = plgpu.CompilerParams(num_warps=blocks.num_warps_bwd,
+                                num_stages=blocks.num_stages_bwd)
+  _, _, bq_dq, _, _, bk_dkv = br.blocks
   dq_mode, kv_mode = modes
   dq, dk, dv = grads
 
@@ -510,9 +536,9 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes,
     _, b, hh, s, c = _coords(br, ids)
     return b, s, 0, c, hh // group, 0
 
-  q_spec = pl.BlockSpec((None, None, br.bq_bwd, None, None, dp), q_map)
+  q_spec = pl.BlockSpec((None, None, bq_dq, None, None, dp), q_map)
   kv_spec = pl.BlockSpec((None, None, br.m_pad, None, None, dp), kv_map)
-  row_spec = pl.BlockSpec((None, None, br.bq_bwd, None, None), lambda *ids: q_map(*ids)[:5])
+  row_spec = pl.BlockSpec((None, None, bq_dq, None, None), lambda *ids: q_map(*ids)[:5])
   args = [qs, ks, vs, dos, lses, deltas]
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   accumulate = dq_mode == "merge"
@@ -521,7 +547,7 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes,
     in_specs.append(q_spec)
   dq = br.unsplit(pl.pallas_call(
       functools.partial(_dq_kernel, br=br, d=d, scale=scale, accumulate=accumulate),
-      grid=_grid(br, br.m_pad // br.bq_bwd, br.h1 - br.h0, bsz),
+      grid=_grid(br, br.m_pad // bq_dq, br.h1 - br.h0, bsz),
       in_specs=in_specs,
       out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(qs.shape, dtypes[0]),
@@ -542,7 +568,7 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes,
     _, b, _, s, c = _kv_coords(br, g0, ids)
     return b, s, 0, c, 0, 0
 
-  k_spec = pl.BlockSpec((None, None, br.bk_bwd, None, None, dp), k_map)
+  k_spec = pl.BlockSpec((None, None, bk_dkv, None, None, dp), k_map)
   qa_spec = pl.BlockSpec((None, None, br.m_pad, None, h, dp), q_all_map)
   rows_spec = pl.BlockSpec((None, None, br.m_pad, None, h), lambda *ids: q_all_map(*ids)[:5])
   args = [qs, ks, vs, dos, lses, deltas]
@@ -553,7 +579,7 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes,
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, br=br, d=d, scale=scale, group=group, g0=g0,
                         accumulate=kv_mode == "merge"),
-      grid=(br.m_pad // br.bk_bwd, bsz, g1 - g0, br.s) + ((br.r,) if br.r > 1 else ()),
+      grid=(br.m_pad // bk_dkv, bsz, g1 - g0, br.s) + ((br.r,) if br.r > 1 else ()),
       in_specs=in_specs,
       out_specs=[k_spec, k_spec],
       out_shape=[jax.ShapeDtypeStruct(ks.shape, dtypes[1]),
