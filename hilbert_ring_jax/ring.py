@@ -44,6 +44,7 @@ class _Plan:
   shards: int
   group: int = 1    # ring: shards per segment
   compact: bool = False  # ring: only each head's residue rows travel
+  zigzag: bool = False   # ring, causal: half-shard chunks dealt out in zigzag order
 
 
 def _plans(pattern: DilatedPattern, n: int, shards: int, kv_group: int):
@@ -53,7 +54,9 @@ def _plans(pattern: DilatedPattern, n: int, shards: int, kv_group: int):
       yield _Plan(b, "local", n, shards)
     elif w % n == 0 and n % r == 0:
       compact = pattern.offsets == "head" and 1 < r and kv_group < r
-      yield _Plan(b, "ring", n, shards, w // n, compact)
+      # Zigzag needs half-shards that keep whole residue classes: n / 2 (compact: n / 2r) rows.
+      zigzag = pattern.causal and (n // r % 2 == 0 if compact else (n // 2) % r == 0)
+      yield _Plan(b, "ring", n, shards, w // n, compact, zigzag and n % 2 == 0)
     else:
       yield _Plan(b, "gather", n, shards)
 
@@ -100,16 +103,19 @@ class _Step:
     self.heads = _heads(pattern, num_heads, plan.index)
     self.kv_group = kv_group
     if plan.kind == "ring" and plan.compact:
-      # The shard is one segment of n / r compact rows, undilated, one key head per query head.
-      self.pattern = lambda causal: DilatedPattern((plan.n // r,), (1,), causal=causal)
+      # The arrays of a step are one segment of compact rows: undilated, one key head per
+      # query head.
+      self.pattern = lambda causal, length: DilatedPattern((length,), (1,), causal=causal)
       self.branches = None
     elif plan.kind == "ring":
-      segs = tuple(plan.n if i == plan.index else s for i, s in enumerate(pattern.segment_lengths))
-      self.pattern = lambda causal: dataclasses.replace(pattern, segment_lengths=segs,
-                                                        causal=causal)
+      def step_pattern(causal, length):  # the arrays of a step are one segment
+        segs = list(pattern.segment_lengths)
+        segs[plan.index] = length
+        return dataclasses.replace(pattern, segment_lengths=tuple(segs), causal=causal)
+      self.pattern = step_pattern
       self.branches = (plan.index,)
     else:
-      self.pattern = lambda causal: dataclasses.replace(pattern, causal=causal)
+      self.pattern = lambda causal, length: dataclasses.replace(pattern, causal=causal)
       self.branches = (plan.index,)
     self.causal = pattern.causal
 
@@ -137,16 +143,17 @@ class _Step:
     return inside & (pos % self.r == head % self.r)
 
   def backend(self, q, k, v, causal):
-    return backends.load(backends.select(self.names, q, k, v, self.pattern(causal), self.scale,
-                                         self.branches))
+    pattern = self.pattern(causal, q.shape[1])
+    name = backends.select(self.names, q, k, v, pattern, self.scale, self.branches)
+    return backends.load(name), pattern
 
   def forward(self, q, k, v, causal):
-    return self.backend(q, k, v, causal).forward(q, k, v, self.pattern(causal), self.scale,
-                                                 self.branches)
+    backend, pattern = self.backend(q, k, v, causal)
+    return backend.forward(q, k, v, pattern, self.scale, self.branches)
 
   def backward(self, q, k, v, dout, lse, delta, causal):
-    return self.backend(q, k, v, causal).backward(q, k, v, dout, lse, delta, self.pattern(causal),
-                                                  self.scale, self.branches)
+    backend, pattern = self.backend(q, k, v, causal)
+    return backend.backward(q, k, v, dout, lse, delta, pattern, self.scale, self.branches)
 
 
 def _varying(x, axis_name):
@@ -167,10 +174,58 @@ def _visible(plan, causal, step, axis_name):
   return step <= place if causal else step < size
 
 
+def _zigzag_pairs(plan):
+  """`ppermute` pairs dealing natural half-shards out in zigzag order, in every sub-ring.
+
+  Device `j` of a sub-ring of `size` holds chunks `2j, 2j + 1` of its segment (2 * size
+  chunks); in zigzag order it holds chunks `j` and `2 size - 1 - j`, so every device has one
+  early and one late chunk and causal work is the same on all of them. Returns the pairs for
+  the even-numbered chunks and for the odd-numbered ones (each a permutation).
+  """
+  even, odd = [], []
+  for base in range(0, plan.shards, plan.group):
+    size = min(plan.group, plan.shards - base)
+    for i in range(size):
+      even.append((base + i, base + (2 * i if 2 * i < size else 2 * size - 1 - 2 * i)))
+      odd.append((base + i, base + (2 * i + 1 if 2 * i + 1 < size else 2 * size - 2 - 2 * i)))
+  return even, odd
+
+
+def _to_zigzag(x, plan, axis_name, inverse=False):
+  """`[B, L, ...]` natural halves <-> `[B, L, ...]` zigzag `(early chunk, late chunk)`."""
+  even, odd = _zigzag_pairs(plan)
+  if inverse:
+    even, odd = [(d, s) for s, d in even], [(d, s) for s, d in odd]
+  # Device j's even-numbered chunk is its early one (chunk j) when j is even.
+  j_even = _step_position(plan, axis_name)[0] % 2 == 0
+  half = x.shape[1] // 2
+  a, b = x[:, :half], x[:, half:]
+  if inverse:  # (early, late) -> (even, odd), then home
+    a, b = jnp.where(j_even, a, b), jnp.where(j_even, b, a)
+  a, b = jax.lax.ppermute(a, axis_name, even), jax.lax.ppermute(b, axis_name, odd)
+  if not inverse:  # (even, odd) -> (early, late)
+    a, b = jnp.where(j_even, a, b), jnp.where(j_even, b, a)
+  return jnp.concatenate([a, b], axis=1)
+
+
+def _halves(*xs):
+  return [(x[:, :x.shape[1] // 2], x[:, x.shape[1] // 2:]) for x in xs]
+
+
+def _masked(part, keep):
+  return jnp.where(keep[..., None], part[0], 0.0), jnp.where(keep, part[1], -jnp.inf)
+
+
+def _merge2(a, b):
+  return merge([a[0], b[0]], [a[1], b[1]])
+
+
 def _ring_forward(st, q, k, v, axis_name):
   """`(o, lse)` of a ring branch on the local queries, in the step layout."""
   plan = st.plan
   qs, kv = st.query(q), (st.key(k), st.key(v))
+  if plan.zigzag:
+    return _zigzag_forward(st, qs, kv, axis_name)
   acc = st.forward(qs, *kv, st.causal)
   zeros = lambda: (_varying(jnp.zeros(acc[0].shape, acc[0].dtype), axis_name),
                    _varying(jnp.full(acc[1].shape, -jnp.inf, acc[1].dtype), axis_name))
@@ -179,17 +234,44 @@ def _ring_forward(st, q, k, v, axis_name):
     kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step, causal_forward=st.causal))
     part = jax.lax.cond(_visible(plan, st.causal, step, axis_name),
                         lambda kv: st.forward(qs, *kv, False), lambda kv: zeros(), kv)
-    acc = merge([acc[0], part[0]], [acc[1], part[1]])
+    acc = _merge2(acc, part)
   return acc
+
+
+def _zigzag_forward(st, qs, kv, axis_name):
+  """Causal ring in zigzag order: every step is two half-by-half blocks on every device."""
+  plan = st.plan
+  qs = _to_zigzag(qs, plan, axis_name)
+  kv = tuple(_to_zigzag(x, plan, axis_name) for x in kv)
+  (q0, q1), (k0, k1), (v0, v1) = _halves(qs, *kv)  # 0: early chunk, 1: late chunk
+  lo = st.forward(q0, k0, v0, True)
+  hi = _merge2(st.forward(q1, k0, v0, False), st.forward(q1, k1, v1, True))
+  place, size = _step_position(plan, axis_name)
+  for step in range(1, plan.group):
+    kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step))
+    (k0, k1), (v0, v1) = _halves(*kv)
+    # Keys from an earlier device: both query chunks see its early chunk. From a later one
+    # (wrapped): the late query chunk sees both of its chunks. Either way two blocks.
+    earlier, valid = step <= place, step < size
+    common = st.forward(q1, k0, v0, False)
+    pick = lambda a, b: jnp.where(earlier, a, b)
+    other = st.forward(pick(q0, q1), pick(k0, k1), pick(v0, v1), False)
+    lo = _merge2(lo, _masked(other, earlier & valid))
+    hi = _merge2(_merge2(hi, _masked(common, valid)), _masked(other, ~earlier & valid))
+  o, lse = (jnp.concatenate(x, axis=1) for x in zip(lo, hi))
+  return (_to_zigzag(o, plan, axis_name, inverse=True),
+          _to_zigzag(lse, plan, axis_name, inverse=True))
 
 
 def _ring_backward(st, q, k, v, dout, lse, delta, axis_name):
   """`(dq, dk, dv)` of a ring branch, in the step layout; dk and dv travel home with k, v."""
   plan = st.plan
   qs, dos, lses, deltas = (st.query(x) for x in (q, dout, lse[..., None], delta[..., None]))
-  lses, deltas = lses[..., 0], deltas[..., 0]
+  rows = (qs, dos, lses[..., 0], deltas[..., 0])
   kv = (st.key(k), st.key(v))
-  dq, dk, dv = st.backward(qs, *kv, dos, lses, deltas, st.causal)
+  if plan.zigzag:
+    return _zigzag_backward(st, rows, kv, axis_name)
+  dq, dk, dv = st.backward(rows[0], *kv, *rows[1:], st.causal)
   zeros = lambda: tuple(_varying(jnp.zeros(x.shape, x.dtype), axis_name) for x in (dq, dk, dv))
   for step in range(1, plan.group + 1):
     perm = _rotation(plan, step)
@@ -199,10 +281,46 @@ def _ring_backward(st, q, k, v, dout, lse, delta, axis_name):
     if step == plan.group:
       break
     part = jax.lax.cond(_visible(plan, st.causal, step, axis_name),
-                        lambda kv: st.backward(qs, *kv, dos, lses, deltas, False),
+                        lambda kv: st.backward(rows[0], *kv, *rows[1:], False),
                         lambda kv: zeros(), kv)
     dq, dk, dv = dq + part[0], dk + part[1], dv + part[2]
   return dq, dk, dv
+
+
+def _zigzag_backward(st, rows, kv, axis_name):
+  """The backward of `_zigzag_forward`: the same blocks; dk, dv travel home in zigzag order."""
+  plan = st.plan
+  rows = [_to_zigzag(x, plan, axis_name) for x in rows]
+  kv = tuple(_to_zigzag(x, plan, axis_name) for x in kv)
+  (r0, r1) = zip(*_halves(*rows))  # (q, dout, lse, delta) of the early and late query chunks
+  bwd = lambda r, k, v, causal: st.backward(r[0], k, v, *r[1:], causal)
+  (k0, k1), (v0, v1) = _halves(*kv)
+  a, b, c = bwd(r0, k0, v0, True), bwd(r1, k0, v0, False), bwd(r1, k1, v1, True)
+  dq0, dq1 = a[0], b[0] + c[0]
+  dk = jnp.concatenate([a[1] + b[1], c[1]], axis=1)
+  dv = jnp.concatenate([a[2] + b[2], c[2]], axis=1)
+  place, size = _step_position(plan, axis_name)
+  for step in range(1, plan.group + 1):
+    perm = _rotation(plan, step)
+    if step < plan.group:
+      kv = jax.lax.ppermute(kv, axis_name, perm)
+    dk, dv = jax.lax.ppermute((dk, dv), axis_name, perm)
+    if step == plan.group:
+      break
+    (k0, k1), (v0, v1) = _halves(*kv)
+    earlier, valid = step <= place, step < size
+    pick = lambda a, b: jnp.where(earlier, a, b)
+    common = bwd(r1, k0, v0, False)
+    other = bwd([pick(x, y) for x, y in zip(r0, r1)], pick(k0, k1), pick(v0, v1), False)
+    keep = lambda x, c: jnp.where(c, x, 0.0)
+    dq0 = dq0 + keep(other[0], earlier & valid)
+    dq1 = dq1 + keep(common[0], valid) + keep(other[0], ~earlier & valid)
+    dk = dk + jnp.concatenate([keep(common[1], valid) + keep(other[1], earlier & valid),
+                               keep(other[1], ~earlier & valid)], axis=1)
+    dv = dv + jnp.concatenate([keep(common[2], valid) + keep(other[2], earlier & valid),
+                               keep(other[2], ~earlier & valid)], axis=1)
+  dq = jnp.concatenate([dq0, dq1], axis=1)
+  return tuple(_to_zigzag(x, plan, axis_name, inverse=True) for x in (dq, dk, dv))
 
 
 def _gather(x, axis_name):

@@ -9,7 +9,7 @@ import pytest
 
 import helpers
 from hilbert_ring_jax import DilatedPattern, dilated_attention
-from hilbert_ring_jax.ring import ring_dilated_attention, sharded_dilated_attention
+from hilbert_ring_jax.ring import _plans, ring_dilated_attention, sharded_dilated_attention
 
 AUTO = jax.sharding.AxisType.Auto
 
@@ -21,11 +21,27 @@ CASES = {
     "full_attention": (8, 64, 2, 1, DilatedPattern((128,), (1,), causal=True)),
     "full_attention_p2": (2, 32, 2, 2, DilatedPattern((32,), (1,))),
     "mqa_not_compact": (4, 48, 4, 1, DilatedPattern((12, 24), (3, 2), causal=True)),
-    "head_groups_gqa": (8, 64, 6, 2, DilatedPattern((8, 32, 64), (1, 4, 2), causal=True,
+    "head_groups_gqa": (4, 64, 6, 2, DilatedPattern((8, 32, 64), (1, 4, 2), causal=True,
                                                     head_groups=True)),
     "gather_fallback": (4, 48, 2, 2, DilatedPattern((8, 18), (2, 3), causal=True)),
+    "partial_sub_rings": (4, 48, 2, 2, DilatedPattern((36, 36), (1, 3), causal=True)),
+    "partial_non_causal": (4, 48, 2, 1, DilatedPattern((36,), (3,))),
+    "causal_without_zigzag": (4, 48, 2, 2, DilatedPattern((24,), (4,), causal=True,
+                                                          offsets="all")),
     "single_shard": (1, 32, 2, 2, DilatedPattern((8, 32), (1, 4), causal=True)),
 }
+
+
+def test_cases_cover_every_plan():
+  """The cases above exercise each way a branch can run (see ring.py's module docstring)."""
+  kinds = set()
+  for p, n, h, hkv, pattern in CASES.values():
+    for plan in _plans(pattern, n // p, p, h // hkv):
+      kinds.add((plan.kind, plan.compact, plan.zigzag, plan.shards % plan.group != 0))
+  assert {("local", False, False, False), ("gather", False, False, False),
+          ("ring", True, True, False), ("ring", False, True, False),
+          ("ring", False, False, False), ("ring", True, True, True),
+          ("ring", False, True, True), ("ring", True, False, True)} <= kinds, kinds
 
 
 def mesh(p):
