@@ -10,7 +10,7 @@ import helpers
 from helpers import Case
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 
-IMPLEMENTATIONS = ["xla"]
+IMPLEMENTATIONS = ["xla", "pallas"]
 
 CASES = {
     "one_branch": Case(32, 2, 2, (8,), (1,)),
