@@ -59,8 +59,12 @@ def _check(q, k):
   if d not in (16, 32, 64, 128, 256):
     raise NotImplementedError(f"the triton backend needs a head dim of 16..256, a power of "
                               f"two; got {d}")
-  if q.dtype not in (jnp.bfloat16, jnp.float16):
-    raise NotImplementedError(f"the triton backend runs bfloat16 and float16, got {q.dtype}")
+  if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+    raise NotImplementedError(f"the triton backend runs bf16, f16 and f32, got {q.dtype}")
+
+
+def _precision(q):
+  return "ieee" if q.dtype == jnp.float32 else "tf32"  # the latter is unused for 16-bit inputs
 
 
 def _branches(pattern: DilatedPattern, num_heads: int, branches):
@@ -116,10 +120,10 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, branches=None):
         q, k, v, first, orun, lse, kernel=kernels.forward_kernel, out_shape=out_shapes,
         grid=(m_blocks * items, b), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         input_output_aliases={4: 0, 5: 1} if t > 0 else {},
-        N=n, H=h, HKV=k.shape[2], D=d, W=w, R=r, H0=h0, NH=h1 - h0, PER_HEAD=per_head,
+        N=n, H=h, HKV=k.shape[2], D=d, W=w, R=r, H0=h0, PER_HEAD=per_head,
         CAUSAL=pattern.causal, CHAIN_POS=t, HAS_PREV=t > 0, LAST=last,
         QK_SCALE=scale * kernels.LOG2E, M_BLOCKS=m_blocks, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n)
+        BLOCK_N=cfg.block_n, PRECISION=_precision(q))
   if last_covers:
     return out, lse
   covered = (first < len(order))[None, :, :]
@@ -139,8 +143,8 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, b
   dv = jnp.zeros(v.shape, jnp.float32)
   for _, _, w, r, h0, h1, per_head in _branches(pattern, h, branches):
     w, segments, rows, items = _geometry(n, w, r, h0, h1, per_head)
-    common = dict(N=n, H=h, HKV=hkv, D=d, W=w, R=r, H0=h0, NH=h1 - h0, PER_HEAD=per_head,
-                  CAUSAL=pattern.causal, SCALE=scale)
+    common = dict(N=n, H=h, HKV=hkv, D=d, W=w, R=r, H0=h0, PER_HEAD=per_head,
+                  CAUSAL=pattern.causal, SCALE=scale, PRECISION=_precision(q))
     cfg = _config("dq", d, rows)
     m_blocks = -(-rows // cfg.block_m)
     dq = jt.triton_call(
@@ -154,6 +158,6 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, b
         q, k, v, dout, lse, delta, dk, dv, kernel=kernels.dkdv_kernel,
         out_shape=(jax.ShapeDtypeStruct(k.shape, jnp.float32),) * 2,
         grid=(n_blocks * hkv * segments * r, b), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, input_output_aliases={6: 0, 7: 1},
+        num_stages=cfg.num_stages, input_output_aliases={6: 0, 7: 1}, NH=h1 - h0,
         N_BLOCKS=n_blocks, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common)
   return dq, dk, dv
