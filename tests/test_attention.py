@@ -10,7 +10,8 @@ import helpers
 from helpers import Case
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 
-IMPLEMENTATIONS = ["xla", "pallas"]
+# "triton" needs a CUDA GPU: the gpu marker skips it elsewhere.
+IMPLEMENTATIONS = ["xla", "pallas", pytest.param("triton", marks=pytest.mark.gpu)]
 
 CASES = {
     "one_branch": Case(32, 2, 2, (8,), (1,)),

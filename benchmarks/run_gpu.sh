@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# How the GPU figures in RESULTS.md were taken on the lent machines (device tool): installs the
+# carried jax-triton wheel, prints versions, then runs the named stages, logs under $OUT.
+#   bash benchmarks/run_gpu.sh tests tune bench ...
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__, jax.devices())"
+for stage in "$@"; do
+  echo "=== $stage"
+  case $stage in
+    tests-triton) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention.py \
+                    -k "triton and (float32 or low_precision or leak or vmap)" 2>&1 | tail -25 ;;
+    tests-pallas) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention.py \
+                    -k "pallas and (float32 or low_precision)" 2>&1 | tail -25 ;;
+    tune-triton) timeout 360 python3 benchmarks/tune_triton.py --json "$OUT/tune_triton.json" \
+                   2>&1 | tee "$OUT/tune_triton.log" | grep -v '^{' ;;
+    tune-triton-fast) timeout 300 python3 benchmarks/tune_triton.py --skip-checks \
+                   --json "$OUT/tune_triton.json" 2>&1 | tee "$OUT/tune_triton.log" | tail -5 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
