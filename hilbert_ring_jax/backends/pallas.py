@@ -240,9 +240,15 @@ def _dot(a, b, trans_a=False, trans_b=False):
   return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
 
 
-def _coords(br: _Branch, ids):
-  """Grid indices -> (block, b, h, s, c): the residue comes from the head or the grid."""
+def _coords(br: _Branch, ids, n_blocks: int):
+  """Grid indices -> (query block, b, h, s, c): the residue comes from the head or the grid.
+
+  Causal query blocks run last-first: the late blocks see the most keys, and starting them
+  first keeps them out of the tail of the launch.
+  """
   blk, b, hh, s = ids[:4]
+  if br.causal:
+    blk = n_blocks - 1 - blk
   h = hh + br.h0
   if br.all_residues:
     c = ids[4]
@@ -325,7 +331,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode):
   else:
     o_ref, lse_ref = refs
   bq, bk, dp = br.bq, br.bk, q_ref.shape[-1]
-  i, _, _, s, c = _coords(br, _program_ids(4 + br.all_residues))
+  i, _, _, s, c = _coords(br, _program_ids(4 + br.all_residues), br.m_pad // bq)
   n_valid = br.n_valid(s, c)
   dmask = _head_mask(d, dp)
   q = _load(q_ref, dmask)  # [bq, Dp]
@@ -366,14 +372,15 @@ def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, blocks, interpret)
   group = h // k.shape[2]
   dp = max(_MIN_BLOCK, pl.next_power_of_2(d))
   qs, ks, vs = br.split(q), br.split(k), br.split(v)
-  grid = _grid(br, br.m_pad // br.bq, br.h1 - br.h0, bsz)
+  n_blocks = br.m_pad // br.bq
+  grid = _grid(br, n_blocks, br.h1 - br.h0, bsz)
 
   def q_map(*ids):
-    i, b, hh, s, c = _coords(br, ids)
+    i, b, hh, s, c = _coords(br, ids, n_blocks)
     return b, s, i, c, hh, 0
 
   def kv_map(*ids):
-    _, b, hh, s, c = _coords(br, ids)
+    _, b, hh, s, c = _coords(br, ids, n_blocks)
     return b, s, 0, c, hh // group, 0
 
   def lse_map(*ids):
@@ -448,7 +455,7 @@ def _global_lse2(lse):
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, scale, accumulate):
   dq_ref = refs[-1]
   bq, bk, dp = br.blocks[2], br.blocks[3], q_ref.shape[-1]
-  i, _, _, s, c = _coords(br, _program_ids(4 + br.all_residues))
+  i, _, _, s, c = _coords(br, _program_ids(4 + br.all_residues), br.m_pad // bq)
   n_valid = br.n_valid(s, c)
   dmask = _head_mask(d, dp)
   q, do = _load(q_ref, dmask), _load(do_ref, dmask)
@@ -528,12 +535,14 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes,
   dq, dk, dv = grads
 
   # dq: one program per (query block, b, h, s, c), like the forward.
+  n_blocks = br.m_pad // bq_dq
+
   def q_map(*ids):
-    i, b, hh, s, c = _coords(br, ids)
+    i, b, hh, s, c = _coords(br, ids, n_blocks)
     return b, s, i, c, hh, 0
 
   def kv_map(*ids):
-    _, b, hh, s, c = _coords(br, ids)
+    _, b, hh, s, c = _coords(br, ids, n_blocks)
     return b, s, 0, c, hh // group, 0
 
   q_spec = pl.BlockSpec((None, None, bq_dq, None, None, dp), q_map)
@@ -547,7 +556,7 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes,
     in_specs.append(q_spec)
   dq = br.unsplit(pl.pallas_call(
       functools.partial(_dq_kernel, br=br, d=d, scale=scale, accumulate=accumulate),
-      grid=_grid(br, br.m_pad // bq_dq, br.h1 - br.h0, bsz),
+      grid=_grid(br, n_blocks, br.h1 - br.h0, bsz),
       in_specs=in_specs,
       out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(qs.shape, dtypes[0]),
