@@ -13,8 +13,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .nn import TokenOrder, attend, check_dropout_rate, check_heads, static_implementation
-from .ordering import serialize, unserialize
+from .nn import (TokenOrder, attend, check_dropout_rate, check_heads, permute,
+                 static_implementation)
 from .pattern import DilatedPattern
 
 
@@ -66,7 +66,7 @@ class DilatedMultiHeadAttention(nn.Module):
     rate = check_dropout_rate(self.dropout_rate)
     perm = TokenOrder.make(self.ordering, self.grid_shape).permutation(x.shape[1], self.pattern)
     if perm is not None:
-      x = serialize(x, perm)
+      x = permute(x, perm, mesh=self.mesh)
     dense = functools.partial(nn.DenseGeneral, dtype=self.dtype, param_dtype=self.param_dtype)
     q = dense((self.num_heads, head_dim), name="query")(x)
     k = dense((num_kv_heads, head_dim), name="key")(x)
@@ -80,4 +80,4 @@ class DilatedMultiHeadAttention(nn.Module):
     # [B, N, out_features]
     out_features = in_features if self.out_features is None else self.out_features
     y = dense(out_features, axis=(-2, -1), name="out")(y)
-    return y if perm is None else unserialize(y, perm)
+    return y if perm is None else permute(y, perm, inverse=True, mesh=self.mesh)

@@ -115,6 +115,19 @@ def static_implementation(implementation):
   return tuple(implementation)
 
 
+def permute(x, perm, *, inverse=False, mesh=None):
+  """`serialize` (or `unserialize`) along axis 1, gathering that axis first if a mesh shards it.
+
+  A permutation moves tokens across shards, and an explicit-axes mesh refuses the implicit
+  all-gather; a model that serializes once at its input and unserializes at its output avoids
+  the gather in every layer.
+  """
+  spec = getattr(jax.typeof(x).sharding, "spec", None)
+  if mesh is not None and spec is not None and len(spec) > 1 and spec[1] is not None:
+    x = jax.sharding.reshard(x, jax.NamedSharding(mesh, jax.P(spec[0], None, *spec[2:])))
+  return unserialize(x, perm) if inverse else serialize(x, perm)
+
+
 def attend(q, k, v, pattern, *, implementation=None, mesh=None, seq_axis=None):
   """`dilated_attention`, or the ring version sharded over `seq_axis` of `mesh`."""
   if mesh is None:
@@ -163,7 +176,10 @@ class DilatedMultiHeadAttention(nnx.Module):
     dtype: computation dtype (default: inferred from inputs and params).
     param_dtype: parameter dtype.
     implementation: backend choice passed to `dilated_attention`.
-    mesh, seq_axis: shard the sequence over axis `seq_axis` of `mesh` with ring attention.
+    mesh, seq_axis: shard the sequence over axis `seq_axis` of `mesh` with ring attention
+      (`hilbert_ring_jax.ring.sharded_dilated_attention`); with explicit mesh axes, trace
+      under `jax.set_mesh(mesh)`. An ordering then gathers the sequence axis for its
+      permutations: serializing once at the model's input is cheaper.
     rngs: `nnx.Rngs` for parameter init (and the `dropout` stream if `dropout_rate > 0`).
 
   Example:
@@ -217,7 +233,7 @@ class DilatedMultiHeadAttention(nnx.Module):
       raise ValueError(f"x must be [B, N, in_features={self.in_features}], got {x.shape=}")
     perm = self.order.permutation(x.shape[1], self.pattern)
     if perm is not None:
-      x = serialize(x, perm)
+      x = permute(x, perm, mesh=self.mesh)
     q, k, v = self.query(x), self.key(x), self.value(x)
     # [B, N, H, D]
     y = attend(q, k, v, self.pattern, implementation=self.implementation, mesh=self.mesh,
@@ -226,7 +242,7 @@ class DilatedMultiHeadAttention(nnx.Module):
     y = self.dropout(y, deterministic=deterministic, rngs=rngs)
     # [B, N, out_features]
     y = self.out(y)
-    return y if perm is None else unserialize(y, perm)
+    return y if perm is None else permute(y, perm, inverse=True, mesh=self.mesh)
 
 
 def dilated_attention_fn(pattern: DilatedPattern, *, scale: float | None = None,
