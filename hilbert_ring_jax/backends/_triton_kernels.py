@@ -43,10 +43,17 @@ def _rows_ptr(base, rows, row_stride: tl.constexpr, start, BLOCK: tl.constexpr,
 
 
 @triton.jit
-def _attend_block(acc, l_i, m_i, q, k_ptr, v_ptr, start_n, offs_m, rows,
+def _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, rows,
+                  KROW: tl.constexpr, D: tl.constexpr,
                   BLOCK_N: tl.constexpr, QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr,
                   MASKED: tl.constexpr, PRECISION: tl.constexpr):
-  """One key block of the online softmax (base 2)."""
+  """One key block of the online softmax (base 2).
+
+  Block pointers are made afresh per block rather than carried through the loop: Triton 3.6's
+  tensor-pointer rewrite asserts on loop-carried block pointers of loops it folds away.
+  """
+  k_ptr = _rows_ptr(k_base, rows, KROW, start_n, BLOCK_N, D)
+  v_ptr = _rows_ptr(v_base, rows, KROW, start_n, BLOCK_N, D)
   if MASKED:
     k = tl.load(k_ptr, boundary_check=(0,), padding_option="zero")
   else:
@@ -99,8 +106,8 @@ def forward_kernel(Q, K, V, FIRST, ORUN_IN, LSE_IN, ORUN, LSE, OUT,
     first = b * N + tok0  # token of the row's first position, batch included
     q_ptr = _rows_ptr(Q + (first * H + h) * D, rows, R * H * D, start_m, BLOCK_M, D)
     q = tl.load(q_ptr, boundary_check=(0,), padding_option="zero")
-    k_ptr = _rows_ptr(K + (first * HKV + g) * D, rows, R * HKV * D, 0, BLOCK_N, D)
-    v_ptr = _rows_ptr(V + (first * HKV + g) * D, rows, R * HKV * D, 0, BLOCK_N, D)
+    k_base = K + (first * HKV + g) * D
+    v_base = V + (first * HKV + g) * D
     offs_m = start_m + tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -111,16 +118,13 @@ def forward_kernel(Q, K, V, FIRST, ORUN_IN, LSE_IN, ORUN, LSE, OUT,
     else:
       full_end = (rows // BLOCK_N) * BLOCK_N
       end = rows
+    KROW: tl.constexpr = R * HKV * D
     for start_n in range(0, full_end, BLOCK_N):
-      acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptr, v_ptr, start_n, offs_m, rows,
-                                    BLOCK_N, QK_SCALE, CAUSAL, False, PRECISION)
-      k_ptr = tl.advance(k_ptr, (BLOCK_N, 0))
-      v_ptr = tl.advance(v_ptr, (BLOCK_N, 0))
+      acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, rows,
+                                    KROW, D, BLOCK_N, QK_SCALE, CAUSAL, False, PRECISION)
     for start_n in range(full_end, end, BLOCK_N):
-      acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_ptr, v_ptr, start_n, offs_m, rows,
-                                    BLOCK_N, QK_SCALE, CAUSAL, True, PRECISION)
-      k_ptr = tl.advance(k_ptr, (BLOCK_N, 0))
-      v_ptr = tl.advance(v_ptr, (BLOCK_N, 0))
+      acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, rows,
+                                    KROW, D, BLOCK_N, QK_SCALE, CAUSAL, True, PRECISION)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
@@ -173,14 +177,16 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ_IN, DQ,
     # lse is +inf on rows that see nothing (and padding): p = 0 there.
     lse = tl.load(LSE + stat, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
-    k_ptr = _rows_ptr(K + (first * HKV + g) * D, rows, R * HKV * D, 0, BLOCK_N, D)
-    v_ptr = _rows_ptr(V + (first * HKV + g) * D, rows, R * HKV * D, 0, BLOCK_N, D)
+    k_base = K + (first * HKV + g) * D
+    v_base = V + (first * HKV + g) * D
     QK_SCALE: tl.constexpr = SCALE * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     end = tl.minimum(start_m + BLOCK_M, rows) if CAUSAL else rows
     for start_n in range(0, end, BLOCK_N):
-      k = tl.load(k_ptr, boundary_check=(0,), padding_option="zero")
-      v = tl.load(v_ptr, boundary_check=(0,), padding_option="zero")
+      k = tl.load(_rows_ptr(k_base, rows, R * HKV * D, start_n, BLOCK_N, D),
+                  boundary_check=(0,), padding_option="zero")
+      v = tl.load(_rows_ptr(v_base, rows, R * HKV * D, start_n, BLOCK_N, D),
+                  boundary_check=(0,), padding_option="zero")
       qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * QK_SCALE
       offs_n = start_n + tl.arange(0, BLOCK_N)
       visible = offs_n[None, :] < rows
@@ -190,8 +196,6 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ_IN, DQ,
       dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
       ds = p * (dp - delta[:, None])
       dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-      k_ptr = tl.advance(k_ptr, (BLOCK_N, 0))
-      v_ptr = tl.advance(v_ptr, (BLOCK_N, 0))
     prev = tl.load(_rows_ptr(DQ_IN + q_base, rows, R * H * D, start_m, BLOCK_M, D),
                    boundary_check=(0,), padding_option="zero")
     tl.store(_rows_ptr(DQ + q_base, rows, R * H * D, start_m, BLOCK_M, D), prev + dq * SCALE,
@@ -237,11 +241,11 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_IN, DV_IN, DK, DV,
         reads = reads & (h % R == c)
       if reads:
         q_base = (first * H + h) * D
-        q_ptr = _rows_ptr(Q + q_base, rows, R * H * D, lo, BLOCK_M, D)
-        do_ptr = _rows_ptr(DO + q_base, rows, R * H * D, lo, BLOCK_M, D)
         for start_m in range(lo, rows, BLOCK_M):
-          q = tl.load(q_ptr, boundary_check=(0,), padding_option="zero")
-          do = tl.load(do_ptr, boundary_check=(0,), padding_option="zero")
+          q = tl.load(_rows_ptr(Q + q_base, rows, R * H * D, start_m, BLOCK_M, D),
+                      boundary_check=(0,), padding_option="zero")
+          do = tl.load(_rows_ptr(DO + q_base, rows, R * H * D, start_m, BLOCK_M, D),
+                       boundary_check=(0,), padding_option="zero")
           offs_m = start_m + tl.arange(0, BLOCK_M)
           row_ok = offs_m < rows
           stat = (first + offs_m.to(tl.int64) * R) * H + h
@@ -255,8 +259,6 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_IN, DV_IN, DK, DV,
           dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
           ds_t = p_t * (dp_t - delta[None, :])
           dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
-          q_ptr = tl.advance(q_ptr, (BLOCK_M, 0))
-          do_ptr = tl.advance(do_ptr, (BLOCK_M, 0))
     k_out = _rows_ptr(DK + kv_base, rows, R * HKV * D, start_n, BLOCK_N, D)
     v_out = _rows_ptr(DV + kv_base, rows, R * HKV * D, start_n, BLOCK_N, D)
     dk_prev = tl.load(_rows_ptr(DK_IN + kv_base, rows, R * HKV * D, start_n, BLOCK_N, D),
