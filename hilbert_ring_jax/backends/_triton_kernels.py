@@ -91,8 +91,8 @@ def forward_kernel(Q, K, V, FIRST, ORUN_IN, LSE_IN, ORUN, LSE, OUT,
                    PRECISION: tl.constexpr):
   """One branch over all its dilated rows, merged into the running `(ORUN, LSE)`.
 
-  Branches run as a chain: launch `CHAIN_POS` merges its result into the running float32
-  state of the rows an earlier launch covered (`FIRST[n, h] < CHAIN_POS`; `FIRST` holds the
+  Branches run as a chain: launch `CHAIN_POS` merges its result (in float32) into the
+  running state (ORUN in the input dtype, LSE float32) of the rows an earlier launch covered (`FIRST[n, h] < CHAIN_POS`; `FIRST` holds the
   chain position of the first launch covering `(n, h)`) and stores it; the `LAST` launch,
   which covers every row, writes the final output in the input dtype instead.
   """
@@ -136,7 +136,7 @@ def forward_kernel(Q, K, V, FIRST, ORUN_IN, LSE_IN, ORUN, LSE, OUT,
       token = tok0 + offs_m * R
       seen = row_ok & (tl.load(FIRST + token * H + h, mask=row_ok, other=127) < CHAIN_POS)
       prev_ptr = _rows_ptr(ORUN_IN + (first * H + h) * D, rows, R * H * D, start_m, BLOCK_M, D)
-      o_prev = tl.load(prev_ptr, boundary_check=(0,), padding_option="zero")
+      o_prev = tl.load(prev_ptr, boundary_check=(0,), padding_option="zero").to(tl.float32)
       lse_prev = tl.load(LSE_IN + stat, mask=seen, other=float("-inf"))
       top = tl.maximum(lse_prev, lse)
       top = tl.where(top == float("-inf"), 0.0, top)

@@ -2,7 +2,7 @@
 
 The GPU fast path. Kernels (`_triton_kernels.py`) address dilated rows with strides, so no
 input is padded, gathered or copied; ragged segments are masked. Forward: one launch per
-branch, chained through a float32 running `(out, lse)` that each launch merges into in place
+branch, chained through a running `(out, lse)` that each launch merges into in place
 (`input_output_aliases`); the launch of a branch that covers every row goes last and writes
 the output in the input dtype, saving a pass. Backward: per branch a dq kernel and a dk/dv
 kernel, accumulating into float32 buffers in place. Block sizes, warps and stages come from
@@ -33,15 +33,18 @@ class Config:
 
 
 # (pass, head_dim) -> config for long dilated rows; shrunk for short rows by `_config`.
+# Chosen by benchmarks/tune_triton.py on an H100 (bf16, H=16, N=16K, full and causal; see
+# benchmarks/RESULTS.md): forward 128x128 with 8 warps reached 504 TFLOP/s against 473 for
+# 128x64; dq 128x64/8/3 and dk/dv 32x64/4/4 were the fastest backward pair, causal or not.
 CONFIGS = {
     ("fwd", 64): Config(128, 64, 4, 3),
-    ("fwd", 128): Config(128, 64, 8, 3),
+    ("fwd", 128): Config(128, 128, 8, 3),
     ("fwd", 256): Config(64, 32, 8, 2),
     ("dq", 64): Config(128, 32, 4, 3),
-    ("dq", 128): Config(128, 32, 8, 3),
+    ("dq", 128): Config(128, 64, 8, 3),
     ("dq", 256): Config(64, 32, 8, 2),
-    ("dkdv", 64): Config(32, 128, 4, 3),
-    ("dkdv", 128): Config(32, 128, 8, 3),
+    ("dkdv", 64): Config(32, 64, 4, 4),
+    ("dkdv", 128): Config(32, 64, 4, 4),
     ("dkdv", 256): Config(32, 64, 8, 2),
 }
 
@@ -97,24 +100,48 @@ def _first_cover(order, n, num_heads):
   return first
 
 
+def _batched(fn):
+  """`fn(*arrays)` that `vmap` maps by folding the mapped axis into the batch axis 0.
+
+  `triton_call` has no batching rule; all arrays here lead with the batch axis, so a mapped
+  axis (moved to the front) merges with it and splits off again afterwards.
+  """
+  wrapped = jax.custom_batching.custom_vmap(fn)
+
+  @wrapped.def_vmap
+  def rule(axis_size, in_batched, *args):
+    args = [x if mapped else jnp.broadcast_to(x, (axis_size,) + x.shape)
+            for x, mapped in zip(args, in_batched)]
+    outs = wrapped(*(x.reshape((-1,) + x.shape[2:]) for x in args))
+    outs = jax.tree.map(lambda y: y.reshape((axis_size, -1) + y.shape[1:]), outs)
+    return outs, jax.tree.map(lambda _: True, outs)
+
+  return wrapped
+
+
 def forward(q, k, v, pattern: DilatedPattern, scale: float, branches=None):
   """`(out, lse)`: out in q's dtype (written by the last launch), lse float32 `[B, N, H]`."""
   _check(q, k)
+  return _batched(lambda q, k, v: _forward(q, k, v, pattern, scale, branches))(q, k, v)
+
+
+def _forward(q, k, v, pattern, scale, branches):
   b, n, h, d = q.shape
   order = _branches(pattern, h, branches)
   first = _first_cover(order, n, h)
   f32 = jnp.float32
-  full_o = jax.ShapeDtypeStruct(q.shape, f32)
+  # The running output between launches is kept in the input dtype: with q, k, v and out it
+  # is the only full-size buffer, so a LongNet forward needs ~1.25x the bytes of q, k, v, out.
+  full_o = jax.ShapeDtypeStruct(q.shape, q.dtype)
   stat = jax.ShapeDtypeStruct(q.shape[:3], f32)
-  dummy = jnp.zeros((1,), f32)
-  orun, lse = dummy, dummy
+  orun, lse = jnp.zeros((1,), q.dtype), jnp.zeros((1,), f32)
   last_covers = order[-1][0]
   for t, (_, _, w, r, h0, h1, per_head) in enumerate(order):
     last = last_covers and t == len(order) - 1
     w, segments, rows, items = _geometry(n, w, r, h0, h1, per_head)
     cfg = _config("fwd", d, rows)
     m_blocks = -(-rows // cfg.block_m)
-    out_shapes = (full_o if (t > 0 or not last) else jax.ShapeDtypeStruct((1,), f32), stat,
+    out_shapes = (full_o if (t > 0 or not last) else jax.ShapeDtypeStruct((1,), q.dtype), stat,
                   jax.ShapeDtypeStruct(q.shape if last else (1,), q.dtype))
     orun, lse, out = jt.triton_call(
         q, k, v, first, orun, lse, kernel=kernels.forward_kernel, out_shape=out_shapes,
@@ -134,6 +161,10 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, branches=None):
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, branches=None):
   """float32 `(dq, dk, dv)` of `branches` from the global `lse` and `delta`."""
   _check(q, k)
+  return _batched(lambda *a: _backward(*a, pattern, scale, branches))(q, k, v, dout, lse, delta)
+
+
+def _backward(q, k, v, dout, lse, delta, pattern, scale, branches):
   b, n, h, d = q.shape
   hkv = k.shape[2]
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse).astype(jnp.float32)  # p = 0 on such rows
