@@ -22,6 +22,21 @@ for stage in "$@"; do
                    2>&1 | tee "$OUT/tune_triton.log" | grep -v '^{' ;;
     tune-triton-fast) timeout 300 python3 benchmarks/tune_triton.py --skip-checks \
                    --json "$OUT/tune_triton.json" 2>&1 | tee "$OUT/tune_triton.log" | tail -5 ;;
+    bench-full) timeout 200 python3 benchmarks/bench_attention.py --pattern full \
+                  --seq-len 8192,32768,131072 --impl triton,pallas,cudnn,jax_mha,dense_xla \
+                  --json "$OUT/full.json" --plot "$OUT/full.png" 2>&1 | grep -v '^{' ;;
+    bench-causal) timeout 100 python3 benchmarks/bench_attention.py --pattern full --causal \
+                  --seq-len 32768,131072 --impl triton,pallas,cudnn \
+                  --json "$OUT/causal.json" 2>&1 | grep -v '^{' ;;
+    bench-longnet) timeout 150 python3 benchmarks/bench_attention.py --pattern longnet \
+                  --seq-len 32768,131072 --impl triton,pallas,folded_cudnn,xla \
+                  --json "$OUT/longnet.json" --plot "$OUT/longnet.png" 2>&1 | grep -v '^{' ;;
+    memory) timeout 100 python3 benchmarks/bench_attention.py --memory 1048576 \
+                  --impl triton,pallas,folded_cudnn --json "$OUT/memory.json" 2>&1 | tail -4 ;;
+    longest) timeout 150 python3 benchmarks/bench_attention.py --longest --pattern longnet \
+                  --heads 8 --impl triton --json "$OUT/longest.json" 2>&1 | \
+                  python3 -c "import sys, json; [print(l.strip()[:300]) for l in sys.stdin]" | \
+                  sed 's/"fwd_bytes.*fwdbwd_ms/ ... "fwdbwd_ms/' | tail -6 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
