@@ -63,8 +63,6 @@ class TokenOrder:
     if grid_shape is not None:
       raise ValueError(f'grid_shape is only used with ordering="hilbert", got {grid_shape=} '
                        f"with an explicit permutation")
-    if isinstance(ordering, jax.core.Tracer):
-      raise ValueError("ordering must be a concrete permutation (host data), not a traced array")
     perm = np.asarray(ordering)
     if perm.ndim != 1 or not np.issubdtype(perm.dtype, np.integer) or not np.array_equal(
         np.sort(perm), np.arange(len(perm))):
