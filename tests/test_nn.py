@@ -26,6 +26,13 @@ ORDERINGS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _full_precision():
+  """float32 matmuls in full precision on GPUs too (they default to TF32 there)."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def make_layer(pattern=PATTERN, seed=0, **kwargs):
   kwargs = dict(dict(num_heads=H, in_features=F, num_kv_heads=HKV), **kwargs)
   return DilatedMultiHeadAttention(pattern=pattern, rngs=nnx.Rngs(seed), **kwargs)
