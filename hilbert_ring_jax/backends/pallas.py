@@ -101,11 +101,21 @@ class BlockSizes:
       return cls(64, 64, 64, 64, 64, 64, num_warps=4, num_stages=3, num_warps_bwd=4,
                  num_stages_bwd=2)
     if head_dim <= 128:
-      # 128x128 forward tiles with 3 stages just fit the H100's 227 KiB of shared memory.
+      # 128x128 forward tiles with 3 stages just fit the 227 KiB of shared memory of Hopper;
+      # older GPUs (A100: 163 KiB) get 128x64 tiles in 2 stages.
+      if not _is_hopper():
+        return cls(128, 64, 64, 64, 64, 64, num_warps=8, num_stages=2, num_warps_bwd=4,
+                   num_stages_bwd=2)
       return cls(128, 128, 64, 64, 64, 64, num_warps=8, num_stages=3, num_warps_bwd=4,
                  num_stages_bwd=2)
     return cls(64, 64, 32, 32, 32, 32, num_warps=8, num_stages=2, num_warps_bwd=8,
                num_stages_bwd=2)
+
+
+def _is_hopper() -> bool:
+  """Hopper or data-center Blackwell (sm_90, sm_100): about 227 KiB of shared memory."""
+  capability = str(getattr(jax.devices()[0], "compute_capability", "0.0"))
+  return capability.split(".")[0] in ("9", "10")
 
 
 def default_interpret() -> bool:
