@@ -37,6 +37,9 @@ for stage in "$@"; do
                   --heads 8 --impl triton --json "$OUT/longest.json" 2>&1 | \
                   python3 -c "import sys, json; [print(l.strip()[:300]) for l in sys.stdin]" | \
                   sed 's/"fwd_bytes.*fwdbwd_ms/ ... "fwdbwd_ms/' | tail -6 ;;
+    ring) timeout 420 python3 benchmarks/ring_scaling.py --devices 1,$(nvidia-smi -L | wc -l) \
+              --per-gpu 8192,32768 --strong 65536 --runs 3 --longest --longest-start 4194304 \
+              --json "$OUT/ring.json" 2>&1 | grep -v "^W1\|^I1\|bfc_allocator\|^\*" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
