@@ -149,11 +149,22 @@ class _Step:
 
   def forward(self, q, k, v, causal):
     backend, pattern = self.backend(q, k, v, causal)
-    return backend.forward(q, k, v, pattern, self.scale, self.branches)
+    return _vary_like(backend.forward(q, k, v, pattern, self.scale, self.branches), q)
 
   def backward(self, q, k, v, dout, lse, delta, causal):
     backend, pattern = self.backend(q, k, v, causal)
-    return backend.backward(q, k, v, dout, lse, delta, pattern, self.scale, self.branches)
+    grads = backend.backward(q, k, v, dout, lse, delta, pattern, self.scale, self.branches)
+    return _vary_like(grads, q)
+
+
+def _vary_like(xs, ref):
+  """Gives a backend's results `ref`'s varying-mesh-axes type.
+
+  A custom kernel call (jax_triton's) inside `shard_map` returns device-invariant types;
+  adding a zero that varies like `ref` restores the type the rest of the ring expects.
+  """
+  zero = jnp.zeros_like(ref, shape=(), dtype=jnp.float32)
+  return tuple(x + zero.astype(x.dtype) for x in xs)
 
 
 def _varying(x, axis_name):
