@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
 import time
 
@@ -28,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_pallas import cudnn_full, cudnn_full_causal, folded_cudnn, jax_mha  # noqa: E402
-from hilbert_ring_jax import DilatedPattern, dilated_attention, dilated_attention_reference  # noqa: E402
+from bench_pallas import cudnn_full, cudnn_full_causal, folded_cudnn, jax_mha
+from common import median_ms
+from hilbert_ring_jax import DilatedPattern, dilated_attention, dilated_attention_reference
 
 PATTERNS = {"longnet": ((2048, 4096, 8192), (1, 2, 4))}
 
@@ -64,17 +62,6 @@ def applicable(name, pattern, n):
   if name == "xla":
     return n <= 32768
   return True
-
-
-def median_ms(fn, args, runs):
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(runs):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(1e3 * (time.perf_counter() - t))
-  return statistics.median(times)
 
 
 def device_bytes(fn, args):

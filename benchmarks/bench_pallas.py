@@ -26,7 +26,6 @@ import argparse
 import functools
 import json
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -35,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from common import median_ms
 from hilbert_ring_jax import DilatedPattern, dilated_attention, merge
 
 LONGNET = ((2048, 4096, 8192), (1, 2, 4))
@@ -203,25 +203,14 @@ def outputs_and_grads(fn, q, k, v, dout, pattern, scale):
   return (out, *vjp(dout))
 
 
-def median_ms(fn, args, runs, warmup=2):
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(runs):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(1e3 * (time.perf_counter() - t))
-  return statistics.median(times), min(times)
-
-
 def time_case(fn, n, pattern, heads, head_dim, dtype, runs):
   q, k, v, dout = inputs(n, heads, head_dim, dtype)
   scale = head_dim ** -0.5
   f = jax.jit(lambda q, k, v: fn(q, k, v, pattern, scale))
   fb = jax.jit(lambda q, k, v, do: jax.vjp(lambda *a: fn(*a, pattern, scale), q, k, v)[1](do))
   flops = 4 * head_dim * pattern.visible_pairs(n, heads)  # B = 1
-  fwd_ms, _ = median_ms(f, (q, k, v), runs)
-  fb_ms, _ = median_ms(fb, (q, k, v, dout), runs)
+  fwd_ms = median_ms(f, (q, k, v), runs)
+  fb_ms = median_ms(fb, (q, k, v, dout), runs)
   return {"fwd_ms": fwd_ms, "fwd_tflops": flops / fwd_ms / 1e9,
           "fwdbwd_ms": fb_ms, "fwdbwd_tflops": 3.5 * flops / fb_ms / 1e9}
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from common import median_ms
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 from hilbert_ring_jax.ring import sharded_dilated_attention
 
@@ -36,16 +35,6 @@ def pattern_for(name, n, causal):
   segs, rates = LONGNET
   return DilatedPattern(tuple(min(w, n) for w in segs),
                         tuple(min(r, min(w, n)) for w, r in zip(segs, rates)), causal=causal)
-
-
-def median_ms(fn, args, runs):
-  jax.block_until_ready(fn(*args))  # compile, warm up
-  times = []
-  for _ in range(runs):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(1e3 * (time.perf_counter() - t))
-  return statistics.median(times)
 
 
 def inputs(n, heads, head_dim, dtype, mesh=None):

@@ -11,13 +11,12 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from common import median_ms
 from hilbert_ring_jax import DilatedPattern
 from hilbert_ring_jax.backends import pallas
 
@@ -29,17 +28,6 @@ BACKWARD = [(64, 64, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2), (128, 32, 32, 128, 4
             (128, 32, 32, 128, 8, 3), (128, 64, 64, 128, 8, 2), (64, 32, 32, 64, 4, 3),
             (128, 64, 32, 128, 8, 3), (64, 64, 32, 128, 8, 2), (128, 32, 64, 128, 8, 2),
             (32, 32, 32, 32, 4, 3), (128, 32, 32, 128, 4, 4), (64, 32, 32, 128, 4, 3)]
-
-
-def median_ms(fn, args, runs=7):
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(runs):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(1e3 * (time.perf_counter() - t))
-  return statistics.median(times)
 
 
 def main():
@@ -74,7 +62,7 @@ def main():
       bs = pallas.BlockSizes(cfg[0], cfg[1], num_warps=cfg[2], num_stages=cfg[3])
       fn = jax.jit(lambda q, k, v, bs=bs: pallas.forward(q, k, v, pattern, scale, block_sizes=bs))
       try:
-        ms = median_ms(fn, (q, k, v))
+        ms = median_ms(fn, (q, k, v), runs=7)
         row = {"pattern": name, "pass": "fwd", "cfg": cfg, "ms": ms, "tflops": flops / ms / 1e9}
       except Exception as e:  # a configuration Triton cannot build is reported
         row = {"pattern": name, "pass": "fwd", "cfg": cfg, "error": str(e)[:200]}
@@ -84,7 +72,7 @@ def main():
       bs = pallas.BlockSizes(128, 64, *cfg[:4], num_warps_bwd=cfg[4], num_stages_bwd=cfg[5])
       fn = jax.jit(lambda *a, bs=bs: pallas.backward(*a, pattern, scale, block_sizes=bs))
       try:
-        ms = median_ms(fn, (q, k, v, dout, lse, delta))
+        ms = median_ms(fn, (q, k, v, dout, lse, delta), runs=7)
         row = {"pattern": name, "pass": "bwd", "cfg": cfg, "ms": ms,
                "tflops": 2.5 * flops / ms / 1e9}
       except Exception as e:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from common import median_ms
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 from hilbert_ring_jax.backends import triton as tb
 
@@ -29,16 +28,6 @@ DQ = [(128, 32, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32
       (128, 64, 8, 3)]
 DKDV = [(32, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2), (32, 64, 4, 4),
         (64, 128, 8, 3)]
-
-
-def median_ms(fn, args, runs=7):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(runs):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(1e3 * (time.perf_counter() - t))
-  return statistics.median(times)
 
 
 def rel(x, ref):
@@ -108,7 +97,7 @@ def sweep(kind, candidates, n, h, d, pattern, rows):
                                                                 scale))
       args = (q, k, v, do, lse, delta)
     try:
-      ms = median_ms(fn, args)
+      ms = median_ms(fn, args, runs=7)
       row = dict(kind=kind, cfg=cand, n=n, causal=pattern.causal,
                  pattern=str(pattern.branches), ms=ms, tflops=flops / ms / 1e9)
     except Exception as e:
@@ -140,10 +129,10 @@ def main():
     if pattern.num_branches == 1:
       f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=pattern.causal, implementation="cudnn"))
-      ms = median_ms(f, (q, k, v))
+      ms = median_ms(f, (q, k, v), runs=7)
       fb = jax.jit(lambda q, k, v, do: jax.vjp(lambda *a: jax.nn.dot_product_attention(
           *a, is_causal=pattern.causal, implementation="cudnn"), q, k, v)[1](do))
-      ms_fb = median_ms(fb, (q, k, v, do))
+      ms_fb = median_ms(fb, (q, k, v, do), runs=7)
       flops = 4 * d * pattern.visible_pairs(n, h)
       row = dict(kind="cudnn", n=n, causal=pattern.causal, ms=ms, tflops=flops / ms / 1e9,
                  fwdbwd_ms=ms_fb, fwdbwd_tflops=3.5 * flops / ms_fb / 1e9)

@@ -274,28 +274,41 @@ def _zigzag_forward(st, qs, kv, axis_name):
           _to_zigzag(lse, plan, axis_name, inverse=True))
 
 
+def _backward_steps(plan, kv, grads, step_grads, axis_name):
+  """Steps 1..g-1 of a ring backward, then one more hop.
+
+  Keys and values travel with the dk, dv they accumulate, which are home again after g hops;
+  dq stays. `step_grads(kv, step)` gives a step's `(dq, dk, dv)` contributions.
+  """
+  dq, dk, dv = grads
+  for step in range(1, plan.group + 1):
+    perm = _rotation(plan, step)
+    if step < plan.group:
+      kv = jax.lax.ppermute(kv, axis_name, perm)
+    dk, dv = jax.lax.ppermute((dk, dv), axis_name, perm)
+    if step < plan.group:
+      part = step_grads(kv, step)
+      dq, dk, dv = dq + part[0], dk + part[1], dv + part[2]
+  return dq, dk, dv
+
+
 def _ring_backward(st, q, k, v, dout, lse, delta, axis_name):
-  """`(dq, dk, dv)` of a ring branch, in the step layout; dk and dv travel home with k, v."""
+  """`(dq, dk, dv)` of a ring branch, in the step layout."""
   plan = st.plan
   qs, dos, lses, deltas = (st.query(x) for x in (q, dout, lse[..., None], delta[..., None]))
   rows = (qs, dos, lses[..., 0], deltas[..., 0])
   kv = (st.key(k), st.key(v))
   if plan.zigzag:
     return _zigzag_backward(st, rows, kv, axis_name)
-  dq, dk, dv = st.backward(rows[0], *kv, *rows[1:], st.causal)
-  zeros = lambda: tuple(_varying(jnp.zeros(x.shape, x.dtype), axis_name) for x in (dq, dk, dv))
-  for step in range(1, plan.group + 1):
-    perm = _rotation(plan, step)
-    if step < plan.group:
-      kv = jax.lax.ppermute(kv, axis_name, perm)
-    dk, dv = jax.lax.ppermute((dk, dv), axis_name, perm)
-    if step == plan.group:
-      break
-    part = jax.lax.cond(_visible(plan, st.causal, step, axis_name),
+  grads = st.backward(rows[0], *kv, *rows[1:], st.causal)
+  zeros = lambda: tuple(_varying(jnp.zeros(x.shape, x.dtype), axis_name) for x in grads)
+
+  def step_grads(kv, step):
+    return jax.lax.cond(_visible(plan, st.causal, step, axis_name),
                         lambda kv: st.backward(rows[0], *kv, *rows[1:], False),
                         lambda kv: zeros(), kv)
-    dq, dk, dv = dq + part[0], dk + part[1], dv + part[2]
-  return dq, dk, dv
+
+  return _backward_steps(plan, kv, grads, step_grads, axis_name)
 
 
 def _zigzag_backward(st, rows, kv, axis_name):
@@ -305,33 +318,27 @@ def _zigzag_backward(st, rows, kv, axis_name):
   kv = tuple(_to_zigzag(x, plan, axis_name) for x in kv)
   (r0, r1) = zip(*_halves(*rows))  # (q, dout, lse, delta) of the early and late query chunks
   bwd = lambda r, k, v, causal: st.backward(r[0], k, v, *r[1:], causal)
+  cat = lambda a, b: jnp.concatenate([a, b], axis=1)
   (k0, k1), (v0, v1) = _halves(*kv)
   a, b, c = bwd(r0, k0, v0, True), bwd(r1, k0, v0, False), bwd(r1, k1, v1, True)
-  dq0, dq1 = a[0], b[0] + c[0]
-  dk = jnp.concatenate([a[1] + b[1], c[1]], axis=1)
-  dv = jnp.concatenate([a[2] + b[2], c[2]], axis=1)
+  grads = cat(a[0], b[0] + c[0]), cat(a[1] + b[1], c[1]), cat(a[2] + b[2], c[2])
   place, size = _step_position(plan, axis_name)
-  for step in range(1, plan.group + 1):
-    perm = _rotation(plan, step)
-    if step < plan.group:
-      kv = jax.lax.ppermute(kv, axis_name, perm)
-    dk, dv = jax.lax.ppermute((dk, dv), axis_name, perm)
-    if step == plan.group:
-      break
+
+  def step_grads(kv, step):
     (k0, k1), (v0, v1) = _halves(*kv)
-    earlier, valid = step <= place, step < size
+    earlier, valid = step <= place, step < size  # as in _zigzag_forward
     pick = lambda a, b: jnp.where(earlier, a, b)
     common = bwd(r1, k0, v0, False)
     other = bwd([pick(x, y) for x, y in zip(r0, r1)], pick(k0, k1), pick(v0, v1), False)
     keep = lambda x, c: jnp.where(c, x, 0.0)
-    dq0 = dq0 + keep(other[0], earlier & valid)
-    dq1 = dq1 + keep(common[0], valid) + keep(other[0], ~earlier & valid)
-    dk = dk + jnp.concatenate([keep(common[1], valid) + keep(other[1], earlier & valid),
-                               keep(other[1], ~earlier & valid)], axis=1)
-    dv = dv + jnp.concatenate([keep(common[2], valid) + keep(other[2], earlier & valid),
-                               keep(other[2], ~earlier & valid)], axis=1)
-  dq = jnp.concatenate([dq0, dq1], axis=1)
-  return tuple(_to_zigzag(x, plan, axis_name, inverse=True) for x in (dq, dk, dv))
+    mine, theirs = earlier & valid, ~earlier & valid
+    dq = cat(keep(other[0], mine), keep(common[0], valid) + keep(other[0], theirs))
+    dk, dv = (cat(keep(common[i], valid) + keep(other[i], mine), keep(other[i], theirs))
+              for i in (1, 2))
+    return dq, dk, dv
+
+  grads = _backward_steps(plan, kv, grads, step_grads, axis_name)
+  return tuple(_to_zigzag(x, plan, axis_name, inverse=True) for x in grads)
 
 
 def _gather(x, axis_name):
