@@ -24,7 +24,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from bench_pallas import cudnn_full, cudnn_full_causal, folded_cudnn, jax_mha
 from common import median_ms

@@ -23,7 +23,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import platform
 import sys

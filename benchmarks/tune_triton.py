@@ -11,7 +11,6 @@ Usage: python benchmarks/tune_triton.py [--n 16384] [--json out.json] [--skip-ch
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 import jax

@@ -19,6 +19,7 @@ __all__ = [
     "hilbert_permutation",
     "hilbert_permutation_per_segment",
     "inverse_permutation",
+    "linen",
     "merge",
     "ring_dilated_attention",
     "serialize",
