@@ -29,11 +29,10 @@ def select(names, q, k, v, pattern, scale, branches=None) -> str:
   import jax  # local: keeps `load` importable without initializing JAX
 
   errors = []
-  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   for name in names:
-    try:
+    try:  # the arrays themselves: inside shard_map their types carry the mesh axes
       jax.eval_shape(lambda q, k, v: load(name).forward(q, k, v, pattern, scale, branches),
-                     spec(q), spec(k), spec(v))
+                     q, k, v)
       return name
     except NotImplementedError as e:
       errors.append(f"{name}: {e}")

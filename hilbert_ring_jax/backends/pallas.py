@@ -200,8 +200,11 @@ class _Branch:
     return lax.div(w_s - c + self.r - 1, self.r)  # numerator >= 1: w_s >= 1, c < r
 
 
-def _branches(pattern: DilatedPattern, n: int, num_heads: int, blocks: BlockSizes):
-  for (w, r), (h0, h1) in zip(pattern.branches, pattern.head_ranges(num_heads)):
+def _branches(pattern: DilatedPattern, n: int, num_heads: int, blocks: BlockSizes,
+              selected=None):
+  ranges = pattern.head_ranges(num_heads)
+  for b in range(pattern.num_branches) if selected is None else selected:
+    (w, r), (h0, h1) = pattern.branches[b], ranges[b]
     w = min(w, n)
     # A segment shorter than a block runs in the smallest power-of-two block holding it.
     cap = max(_MIN_BLOCK, pl.next_power_of_2(-(-w // r)))
@@ -210,6 +213,13 @@ def _branches(pattern: DilatedPattern, n: int, num_heads: int, blocks: BlockSize
 
 
 def _check(q, blocks, interpret):
+  aval = jax.typeof(q)
+  varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None) or \
+      getattr(aval, "vma", None)
+  if varying:  # pallas_call's outputs would need their varying mesh axes spelled out
+    raise NotImplementedError(
+        "the pallas backend does not run inside shard_map with check_vma=True (the ring); "
+        "its steps use the next implementation")
   d = q.shape[-1]
   if d > _MAX_HEAD_DIM:
     raise NotImplementedError(
@@ -420,7 +430,7 @@ def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, blocks, interpret)
   return br.unsplit(out), br.unsplit(lse)
 
 
-def forward(q, k, v, pattern: DilatedPattern, scale: float, *,
+def forward(q, k, v, pattern: DilatedPattern, scale: float, branches=None, *,
             block_sizes: BlockSizes | None = None, interpret: bool | None = None):
   """`(out [B, N, H, D] in q's dtype, lse [B, N, H] float32)`, branches merged in-kernel.
 
@@ -429,7 +439,7 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *,
   """
   blocks, interpret = _check(q, block_sizes, interpret)
   b, n, h, _ = q.shape
-  branches = list(_branches(pattern, n, h, blocks))
+  branches = list(_branches(pattern, n, h, blocks, branches))
   # One branch writes the result directly; several merge into float32 accumulators.
   out_dtype = q.dtype if len(branches) == 1 else jnp.float32
   acc = None
@@ -611,13 +621,13 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes,
   return dq, br.unsplit(dk), br.unsplit(dv)
 
 
-def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
-             block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, branches=None,
+             *, block_sizes: BlockSizes | None = None, interpret: bool | None = None):
   """`(dq, dk, dv)` from the global `lse` and `delta = rowsum(dout * out) - dlse`."""
   blocks, interpret = _check(q, block_sizes, interpret)
   n, h, hkv = q.shape[1], q.shape[2], k.shape[2]
   group = h // hkv
-  branches = list(_branches(pattern, n, h, blocks))
+  branches = list(_branches(pattern, n, h, blocks, branches))
   single = len(branches) == 1
   dtypes = (q.dtype, k.dtype, v.dtype) if single else (jnp.float32,) * 3
   lse, delta = lse.astype(jnp.float32), delta.astype(jnp.float32)
