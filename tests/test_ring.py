@@ -129,3 +129,16 @@ def test_ring_inside_user_shard_map():
                             mesh=mesh(p), in_specs=(spec,) * 3, out_specs=spec))
   np.testing.assert_allclose(f(q, k, v), dilated_attention(q, k, v, pattern), rtol=1e-5,
                              atol=1e-5)
+
+
+def test_ring_steps_fall_back_to_the_next_backend():
+  """pallas declines shard_map(check_vma=True); the ring's steps then use "xla"."""
+  p, n, h, hkv, pattern = CASES["spanning_head"]
+  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates)
+  q, k, v, *_ = helpers.random_inputs(case, jnp.float32, 10)
+  ring = lambda impl: jax.jit(lambda q, k, v: sharded_dilated_attention(
+      q, k, v, pattern, mesh=mesh(p), axis_name="seq", implementation=impl))
+  np.testing.assert_allclose(ring(("pallas", "xla"))(q, k, v), dilated_attention(q, k, v, pattern),
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(NotImplementedError, match="pallas"):
+    ring("pallas")(q, k, v)
