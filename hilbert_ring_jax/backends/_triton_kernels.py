@@ -151,6 +151,26 @@ def forward_kernel(Q, K, V, FIRST, ORUN_IN, LSE_IN, ORUN, LSE, OUT,
 
 
 @triton.jit
+def _query_rows(Q, DO, LSE, DELTA, first, h, rows, start_m, H: tl.constexpr, R: tl.constexpr,
+                D: tl.constexpr, BLOCK_M: tl.constexpr):
+  """What a backward step needs of a block of query rows: q, dout, lse (base 2) and delta.
+
+  lse is +inf on padding and on rows that see nothing, so p = 0 there.
+  """
+  q_base = (first * H + h) * D
+  q = tl.load(_rows_ptr(Q + q_base, rows, R * H * D, start_m, BLOCK_M, D),
+              boundary_check=(0,), padding_option="zero")
+  do = tl.load(_rows_ptr(DO + q_base, rows, R * H * D, start_m, BLOCK_M, D),
+               boundary_check=(0,), padding_option="zero")
+  offs_m = start_m + tl.arange(0, BLOCK_M)
+  row_ok = offs_m < rows
+  stat = (first + offs_m.to(tl.int64) * R) * H + h
+  lse = tl.load(LSE + stat, mask=row_ok, other=float("inf")) * 1.4426950408889634
+  delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
+  return q, do, lse, delta, offs_m
+
+
+@triton.jit
 def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ_IN, DQ,
               N: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
               W: tl.constexpr, R: tl.constexpr, H0: tl.constexpr,
@@ -167,16 +187,8 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ_IN, DQ,
     g = h // (H // HKV)
     first = b * N + tok0
     q_base = (first * H + h) * D
-    q = tl.load(_rows_ptr(Q + q_base, rows, R * H * D, start_m, BLOCK_M, D),
-                boundary_check=(0,), padding_option="zero")
-    do = tl.load(_rows_ptr(DO + q_base, rows, R * H * D, start_m, BLOCK_M, D),
-                 boundary_check=(0,), padding_option="zero")
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < rows
-    stat = (first + offs_m.to(tl.int64) * R) * H + h
-    # lse is +inf on rows that see nothing (and padding): p = 0 there.
-    lse = tl.load(LSE + stat, mask=row_ok, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
+    q, do, lse, delta, offs_m = _query_rows(Q, DO, LSE, DELTA, first, h, rows, start_m, H, R, D,
+                                            BLOCK_M)
     k_base = K + (first * HKV + g) * D
     v_base = V + (first * HKV + g) * D
     QK_SCALE: tl.constexpr = SCALE * 1.4426950408889634
@@ -240,17 +252,9 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_IN, DV_IN, DK, DV,
       if PER_HEAD:
         reads = reads & (h % R == c)
       if reads:
-        q_base = (first * H + h) * D
         for start_m in range(lo, rows, BLOCK_M):
-          q = tl.load(_rows_ptr(Q + q_base, rows, R * H * D, start_m, BLOCK_M, D),
-                      boundary_check=(0,), padding_option="zero")
-          do = tl.load(_rows_ptr(DO + q_base, rows, R * H * D, start_m, BLOCK_M, D),
-                       boundary_check=(0,), padding_option="zero")
-          offs_m = start_m + tl.arange(0, BLOCK_M)
-          row_ok = offs_m < rows
-          stat = (first + offs_m.to(tl.int64) * R) * H + h
-          lse = tl.load(LSE + stat, mask=row_ok, other=float("inf")) * 1.4426950408889634
-          delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
+          q, do, lse, delta, offs_m = _query_rows(Q, DO, LSE, DELTA, first, h, rows, start_m,
+                                                  H, R, D, BLOCK_M)
           qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * QK_SCALE  # [BLOCK_N, BLOCK_M]
           p_t = tl.math.exp2(qk_t - lse[None, :])
           if CAUSAL:
