@@ -279,6 +279,25 @@ def _coords(br: _Branch, ids, n_blocks: int):
   return blk, b, h, s, c
 
 
+def _query_specs(br: _Branch, n_blocks: int, block_q: int, dp: int, group: int):
+  """BlockSpecs of a grid over query blocks: a query block, its key/value row, its stats.
+
+  Dilation is the index map: the residue `c` of the view `[B, S, M, R, H, D]`. A key/value
+  head is shared by `group` query heads and read in place.
+  """
+  def q_map(*ids):
+    i, b, hh, s, c = _coords(br, ids, n_blocks)
+    return b, s, i, c, hh, 0
+
+  def kv_map(*ids):
+    _, b, hh, s, c = _coords(br, ids, n_blocks)
+    return b, s, 0, c, hh // group, 0
+
+  return (pl.BlockSpec((None, None, block_q, None, None, dp), q_map),
+          pl.BlockSpec((None, None, br.m_pad, None, None, dp), kv_map),
+          pl.BlockSpec((None, None, block_q, None, None), lambda *ids: q_map(*ids)[:5]))
+
+
 def _kv_coords(br: _Branch, g0: int, ids):
   """dk/dv grid indices -> (key block, b, kv head, s, c): every residue is a grid axis."""
   blk, b, gg, s = ids[:4]
@@ -395,20 +414,7 @@ def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, blocks, interpret)
   n_blocks = br.m_pad // br.bq
   grid = _grid(br, n_blocks, br.h1 - br.h0, bsz)
 
-  def q_map(*ids):
-    i, b, hh, s, c = _coords(br, ids, n_blocks)
-    return b, s, i, c, hh, 0
-
-  def kv_map(*ids):
-    _, b, hh, s, c = _coords(br, ids, n_blocks)
-    return b, s, 0, c, hh // group, 0
-
-  def lse_map(*ids):
-    return q_map(*ids)[:5]
-
-  q_spec = pl.BlockSpec((None, None, br.bq, None, None, dp), q_map)
-  kv_spec = pl.BlockSpec((None, None, br.m_pad, None, None, dp), kv_map)
-  lse_spec = pl.BlockSpec((None, None, br.bq, None, None), lse_map)
+  q_spec, kv_spec, lse_spec = _query_specs(br, n_blocks, br.bq, dp, group)
   args, in_specs, aliases = [qs, ks, vs], [q_spec, kv_spec, kv_spec], {}
   if mode != "fresh":
     args += [br.split(acc[0]), br.split(acc[1], fill=-jnp.inf)]
@@ -557,17 +563,7 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes,
   # dq: one program per (query block, b, h, s, c), like the forward.
   n_blocks = br.m_pad // bq_dq
 
-  def q_map(*ids):
-    i, b, hh, s, c = _coords(br, ids, n_blocks)
-    return b, s, i, c, hh, 0
-
-  def kv_map(*ids):
-    _, b, hh, s, c = _coords(br, ids, n_blocks)
-    return b, s, 0, c, hh // group, 0
-
-  q_spec = pl.BlockSpec((None, None, bq_dq, None, None, dp), q_map)
-  kv_spec = pl.BlockSpec((None, None, br.m_pad, None, None, dp), kv_map)
-  row_spec = pl.BlockSpec((None, None, bq_dq, None, None), lambda *ids: q_map(*ids)[:5])
+  q_spec, kv_spec, row_spec = _query_specs(br, n_blocks, bq_dq, dp, group)
   args = [qs, ks, vs, dos, lses, deltas]
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   accumulate = dq_mode == "merge"
