@@ -13,6 +13,8 @@ Callers cast to the input dtypes once, at the end. A backend raises `NotImplemen
 
 import importlib
 
+import jax
+
 NAMES = ("triton", "pallas", "xla")
 
 
@@ -26,8 +28,6 @@ def load(name: str):
 
 def select(names, q, k, v, pattern, scale, branches=None) -> str:
   """The first backend in `names` whose forward accepts this configuration (checked abstractly)."""
-  import jax  # local: keeps `load` importable without initializing JAX
-
   errors = []
   for name in names:
     try:  # the arrays themselves: inside shard_map their types carry the mesh axes
