@@ -78,7 +78,7 @@ def _branches(pattern: DilatedPattern, num_heads: int, branches):
     (w, r), (h0, h1) = pattern.branches[b], ranges[b]
     per_head = pattern.offsets == "head" and r > 1
     covers_all = not per_head and (h0, h1) == (0, num_heads)
-    out.append((covers_all, b, w, r, h0, h1, per_head))
+    out.append((covers_all, w, r, h0, h1, per_head))
   return sorted(out, key=lambda x: x[0])  # stable: covering branches last
 
 
@@ -92,7 +92,7 @@ def _first_cover(order, n, num_heads):
   """int8 `[N, H]`: launch position of the first branch covering (token, head), 127 if none."""
   pos, head = jnp.arange(n)[:, None], jnp.arange(num_heads)[None, :]
   first = jnp.full((n, num_heads), 127, jnp.int8)
-  for t, (_, _, w, r, h0, h1, per_head) in reversed(list(enumerate(order))):
+  for t, (_, w, r, h0, h1, per_head) in reversed(list(enumerate(order))):
     cover = (head >= h0) & (head < h1)
     if per_head:
       cover &= (pos % min(w, n)) % r == head % r
@@ -136,7 +136,7 @@ def _forward(q, k, v, pattern, scale, branches):
   stat = jax.ShapeDtypeStruct(q.shape[:3], f32)
   orun, lse = jnp.zeros((1,), q.dtype), jnp.zeros((1,), f32)
   last_covers = order[-1][0]
-  for t, (_, _, w, r, h0, h1, per_head) in enumerate(order):
+  for t, (_, w, r, h0, h1, per_head) in enumerate(order):
     last = last_covers and t == len(order) - 1
     w, segments, rows, items = _geometry(n, w, r, h0, h1, per_head)
     cfg = _config("fwd", d, rows)
@@ -172,7 +172,7 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches):
   dq = jnp.zeros(q.shape, jnp.float32)
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
-  for _, _, w, r, h0, h1, per_head in _branches(pattern, h, branches):
+  for _, w, r, h0, h1, per_head in _branches(pattern, h, branches):
     w, segments, rows, items = _geometry(n, w, r, h0, h1, per_head)
     common = dict(N=n, H=h, HKV=hkv, D=d, W=w, R=r, H0=h0, PER_HEAD=per_head,
                   CAUSAL=pattern.causal, SCALE=scale, PRECISION=_precision(q))
