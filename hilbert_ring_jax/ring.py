@@ -80,11 +80,6 @@ def _rotation(plan: _Plan, hop: int, causal_forward: bool = False):
   return pairs
 
 
-def _heads(pattern, num_heads, b):
-  h0, h1 = pattern.head_ranges(num_heads)[b]
-  return range(h0, h1)
-
-
 def _compact(x, r, heads, head_of):
   """`[B, n, X, ...]` -> `[B, n / r, E, ...]`: head `h` keeps the rows of residue `h % r`."""
   x = x.reshape(x.shape[0], x.shape[1] // r, r, *x.shape[2:])
@@ -97,9 +92,9 @@ class _Step:
   def __init__(self, plan, pattern, scale, names, q, k):
     self.plan, self.scale, self.names = plan, scale, names
     num_heads, kv_group = q.shape[2], q.shape[2] // k.shape[2]
-    w, r = pattern.branches[plan.index]
+    r = pattern.dilation_rates[plan.index]
     self.r = r
-    self.heads = _heads(pattern, num_heads, plan.index)
+    self.heads = range(*pattern.head_ranges(num_heads)[plan.index])
     self.kv_group = kv_group
     if plan.kind == "ring" and plan.compact:
       # The arrays of a step are one segment of compact rows: undilated, one key head per
