@@ -3,8 +3,8 @@ must reproduce SPEC's multiplicities m(i, j, h) exactly (CPU: no Triton needed).
 
 import numpy as np
 import pytest
-
 import reference_np
+
 from hilbert_ring_jax import DilatedPattern
 from hilbert_ring_jax.backends import schedule
 
@@ -23,40 +23,59 @@ CASES = [  # n, H, Hkv, segments, rates, offsets, head_groups
 ]
 
 
-def replay(pattern, n, h, hkv, branches, row_block, entry_block, transposed):
-  """`m[h, i, j]` as the kernels accumulate it, checking that unmasked entries need no mask."""
+def block_ranges(first, stride, count, lo, hi, block, causal, transposed):
+  """The kernels' `_ranges`: blocks of a piece, masked `[a, b)` and `[c, d)`, unmasked `[b, c)`,
+  for a row block spanning positions `lo..hi`."""
+  cdiv = lambda x, y: -(-x // y)
+  if not transposed:
+    n_vis = n_full = count
+    if causal:  # keys at or before the queries
+      n_vis = min(count, (hi - first) // stride + 1) if hi >= first else 0
+      n_full = min(count, (lo - first) // stride + 1) if lo >= first else 0
+    return 0, 0, n_full // block, cdiv(n_vis, block)
+  s_any = s_full = 0
+  if causal:  # queries at or after the keys
+    s_any = min(count, cdiv(lo - first, stride)) if lo > first else 0
+    s_full = min(count, cdiv(hi - first, stride)) if hi > first else 0
+  mid = cdiv(s_full, block)
+  return s_any // block, mid, max(count // block, mid), cdiv(count, block)
+
+
+def replay(pattern, n, h, hkv, branches, row_block, block, transposed):
+  """`m[h, i, j]` as the kernels accumulate it, checking that unmasked blocks need no mask."""
   m = np.zeros((h, n, n))
   group = h // hkv
-  for s in schedule.schedules(pattern, n, h, hkv, branches, row_block, entry_block, transposed):
+  clip = lambda x: np.minimum(x, n - 1)  # positions >= n are masked (ok is False)
+  for branch_group in schedule.groups(pattern, n, branches):
+    s = schedule.build(pattern, n, h, hkv, branch_group, transposed)
     for p in range(s.periods):
       base = p * s.period
-      partial = base + s.period > n
-      for r, (head, first, count, f0, f1, t0, t1) in enumerate(s.rows):
-        count = min(count, max(0, -(-(n - base - first) // s.stride)))
-        for rb in range(-(-count // row_block)):
-          pos = base + first + s.stride * np.arange(rb * row_block,
-                                                    min(rb * row_block + row_block, count))
-          c_full, c_any, c_t = s.counts[r, rb]
-          picks = [(e, False) for e in range(f0, f0 + c_full)]
-          picks += [(e, True) for e in range(f0 + c_full, f0 + c_any)]
-          picks += [(e, True) for e in range(t0, t0 + c_t)]
-          for e, masked in picks:
-            other, efirst, length = s.entries[e]
-            mult = 2.0 ** s.bias[e]
-            epos = base + efirst + s.stride * np.arange(length)
-            ok = np.broadcast_to(epos[None, :] < n, (len(pos), length)).copy()
-            if pattern.causal:
-              ok &= (epos[None, :] >= pos[:, None]) if transposed else (
-                  epos[None, :] <= pos[:, None])
-            if not masked and not partial:
-              assert ok.all(), "an unmasked entry needs a mask"
-              assert length == entry_block
-            qh, kh = (other, head) if transposed else (head, head // group)
-            qpos, kpos = (epos, pos) if transposed else (pos, epos)
-            ok = ok.T if transposed else ok
-            assert kh == qh // group
-            clip = lambda x: np.minimum(x, n - 1)  # positions >= n are masked (ok is False)
-            np.add.at(m[qh], (clip(qpos)[:, None], clip(kpos)[None, :]), mult * ok)
+      cut = lambda first, count, stride: min(count, max(0, -(-(n - base - first) // stride)))
+      for head, first, count, p0, p1 in s.rows:
+        count = cut(first, count, s.stride)
+        for start in range(0, count, row_block):
+          pos = first + s.stride * np.arange(start, min(start + row_block, count))
+          for (other, pf, ps, pc), bias in zip(s.pieces[p0:p1], s.bias[p0:p1]):
+            pc = cut(pf, pc, ps)
+            a, b, c, d = block_ranges(pf, ps, pc, pos[0], pos[-1], block, pattern.causal,
+                                      transposed)
+            for j in list(range(a, b)) + list(range(b, c)) + list(range(c, d)):
+              masked = not b <= j < c
+              epos = pf + ps * np.arange(j * block, j * block + block)
+              ok = np.broadcast_to(np.arange(j * block, j * block + block) < pc,
+                                   (len(pos), block)).copy()
+              if pattern.causal:
+                ok &= (epos[None, :] >= pos[:, None]) if transposed else (
+                    epos[None, :] <= pos[:, None])
+              if not masked:
+                assert ok.all(), "an unmasked block needs a mask"
+              mult = 2.0 ** bias
+              qh, kh = (other, head) if transposed else (head, head // group)
+              assert kh == qh // group
+              qpos, kpos = (epos, pos) if transposed else (pos, epos)
+              ok = ok.T if transposed else ok
+              np.add.at(m[qh], (clip(base + qpos)[:, None], clip(base + kpos)[None, :]),
+                        mult * ok)
   return m
 
 
@@ -72,11 +91,11 @@ def test_schedule_reproduces_multiplicity(case, causal, transposed):
 
 
 def test_grouping():
-  together = lambda *a: len(schedule.schedules(*a, 16, 16, False)) == 1
-  assert together(DilatedPattern((64, 128, 256), (1, 2, 4)), 300, 4, 4, None)
-  assert together(DilatedPattern((64, 200), (2, 4)), 200, 2, 2, None)
-  assert not together(DilatedPattern((12, 20), (3, 4)), 45, 2, 2, None)  # not nested
-  assert not together(DilatedPattern((16, 32), (1, 2)), 45, 2, 2, None)  # rows of 8
+  together = lambda p, n: len(schedule.groups(p, n, None)) == 1
+  assert together(DilatedPattern((64, 128, 256), (1, 2, 4)), 300)
+  assert together(DilatedPattern((64, 200), (2, 4)), 200)
+  assert not together(DilatedPattern((12, 20), (3, 4)), 45)  # not nested
+  assert not together(DilatedPattern((16, 32), (1, 2)), 45)  # rows of 8
 
 
 def test_subset_of_branches():
@@ -88,8 +107,20 @@ def test_subset_of_branches():
 def test_longnet_scores_each_pair_once():
   """LongNet's pattern: 1.375 scored keys per query instead of 1.75 branch by branch."""
   pattern = DilatedPattern((2048, 4096, 8192), (1, 2, 4))
-  (s,) = schedule.schedules(pattern, 8192, 4, 4, None, 128, 128, False)
-  scored = sum(int(s.entries[f0:t1, 2].sum()) * count
-               for _, _, count, f0, _, _, t1 in s.rows)
+  (group,) = schedule.groups(pattern, 8192, None)
+  s = schedule.build(pattern, 8192, 4, 4, group, False)
+  scored = sum(int(s.pieces[p0:p1, 3].sum()) * count for _, _, count, p0, p1 in s.rows)
   assert scored == 8192 * 4 * 2048 * 1.375
   assert s.stride == 4 and s.period == 8192 and len(s.rows) == 4 * 4 * 4
+  # Rows walk few pieces of one multiplicity each: the first row (all three branches) takes
+  # its own class in its own interval (m = 3) and the next (m = 2), then in the other half
+  # of its 8192-segment (m = 1); the other classes of its own interval, and class 2 in the
+  # next interval. Rows that see only the first branch take their interval in one piece.
+  assert sorted(set(np.diff(s.rows[:, 3:], axis=1).ravel())) == [1, 6, 7]
+  first = slice(s.rows[0, 3], s.rows[0, 4])
+  np.testing.assert_array_equal(
+      sorted(map(tuple, np.c_[s.pieces[first, 1:4], 2.0 ** s.bias[first]])),
+      [(0, 4, 512, 3), (1, 4, 512, 1), (2, 4, 512, 2), (3, 4, 512, 1), (2048, 4, 512, 2),
+       (2050, 4, 512, 1), (4096, 4, 1024, 1)])
+  full = schedule.build(DilatedPattern((8192,), (1,)), 8192, 4, 4, (0,), False)
+  np.testing.assert_array_equal(full.pieces[:, 1:], [[0, 1, 8192]] * 4)  # one per row

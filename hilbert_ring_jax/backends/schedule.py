@@ -1,5 +1,5 @@
-"""Block schedule of the "triton" backend: which key blocks each query row visits, and with
-which multiplicity (pure NumPy, built on the host once per shape and cached).
+"""Block schedule of the "triton" backend: which keys each query row visits, and with which
+multiplicity (pure NumPy, built on the host once per shape and cached).
 
 SPEC counts a key once per branch that sees it: `den = sum_j m(i, j, h) exp(s(i, j))`. A key
 seen by several branches need not be scored several times: it is scored once with the bias
@@ -8,17 +8,16 @@ seen by several branches need not be scored several times: it is scored once wit
 work), and a query block gets its final output in one program: no per-branch partial results.
 
 Geometry. The sequence is cut into periods of `P` tokens (a common multiple of the branch
-segment lengths, or all of N), each period into intervals of `w0` tokens (the shortest
-segment), each interval into `L` strided rows (`L` the lcm of the dilation rates; row `a`
-holds the positions `a, a + L, ...` of the interval). Within one interval, one row shares a
-segment and a residue with every other position of its row in every branch, so the
-multiplicity of (query row, key row) is one number. A *row* is such a strided run of queries
-(or, for dk/dv, of keys). Its *entries* are blocks of `E` positions of the other side, each
-with a head, a first position, a length and `log2 m`: full blocks (`E` positions) go to the F
-list, sorted by position, and ragged blocks to the T list. `counts[row, block]` says, for
-block `block` of the row, how many F entries are fully visible (no mask), how many are
-visible at all, and how many T entries are visible (causal masking cuts these lists short;
-without it they are the whole lists).
+segment lengths, or all of N), each period into intervals of `W0` tokens (the shortest
+segment), each interval into `L` strided rows (`L` the lcm of the dilation rates; row `a` of
+an interval holds its positions `a, a + L, ...`). A query row shares a segment and a residue
+with every one of its positions in every branch, so the multiplicity of a key depends only
+on the key's interval and class `(p % W0) % L`. A row visits *pieces*: runs
+`first, first + s, ...` (`s` is 1 or `L`) of keys sharing one multiplicity `m > 0`, as few
+and as long as the pattern allows (full attention: one piece per row); `bias` holds each
+piece's `log2 m`. The kernels walk each piece in blocks with plain strided addressing, and
+work out under a causal mask which blocks need masking. For dk/dv the roles swap: key rows (per
+key/value head) and query pieces (from each query head that reads the row's kv head).
 
 Patterns whose segments do not nest (every `w` a multiple of the shortest) or whose rows
 would be short are scheduled branch by branch (one schedule per branch, merged by the
@@ -40,57 +39,59 @@ _MIN_UNION_ROW = 16  # shortest strided row for which branches are scheduled tog
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Schedule:
-  """One launch's block schedule. Positions are relative to the start of a period.
+  """One launch's schedule. Positions are relative to the start of a period.
 
-  rows: int32 `[R, 7]`: head (query head; key/value head when transposed), first position,
-    length in a whole period, F range `[f0, f1)`, T range `[t0, t1)` in `entries`.
-  entries: int32 `[E, 3]`: head (of the other side), first position, length.
-  bias: float32 `[E]`: `log2 m` of the entry.
-  counts: int32 `[R, row_blocks, 3]`: F entries fully visible, F entries visible, T entries
-    visible, for each block of `row_block` positions of the row.
+  rows: int32 `[R, 5]`: head (query head; key/value head when transposed), first position,
+    length in a whole period, pieces `[p0, p1)`.
+  pieces: int32 `[E, 4]`: head of the other side, first position, stride, length.
+  bias: float32 `[E]`: `log2 m` of each piece.
   """
   period: int
   periods: int
   stride: int
-  row_blocks: int
+  longest_row: int
   rows: np.ndarray
-  entries: np.ndarray
+  pieces: np.ndarray
   bias: np.ndarray
-  counts: np.ndarray
 
 
-def _groups(pattern: DilatedPattern, n: int, branches) -> list[tuple[int, ...]]:
-  """The branches scheduled together: all at once when their segments nest, else one by one."""
+def groups(pattern: DilatedPattern, n: int, branches) -> list[tuple[int, ...]]:
+  """The branches scheduled together: all at once when their segments nest and their rows
+  are long enough, else one by one (the caller merges the results)."""
   branches = tuple(range(pattern.num_branches)) if branches is None else tuple(branches)
-  ws = [min(pattern.segment_lengths[b], n) for b in branches]
-  w0 = min(ws)
-  stride = math.lcm(*(pattern.dilation_rates[b] for b in branches))
-  nested = all(w % w0 == 0 or w == n for w in ws) and w0 % stride == 0
-  if len(branches) == 1 or (nested and w0 // stride >= _MIN_UNION_ROW):
-    return [branches]
+  if len(branches) > 1:
+    w0, stride = _geometry(pattern, n, branches)
+    ws = [min(pattern.segment_lengths[b], n) for b in branches]
+    nested = all(w % w0 == 0 or w == n for w in ws) and w0 % stride == 0
+    if nested and w0 // stride >= _MIN_UNION_ROW:
+      return [branches]
   return [(b,) for b in branches]
 
 
-def schedules(pattern: DilatedPattern, n: int, num_heads: int, num_kv_heads: int, branches,
-              row_block: int, entry_block: int, transposed: bool) -> list[Schedule]:
-  """The schedules that together compute `branches` (all if None) of `pattern`.
+def _geometry(pattern, n, group):
+  """(interval length w0, row stride L) of branches scheduled together."""
+  w0 = min(min(pattern.segment_lengths[b], n) for b in group)
+  return w0, math.lcm(*(pattern.dilation_rates[b] for b in group))
 
-  Forward and dq schedules (`transposed=False`) have query rows and key entries; dk/dv
-  schedules have key rows (per key/value head) and query entries (from each query head
-  that reads the row's key/value head).
-  """
-  return [_schedule(pattern, n, num_heads, num_kv_heads, group, row_block, entry_block,
-                    transposed)
-          for group in _groups(pattern, n, branches)]
+
+def longest_row(pattern: DilatedPattern, n: int, group) -> int:
+  w0, stride = _geometry(pattern, n, group)
+  return -(-w0 // stride)
 
 
 @functools.lru_cache(maxsize=64)
-def _schedule(pattern, n, num_heads, num_kv_heads, group, row_block, entry_block, transposed):
+def build(pattern: DilatedPattern, n: int, num_heads: int, num_kv_heads: int, group,
+          transposed: bool) -> Schedule:
+  """The schedule of the branches `group` (a tuple from `groups`).
+
+  Forward and dq schedules (`transposed=False`) have query rows and key pieces; dk/dv
+  schedules have key rows (per key/value head) and query pieces (from each query head that
+  reads the row's key/value head).
+  """
   ws = [min(pattern.segment_lengths[b], n) for b in group]
   rs = [pattern.dilation_rates[b] for b in group]
   ranges = pattern.head_ranges(num_heads)
-  w0 = min(ws)
-  stride = math.lcm(*rs)
+  w0, stride = _geometry(pattern, n, group)
   period = n if any(w == n for w in ws) else min(math.lcm(*ws), n)
   intervals = -(-period // w0)
   starts = np.arange(intervals) * w0
@@ -115,8 +116,7 @@ def _schedule(pattern, n, num_heads, num_kv_heads, group, row_block, entry_block
       mult[h] += same_seg[:, None, :, None] & vis[None, :, None, :]
 
   group_size = num_heads // num_kv_heads
-  rows, entries, bias, counts = [], [], [], []
-  row_blocks = -(-int(row_len.max()) // row_block)
+  rows, pieces = [], []
   for head in range(num_kv_heads if transposed else num_heads):
     others = range(head * group_size, (head + 1) * group_size) if transposed else [head]
     for i in range(intervals):
@@ -124,61 +124,40 @@ def _schedule(pattern, n, num_heads, num_kv_heads, group, row_block, entry_block
         count = int(row_len[i, a])
         if count == 0:
           continue
-        first = int(starts[i]) + a
-        full, ragged = [], []
+        p0 = len(pieces)
         for h in others:
           m = mult[h, :, :, i, a] if transposed else mult[h, i, a]  # [interval, class]
-          for c in range(stride):
-            j = 0
-            while j < intervals:  # maximal runs of equal multiplicity along the row
-              k = j
-              while k + 1 < intervals and m[k + 1, c] == m[j, c]:
-                k += 1
-              if m[j, c] > 0:
-                first_e = int(starts[j]) + c
-                length = int(row_len[j:k + 1, c].sum())
-                for s in range(0, length, entry_block):
-                  e = (h, first_e + s * stride, min(entry_block, length - s), math.log2(m[j, c]))
-                  (full if e[2] == entry_block else ragged).append(e)
-              j = k + 1
-        # Sorted by when they become visible: by position, or (keys seeing later queries)
-        # by minus the last position.
-        last = lambda e: -(e[1] + stride * (e[2] - 1)) if transposed else e[1]
-        full.sort(key=last)
-        ragged.sort(key=last)
-        f0 = len(entries)
-        entries += full
-        t0 = len(entries)
-        entries += ragged
-        rows.append((head, first, count, f0, t0, t0, len(entries)))
-        counts.append(_visible(full, ragged, first, count, stride, row_block, row_blocks,
-                               entry_block, pattern.causal, transposed))
-  ents = np.array([e[:3] for e in entries], np.int32).reshape(-1, 3)
-  return Schedule(period=period, periods=-(-n // period), stride=stride, row_blocks=row_blocks,
-                  rows=np.array(rows, np.int32).reshape(-1, 7), entries=ents,
-                  bias=np.array([e[3] for e in entries], np.float32),
-                  counts=np.stack(counts).astype(np.int32))
+          pieces += [(h, *run) for run in _runs(m, starts, lengths, w0)]
+        rows.append((head, int(starts[i]) + a, count, p0, len(pieces)))
+  return Schedule(
+      period=period, periods=-(-n // period), stride=stride, longest_row=int(row_len.max()),
+      rows=np.array(rows, np.int32).reshape(-1, 5),
+      pieces=np.array([p[:4] for p in pieces], np.int32).reshape(-1, 4),
+      bias=np.log2(np.array([p[4] for p in pieces] or [1], np.float32)))
 
 
-def _visible(full, ragged, first, count, stride, row_block, row_blocks, entry_block, causal,
-             transposed):
-  """`[row_blocks, 3]`: F fully visible, F visible, T visible, per block of the row."""
-  out = np.zeros((row_blocks, 3), np.int64)
-  out[:, :2] = len(full)
-  out[:, 2] = len(ragged)
-  if not causal:
-    return out
-  blk = np.arange(row_blocks) * row_block
-  lo = first + stride * blk  # first and last position of each row block
-  hi = first + stride * (np.minimum(blk + row_block, count) - 1)
-  f_lo = np.array([e[1] for e in full], np.int64)
-  f_hi = f_lo + stride * (entry_block - 1)
-  t_lo = np.array([e[1] for e in ragged], np.int64)
-  if transposed:  # keys see the queries at or after them: mirror the positions
-    lo, hi = -hi, -lo
-    f_lo, f_hi = -f_hi, -f_lo
-    t_lo = -(t_lo + stride * (np.array([e[2] for e in ragged], np.int64) - 1))
-  out[:, 0] = np.searchsorted(f_hi, lo, side="right")
-  out[:, 1] = np.searchsorted(f_lo, hi, side="right")
-  out[:, 2] = np.searchsorted(t_lo, hi, side="right")
-  return out
+def _runs(m, starts, lengths, w0):
+  """(first, stride, length, m) runs covering the positions where `m [interval, class] > 0`.
+
+  In each interval the visible classes form one run of stride 1 when all are visible with
+  one multiplicity, else one run of stride `L` per class (the kernels compile these two
+  strides as constants); a run continues into the next interval when that has the same
+  class with the same multiplicity.
+  """
+  stride = m.shape[1]
+  done, open_ = [], {}
+  for j in range(len(starts)):
+    s = 1 if (m[j] == m[j, 0]).all() else stride
+    runs = {(s, c, int(m[j, c])) for c in range(s) if m[j, c] > 0}
+    for key in list(open_):
+      if key not in runs or w0 % key[0]:
+        done.append((key, open_.pop(key)))
+    for key in sorted(runs):
+      s, c, mult = key
+      length = max(0, -(-(int(lengths[j]) - c) // s))
+      if not length:
+        continue
+      first, total = open_.get(key, (int(starts[j]) + c, 0))
+      open_[key] = (first, total + length)
+  return [(first, s, length, mult)
+          for (s, _, mult), (first, length) in done + list(open_.items())]

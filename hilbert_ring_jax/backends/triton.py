@@ -1,12 +1,12 @@
 """The "triton" backend: Triton kernels through `jax_triton.triton_call` (CUDA GPUs).
 
-The GPU fast path. Kernels (`_triton_kernels.py`) address dilated rows with strides, so no
-input is padded, gathered or copied; ragged segments are masked. Forward: one launch per
-branch, chained through a running `(out, lse)` that each launch merges into in place
-(`input_output_aliases`); the launch of a branch that covers every row goes last and writes
-the output in the input dtype, saving a pass. Backward: per branch a dq kernel and a dk/dv
-kernel, accumulating into float32 buffers in place. Block sizes, warps and stages come from
-`_config`, chosen per head dim and dilated segment length and kept in code.
+The GPU fast path. Kernels (`_triton_kernels.py`) walk a host-built block schedule
+(`schedule.py`): branches whose segments nest are computed together, each (query, key) pair
+scored once with the bias `log m` of its multiplicity, so one launch writes the final output
+and lse (other patterns run branch by branch and are merged). Rows and entries are strided
+runs of tokens, so no input is padded, gathered or copied. Backward: a dq kernel over query
+rows and a dk/dv kernel over key rows, in float32. Block sizes, warps and stages come from
+`_config`, chosen per pass, head dim and row length and kept in code.
 
 Importing this module needs `jax_triton` (and `triton`); without them the dispatcher falls
 back to "pallas", then "xla".
@@ -19,9 +19,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import jax_triton as jt
+import numpy as np
 
+from ..merge import merge
 from ..pattern import DilatedPattern
 from . import _triton_kernels as kernels
+from . import schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,34 +73,18 @@ def _precision(q):
   return "ieee" if q.dtype == jnp.float32 else "tf32"  # the latter is unused for 16-bit inputs
 
 
-def _branches(pattern: DilatedPattern, num_heads: int, branches):
-  """Branch geometry in launch order; a branch covering every row (if any) goes last."""
-  ranges = pattern.head_ranges(num_heads)
-  out = []
-  for b in range(pattern.num_branches) if branches is None else branches:
-    (w, r), (h0, h1) = pattern.branches[b], ranges[b]
-    per_head = pattern.offsets == "head" and r > 1
-    covers_all = not per_head and (h0, h1) == (0, num_heads)
-    out.append((covers_all, w, r, h0, h1, per_head))
-  return sorted(out, key=lambda x: x[0])  # stable: covering branches last
-
-
-def _geometry(n, w, r, h0, h1, per_head):
-  w = min(w, n)
-  segments, rows = -(-n // w), -(-w // r)
-  return w, segments, rows, (h1 - h0) * segments * (1 if per_head else r)
-
-
-def _first_cover(order, n, num_heads):
-  """int8 `[N, H]`: launch position of the first branch covering (token, head), 127 if none."""
-  pos, head = jnp.arange(n)[:, None], jnp.arange(num_heads)[None, :]
-  first = jnp.full((n, num_heads), 127, jnp.int8)
-  for t, (_, w, r, h0, h1, per_head) in reversed(list(enumerate(order))):
-    cover = (head >= h0) & (head < h1)
-    if per_head:
-      cover &= (pos % min(w, n)) % r == head % r
-    first = jnp.where(cover, jnp.int8(t), first)
-  return first
+def _launch(kind, q, k, group, pattern, transposed):
+  """(config, schedule tables as arrays, grid, constants) of one launch."""
+  b, n, h, d = q.shape
+  cfg = _config(kind, d, schedule.longest_row(pattern, n, group))
+  s = schedule.build(pattern, n, h, k.shape[2], group, transposed)
+  pieces = s.pieces if len(s.pieces) else np.zeros((1, 4), np.int32)  # never read
+  tables = tuple(jnp.asarray(x) for x in (s.rows, pieces, s.bias))
+  row_blocks = -(-s.longest_row // (cfg.block_n if transposed else cfg.block_m))
+  consts = dict(N=n, H=h, HKV=k.shape[2], D=d, L=s.stride, PERIOD=s.period,
+                PERIODS=s.periods, ROW_BLOCKS=row_blocks, CAUSAL=pattern.causal,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q))
+  return cfg, tables, (len(s.rows) * row_blocks, s.periods * b), consts
 
 
 def _batched(fn):
@@ -120,42 +107,25 @@ def _batched(fn):
 
 
 def forward(q, k, v, pattern: DilatedPattern, scale: float, branches=None):
-  """`(out, lse)`: out in q's dtype (written by the last launch), lse float32 `[B, N, H]`."""
+  """`(out, lse)` of `branches` (all if None): out in q's dtype, lse float32 `[B, N, H]`."""
   _check(q, k)
   return _batched(lambda q, k, v: _forward(q, k, v, pattern, scale, branches))(q, k, v)
 
 
 def _forward(q, k, v, pattern, scale, branches):
-  b, n, h, d = q.shape
-  order = _branches(pattern, h, branches)
-  first = _first_cover(order, n, h)
-  f32 = jnp.float32
-  # The running output between launches is kept in the input dtype: with q, k, v and out it
-  # is the only full-size buffer, so a LongNet forward needs ~1.25x the bytes of q, k, v, out.
-  full_o = jax.ShapeDtypeStruct(q.shape, q.dtype)
-  stat = jax.ShapeDtypeStruct(q.shape[:3], f32)
-  orun, lse = jnp.zeros((1,), q.dtype), jnp.zeros((1,), f32)
-  last_covers = order[-1][0]
-  for t, (_, w, r, h0, h1, per_head) in enumerate(order):
-    last = last_covers and t == len(order) - 1
-    w, segments, rows, items = _geometry(n, w, r, h0, h1, per_head)
-    cfg = _config("fwd", d, rows)
-    m_blocks = -(-rows // cfg.block_m)
-    out_shapes = (full_o if (t > 0 or not last) else jax.ShapeDtypeStruct((1,), q.dtype), stat,
-                  jax.ShapeDtypeStruct(q.shape if last else (1,), q.dtype))
-    orun, lse, out = jt.triton_call(
-        q, k, v, first, orun, lse, kernel=kernels.forward_kernel, out_shape=out_shapes,
-        grid=(m_blocks * items, b), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        input_output_aliases={4: 0, 5: 1} if t > 0 else {},
-        N=n, H=h, HKV=k.shape[2], D=d, W=w, R=r, H0=h0, PER_HEAD=per_head,
-        CAUSAL=pattern.causal, CHAIN_POS=t, HAS_PREV=t > 0, LAST=last,
-        QK_SCALE=scale * kernels.LOG2E, M_BLOCKS=m_blocks, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, PRECISION=_precision(q))
-  if last_covers:
-    return out, lse
-  covered = (first < len(order))[None, :, :]
-  return (jnp.where(covered[..., None], orun, 0.0),
-          jnp.where(covered, lse, -jnp.inf))
+  groups = schedule.groups(pattern, q.shape[1], branches)
+  # One group writes the output directly; several give float32 partials to merge.
+  dtype = q.dtype if len(groups) == 1 else jnp.float32
+  parts = []
+  for group in groups:
+    cfg, tables, grid, consts = _launch("fwd", q, k, group, pattern, False)
+    parts.append(jt.triton_call(
+        q, k, v, *tables, kernel=kernels.forward_kernel,
+        out_shape=(jax.ShapeDtypeStruct(q.shape, dtype),
+                   jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)),
+        grid=grid, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QK_SCALE=scale * kernels.LOG2E, **consts))
+  return merge([o for o, _ in parts], [lse for _, lse in parts])
 
 
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, branches=None):
@@ -165,30 +135,21 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, b
 
 
 def _backward(q, k, v, dout, lse, delta, pattern, scale, branches):
-  b, n, h, d = q.shape
-  hkv = k.shape[2]
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse).astype(jnp.float32)  # p = 0 on such rows
   delta = delta.astype(jnp.float32)
-  dq = jnp.zeros(q.shape, jnp.float32)
-  dk = jnp.zeros(k.shape, jnp.float32)
-  dv = jnp.zeros(v.shape, jnp.float32)
-  for _, w, r, h0, h1, per_head in _branches(pattern, h, branches):
-    w, segments, rows, items = _geometry(n, w, r, h0, h1, per_head)
-    common = dict(N=n, H=h, HKV=hkv, D=d, W=w, R=r, H0=h0, PER_HEAD=per_head,
-                  CAUSAL=pattern.causal, SCALE=scale, PRECISION=_precision(q))
-    cfg = _config("dq", d, rows)
-    m_blocks = -(-rows // cfg.block_m)
+  f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
+  dq = dk = dv = jnp.zeros((1,), jnp.float32)
+  for t, group in enumerate(schedule.groups(pattern, q.shape[1], branches)):
+    acc = dict(ACCUMULATE=t > 0, SCALE=scale)  # later groups add to the first's results
+    cfg, tables, grid, consts = _launch("dq", q, k, group, pattern, False)
     dq = jt.triton_call(
-        q, k, v, dout, lse, delta, dq, kernel=kernels.dq_kernel,
-        out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32), grid=(m_blocks * items, b),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, input_output_aliases={6: 0},
-        M_BLOCKS=m_blocks, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common)
-    cfg = _config("dkdv", d, rows)
-    n_blocks = -(-rows // cfg.block_n)
+        q, k, v, dout, lse, delta, *tables, dq, kernel=kernels.dq_kernel, out_shape=f32(q),
+        grid=grid, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        input_output_aliases={9: 0} if t else {}, **acc, **consts)
+    cfg, tables, grid, consts = _launch("dkdv", q, k, group, pattern, True)
     dk, dv = jt.triton_call(
-        q, k, v, dout, lse, delta, dk, dv, kernel=kernels.dkdv_kernel,
-        out_shape=(jax.ShapeDtypeStruct(k.shape, jnp.float32),) * 2,
-        grid=(n_blocks * hkv * segments * r, b), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, input_output_aliases={6: 0, 7: 1}, NH=h1 - h0,
-        N_BLOCKS=n_blocks, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **common)
+        q, k, v, dout, lse, delta, *tables, dk, dv, kernel=kernels.dkdv_kernel,
+        out_shape=(f32(k), f32(k)), grid=grid, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, input_output_aliases={9: 0, 10: 1} if t else {}, **acc,
+        **consts)
   return dq, dk, dv
