@@ -52,8 +52,11 @@ CONFIGS = {
 }
 
 
-def _config(kind: str, head_dim: int, rows: int) -> Config:
+def _config(kind: str, head_dim: int, rows: int, itemsize: int) -> Config:
   cfg = CONFIGS[(kind, max(64, head_dim))]
+  if itemsize == 4:  # float32 tiles take twice the shared memory: smaller blocks, 2 stages
+    cfg = Config(min(cfg.block_m, 64 if head_dim <= 128 else 32), min(cfg.block_n, 32),
+                 cfg.num_warps, 2)
   cap = max(16, 1 << (max(rows, 1) - 1).bit_length())  # next power of two >= rows
   return dataclasses.replace(cfg, block_m=min(cfg.block_m, cap), block_n=min(cfg.block_n, cap))
 
@@ -76,7 +79,7 @@ def _precision(q):
 def _launch(kind, q, k, group, pattern, transposed):
   """(config, schedule tables as arrays, grid, constants) of one launch."""
   b, n, h, d = q.shape
-  cfg = _config(kind, d, schedule.longest_row(pattern, n, group))
+  cfg = _config(kind, d, schedule.longest_row(pattern, n, group), q.dtype.itemsize)
   s = schedule.build(pattern, n, h, k.shape[2], group, transposed)
   pieces = s.pieces if len(s.pieces) else np.zeros((1, 4), np.int32)  # never read
   tables = tuple(jnp.asarray(x) for x in (s.rows, pieces, s.bias))
