@@ -79,14 +79,18 @@ def _piece(PIECES, BIAS, p, base, lo, hi, N: tl.constexpr, BLOCK: tl.constexpr,
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, KS: tl.constexpr, kc, bias, n0,
+def _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, n0,
             HKV: tl.constexpr, D: tl.constexpr,
             BLOCK_N: tl.constexpr, QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr,
             MASKED: tl.constexpr, PRECISION: tl.constexpr):
-  """Online softmax (base 2) over keys `n0 ...` of the piece `(kf, KS, kc)`."""
+  """Online softmax (base 2) over keys `n0 ...` of the piece `(kf, ks, kc)`.
+
+  `ks` is a compile-time 1 when the launch's pieces all have stride 1 (then addresses are a
+  base plus constant offsets), else the piece's runtime stride.
+  """
   off = kv0 + kf.to(tl.int64) * (HKV * D)
-  k_ptr = _rows_ptr(K + off, kc, KS * HKV * D, n0, BLOCK_N, D)
-  v_ptr = _rows_ptr(V + off, kc, KS * HKV * D, n0, BLOCK_N, D)
+  k_ptr = _rows_ptr(K + off, kc, ks * (HKV * D), n0, BLOCK_N, D)
+  v_ptr = _rows_ptr(V + off, kc, ks * (HKV * D), n0, BLOCK_N, D)
   if MASKED:
     k = tl.load(k_ptr, boundary_check=(0,), padding_option="zero")
   else:
@@ -94,7 +98,7 @@ def _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, KS: tl.constexpr, kc, bias, n
   qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * QK_SCALE + bias
   if MASKED:
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    kpos = kf + KS * offs_n
+    kpos = kf + ks * offs_n
     visible = offs_n[None, :] < kc
     if CAUSAL:
       visible = visible & (kpos[None, :] <= qpos[:, None])
@@ -116,18 +120,18 @@ def _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, KS: tl.constexpr, kc, bias, n
 
 
 @triton.jit
-def _forward_walk(acc, l_i, m_i, q, qpos, K, V, kv0, kf, KS: tl.constexpr, kc, bias, ja, jb, jc, jd,
+def _forward_walk(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, ja, jb, jc, jd,
                   HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   QK_SCALE: tl.constexpr,
                   CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
   """The blocks of one piece: unmasked `[jb, jc)`, then masked `[ja, jb)` and `[jc, jd)`."""
   for j in range(jb, jc):
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, KS, kc, bias, j * BLOCK_N,
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, j * BLOCK_N,
                             HKV, D, BLOCK_N, QK_SCALE, CAUSAL, False,
                             PRECISION)
   for i in tl.range(ja, jb + jd - jc, num_stages=1):  # few: not worth pipeline buffers
     j = tl.where(i < jb, i, i - jb + jc)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, KS, kc, bias, j * BLOCK_N,
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, j * BLOCK_N,
                             HKV, D, BLOCK_N, QK_SCALE, CAUSAL, True,
                             PRECISION)
   return acc, l_i, m_i
@@ -158,13 +162,9 @@ def forward_kernel(Q, K, V, ROWS, PIECES, BIAS, OUT, LSE,
     for p in range(p0, p1):
       _, kf, ks, kc, bias, ja, jb, jc, jd = _piece(PIECES, BIAS, p, base, qlo, qhi, N, BLOCK_N,
                                                    CAUSAL, False)
-      # Strides are 1 or L, compiled as constants: a runtime stride costs address arithmetic.
-      if L == 1 or ks == 1:
-        acc, l_i, m_i = _forward_walk(acc, l_i, m_i, q, qpos, K, V, kv0, kf, 1, kc, bias, ja,
-                                      jb, jc, jd, HKV, D, BLOCK_N, QK_SCALE, CAUSAL, PRECISION)
-      else:
-        acc, l_i, m_i = _forward_walk(acc, l_i, m_i, q, qpos, K, V, kv0, kf, L, kc, bias, ja,
-                                      jb, jc, jd, HKV, D, BLOCK_N, QK_SCALE, CAUSAL, PRECISION)
+      acc, l_i, m_i = _forward_walk(acc, l_i, m_i, q, qpos, K, V, kv0, kf, 1 if L == 1 else ks,
+                                    kc, bias, ja, jb, jc, jd, HKV, D, BLOCK_N, QK_SCALE, CAUSAL,
+                                    PRECISION)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
@@ -175,33 +175,41 @@ def forward_kernel(Q, K, V, ROWS, PIECES, BIAS, OUT, LSE,
 
 
 @triton.jit
-def _query_rows(Q, DO, LSE, DELTA, tok0, h, STRIDE: tl.constexpr, rows, start_m,
-                H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _query_rows(Q, DO, LSE, DELTA, tok0, h, stride, rows, start_m,
+                H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                MASKED: tl.constexpr):
   """What a backward step needs of a block of query rows: q, dout, lse (base 2) and delta.
 
-  lse is +inf on padding and on rows that see nothing, so p = 0 there.
+  lse is +inf on padding and on rows that see nothing, so p = 0 there. Unless MASKED, all
+  `BLOCK_M` rows exist and are read without bounds checks.
   """
   q_base = (tok0 * H + h) * D
-  q = tl.load(_rows_ptr(Q + q_base, rows, STRIDE * H * D, start_m, BLOCK_M, D),
-              boundary_check=(0,), padding_option="zero")
-  do = tl.load(_rows_ptr(DO + q_base, rows, STRIDE * H * D, start_m, BLOCK_M, D),
-               boundary_check=(0,), padding_option="zero")
+  q_ptr = _rows_ptr(Q + q_base, rows, stride * (H * D), start_m, BLOCK_M, D)
+  do_ptr = _rows_ptr(DO + q_base, rows, stride * (H * D), start_m, BLOCK_M, D)
   offs_m = start_m + tl.arange(0, BLOCK_M)
-  row_ok = offs_m < rows
-  stat = (tok0 + offs_m.to(tl.int64) * STRIDE) * H + h
-  lse = tl.load(LSE + stat, mask=row_ok, other=float("inf")) * 1.4426950408889634
-  delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
+  stat = (tok0 + offs_m.to(tl.int64) * stride) * H + h
+  if MASKED:
+    q = tl.load(q_ptr, boundary_check=(0,), padding_option="zero")
+    do = tl.load(do_ptr, boundary_check=(0,), padding_option="zero")
+    lse = tl.load(LSE + stat, mask=offs_m < rows, other=float("inf"))
+    delta = tl.load(DELTA + stat, mask=offs_m < rows, other=0.0)
+  else:
+    q = tl.load(q_ptr)
+    do = tl.load(do_ptr)
+    lse = tl.load(LSE + stat)
+    delta = tl.load(DELTA + stat)
+  lse = lse * 1.4426950408889634
   return q, do, lse, delta
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, KS: tl.constexpr, kc, bias, n0,
+def _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, n0,
              HKV: tl.constexpr, D: tl.constexpr,
              BLOCK_N: tl.constexpr, QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr,
              MASKED: tl.constexpr, PRECISION: tl.constexpr):
   off = kv0 + kf.to(tl.int64) * (HKV * D)
-  k_ptr = _rows_ptr(K + off, kc, KS * HKV * D, n0, BLOCK_N, D)
-  v_ptr = _rows_ptr(V + off, kc, KS * HKV * D, n0, BLOCK_N, D)
+  k_ptr = _rows_ptr(K + off, kc, ks * (HKV * D), n0, BLOCK_N, D)
+  v_ptr = _rows_ptr(V + off, kc, ks * (HKV * D), n0, BLOCK_N, D)
   if MASKED:
     k = tl.load(k_ptr, boundary_check=(0,), padding_option="zero")
     v = tl.load(v_ptr, boundary_check=(0,), padding_option="zero")
@@ -212,7 +220,7 @@ def _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, KS: tl.constexpr, kc, b
   p = tl.math.exp2(qk - lse[:, None])
   if MASKED:
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    kpos = kf + KS * offs_n
+    kpos = kf + ks * offs_n
     visible = offs_n[None, :] < kc
     if CAUSAL:
       visible = visible & (kpos[None, :] <= qpos[:, None])
@@ -223,16 +231,16 @@ def _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, KS: tl.constexpr, kc, b
 
 
 @triton.jit
-def _dq_walk(dq, q, do, lse, delta, qpos, K, V, kv0, kf, KS: tl.constexpr, kc, bias, ja, jb, jc, jd,
+def _dq_walk(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, ja, jb, jc, jd,
              HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
              QK_SCALE: tl.constexpr,
              CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
   for j in range(jb, jc):
-    dq = _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, KS, kc, bias, j * BLOCK_N,
+    dq = _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, j * BLOCK_N,
                   HKV, D, BLOCK_N, QK_SCALE, CAUSAL, False, PRECISION)
   for i in tl.range(ja, jb + jd - jc, num_stages=1):  # few: not worth pipeline buffers
     j = tl.where(i < jb, i, i - jb + jc)
-    dq = _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, KS, kc, bias, j * BLOCK_N,
+    dq = _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, j * BLOCK_N,
                   HKV, D, BLOCK_N, QK_SCALE, CAUSAL, True, PRECISION)
   return dq
 
@@ -250,7 +258,7 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, DQ_IN, DQ,
   if start_m < rows:
     tok0 = b * N + base + first
     q, do, lse, delta = _query_rows(Q, DO, LSE, DELTA, tok0, h, L, rows, start_m, H, D,
-                                    BLOCK_M)
+                                    BLOCK_M, True)
     qpos = first + L * (start_m + tl.arange(0, BLOCK_M))
     qlo = first + L * start_m
     qhi = first + L * (tl.minimum(start_m + BLOCK_M, rows) - 1)
@@ -260,12 +268,8 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, DQ_IN, DQ,
     for p in range(p0, p1):
       _, kf, ks, kc, bias, ja, jb, jc, jd = _piece(PIECES, BIAS, p, base, qlo, qhi, N, BLOCK_N,
                                                    CAUSAL, False)
-      if L == 1 or ks == 1:
-        dq = _dq_walk(dq, q, do, lse, delta, qpos, K, V, kv0, kf, 1, kc, bias, ja, jb, jc, jd,
-                      HKV, D, BLOCK_N, QK_SCALE, CAUSAL, PRECISION)
-      else:
-        dq = _dq_walk(dq, q, do, lse, delta, qpos, K, V, kv0, kf, L, kc, bias, ja, jb, jc, jd,
-                      HKV, D, BLOCK_N, QK_SCALE, CAUSAL, PRECISION)
+      dq = _dq_walk(dq, q, do, lse, delta, qpos, K, V, kv0, kf, 1 if L == 1 else ks, kc, bias,
+                    ja, jb, jc, jd, HKV, D, BLOCK_N, QK_SCALE, CAUSAL, PRECISION)
     dq = dq * SCALE
     ptr = (tok0 * H + h) * D
     if ACCUMULATE:
@@ -276,15 +280,15 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, DQ_IN, DQ,
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, QS: tl.constexpr, qc, bias, m0,
+def _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias, m0,
                H: tl.constexpr, D: tl.constexpr,
                BLOCK_M: tl.constexpr, QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr,
                MASKED: tl.constexpr, PRECISION: tl.constexpr):
-  q, do, lse, delta = _query_rows(Q, DO, LSE, DELTA, qtok, h, QS, qc, m0, H, D, BLOCK_M)
+  q, do, lse, delta = _query_rows(Q, DO, LSE, DELTA, qtok, h, qs, qc, m0, H, D, BLOCK_M, MASKED)
   qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * QK_SCALE + bias
   p_t = tl.math.exp2(qk_t - lse[None, :])  # [BLOCK_N, BLOCK_M]; 0 on padded queries
   if MASKED and CAUSAL:
-    qpos = qf + QS * (m0 + tl.arange(0, BLOCK_M))
+    qpos = qf + qs * (m0 + tl.arange(0, BLOCK_M))
     p_t = tl.where(kpos[:, None] <= qpos[None, :], p_t, 0.0)
   dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
   dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -294,17 +298,17 @@ def _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, QS: tl.conste
 
 
 @triton.jit
-def _dkdv_walk(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, QS: tl.constexpr, qc, bias, ja, jb, jc,
+def _dkdv_walk(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias, ja, jb, jc,
                jd, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                QK_SCALE: tl.constexpr,
                CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
   for j in range(jb, jc):
-    dk, dv = _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, QS, qc, bias,
+    dk, dv = _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias,
                         j * BLOCK_M, H, D, BLOCK_M, QK_SCALE, CAUSAL, False,
                         PRECISION)
   for i in tl.range(ja, jb + jd - jc, num_stages=1):  # few: not worth pipeline buffers
     j = tl.where(i < jb, i, i - jb + jc)
-    dk, dv = _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, QS, qc, bias,
+    dk, dv = _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias,
                         j * BLOCK_M, H, D, BLOCK_M, QK_SCALE, CAUSAL, True,
                         PRECISION)
   return dk, dv
@@ -338,12 +342,9 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, DK_IN, DV_IN, DK, D
       h, qf, qs, qc, bias, ja, jb, jc, jd = _piece(PIECES, BIAS, p, base, klo, khi, N, BLOCK_M,
                                                    CAUSAL, True)
       qtok = b * N + base + qf
-      if L == 1 or qs == 1:
-        dk, dv = _dkdv_walk(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, 1, qc, bias, ja,
-                            jb, jc, jd, H, D, BLOCK_M, QK_SCALE, CAUSAL, PRECISION)
-      else:
-        dk, dv = _dkdv_walk(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, L, qc, bias, ja,
-                            jb, jc, jd, H, D, BLOCK_M, QK_SCALE, CAUSAL, PRECISION)
+      dk, dv = _dkdv_walk(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf,
+                          1 if L == 1 else qs, qc, bias, ja, jb, jc, jd, H, D, BLOCK_M, QK_SCALE,
+                          CAUSAL, PRECISION)
     dk = dk * SCALE
     k_out = _rows_ptr(DK + kv_base, rows, L * HKV * D, start_n, BLOCK_N, D)
     v_out = _rows_ptr(DV + kv_base, rows, L * HKV * D, start_n, BLOCK_N, D)
