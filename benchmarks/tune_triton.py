@@ -88,7 +88,9 @@ def sweep(kind, candidates, n, h, d, pattern, rows):
   delta = jnp.zeros(lse.shape, jnp.float32)
   saved = dict(tb.CONFIGS)
   for cand in candidates:
-    tb.CONFIGS[(kind, d)] = tb.Config(*cand)
+    for key in saved:  # the candidate for every row regime of this pass and head dim
+      if key[:2] == (kind, d):
+        tb.CONFIGS[key] = tb.Config(*cand)
     if kind == "fwd":
       fn = jax.jit(lambda q, k, v: tb.forward(q, k, v, pattern, scale))
       args = (q, k, v)
@@ -115,6 +117,7 @@ def main():
   ap.add_argument("--head-dim", type=int, default=128)
   ap.add_argument("--skip-checks", action="store_true")
   ap.add_argument("--kinds", default="fwd,dq,dkdv")
+  ap.add_argument("--patterns", default="full,causal,longnet")
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
   print(jax.__version__, jax.devices(), flush=True)
@@ -122,8 +125,10 @@ def main():
     checks()
   n, h, d = args.n, args.heads, args.head_dim
   rows = []
-  patterns = [DilatedPattern((n,), (1,)), DilatedPattern((n,), (1,), causal=True),
-              DilatedPattern((2048, 4096, 8192), (1, 2, 4))]
+  patterns = {"full": DilatedPattern((n,), (1,)),
+              "causal": DilatedPattern((n,), (1,), causal=True),
+              "longnet": DilatedPattern((2048, 4096, 8192), (1, 2, 4))}
+  patterns = [patterns[name] for name in args.patterns.split(",")]
   for pattern in patterns:
     q, k, v, do = inputs(n, h, d)
     if pattern.num_branches == 1:

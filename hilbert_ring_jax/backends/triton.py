@@ -35,25 +35,31 @@ class Config:
   num_stages: int
 
 
-# (pass, head_dim) -> config for long dilated rows; shrunk for short rows by `_config`.
-# Chosen by benchmarks/tune_triton.py on an H100 (bf16, H=16, N=16K, full and causal; see
-# benchmarks/RESULTS.md): forward 128x128 with 8 warps reached 504 TFLOP/s against 473 for
-# 128x64; dq 128x64/8/3 and dk/dv 32x64/4/4 were the fastest backward pair, causal or not.
-CONFIGS = {
-    ("fwd", 64): Config(128, 64, 4, 3),
-    ("fwd", 128): Config(128, 128, 8, 3),
-    ("fwd", 256): Config(64, 32, 8, 2),
-    ("dq", 64): Config(128, 32, 4, 3),
+# (pass, head_dim, rows) -> config, rows being "long" (> 1024 positions per row), "short"
+# or "causal" (long rows under a causal mask); shrunk further for tiny rows by `_config`.
+# Chosen by benchmarks/tune_triton.py on an H100 (bf16, H = 16, N = 16K; full attention,
+# causal, and LongNet's (2048, 4096, 8192) x (1, 2, 4), whose rows are 512 long; see
+# benchmarks/RESULTS.md). float16 shares them; float32 gets smaller blocks (`_config`).
+_LONG = {
+    ("fwd", 64): Config(64, 64, 4, 3),  # 383 TFLOP/s; also best on causal and short rows
+    ("fwd", 128): Config(128, 128, 8, 3),  # 460
+    ("fwd", 256): Config(64, 64, 4, 3),  # 347; larger tiles exceed shared memory
+    ("dq", 64): Config(64, 64, 4, 3),
     ("dq", 128): Config(128, 64, 8, 3),
-    ("dq", 256): Config(64, 32, 8, 2),
-    ("dkdv", 64): Config(32, 64, 4, 4),
+    ("dq", 256): Config(128, 32, 8, 3),
+    ("dkdv", 64): Config(32, 128, 4, 3),
     ("dkdv", 128): Config(32, 64, 4, 4),
     ("dkdv", 256): Config(32, 64, 8, 2),
 }
+CONFIGS = {(kind, d, rows): cfg for (kind, d), cfg in _LONG.items()
+           for rows in ("long", "short", "causal")}
+CONFIGS[("fwd", 128, "short")] = Config(128, 64, 8, 3)  # 447 TFLOP/s against 395 (128x128)
+CONFIGS[("fwd", 128, "causal")] = Config(64, 64, 4, 3)  # 453 against 413
 
 
-def _config(kind: str, head_dim: int, rows: int, itemsize: int) -> Config:
-  cfg = CONFIGS[(kind, max(64, head_dim))]
+def _config(kind: str, head_dim: int, rows: int, causal: bool, itemsize: int) -> Config:
+  regime = "short" if rows <= 1024 else "causal" if causal else "long"
+  cfg = CONFIGS[(kind, max(64, head_dim), regime)]
   if itemsize == 4:  # float32 tiles take twice the shared memory: smaller blocks, 2 stages
     cfg = Config(min(cfg.block_m, 64 if head_dim <= 128 else 32), min(cfg.block_n, 32),
                  cfg.num_warps, 2)
@@ -79,7 +85,8 @@ def _precision(q):
 def _launch(kind, q, k, group, pattern, transposed):
   """(config, schedule tables as arrays, grid, constants) of one launch."""
   b, n, h, d = q.shape
-  cfg = _config(kind, d, schedule.longest_row(pattern, n, group), q.dtype.itemsize)
+  cfg = _config(kind, d, schedule.longest_row(pattern, n, group), pattern.causal,
+                q.dtype.itemsize)
   s = schedule.build(pattern, n, h, k.shape[2], group, transposed)
   pieces = s.pieces if len(s.pieces) else np.zeros((1, 4), np.int32)  # never read
   tables = tuple(jnp.asarray(x) for x in (s.rows, pieces, s.bias))
