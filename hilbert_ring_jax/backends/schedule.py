@@ -74,11 +74,6 @@ def _geometry(pattern, n, group):
   return w0, math.lcm(*(pattern.dilation_rates[b] for b in group))
 
 
-def longest_row(pattern: DilatedPattern, n: int, group) -> int:
-  w0, stride = _geometry(pattern, n, group)
-  return -(-w0 // stride)
-
-
 @functools.lru_cache(maxsize=64)
 def build(pattern: DilatedPattern, n: int, num_heads: int, num_kv_heads: int, group,
           transposed: bool) -> Schedule:

@@ -85,9 +85,11 @@ def _precision(q):
 def _launch(kind, q, k, group, pattern, transposed):
   """(config, schedule tables as arrays, grid, constants) of one launch."""
   b, n, h, d = q.shape
-  cfg = _config(kind, d, schedule.longest_row(pattern, n, group), pattern.causal,
-                q.dtype.itemsize)
   s = schedule.build(pattern, n, h, k.shape[2], group, transposed)
+  if s.periods * b > 65535:  # the grid's second axis
+    raise NotImplementedError(f"the triton backend launches at most 65535 batch x period "
+                              f"programs; got {b} x {s.periods}")
+  cfg = _config(kind, d, s.longest_row, pattern.causal, q.dtype.itemsize)
   pieces = s.pieces if len(s.pieces) else np.zeros((1, 4), np.int32)  # never read
   tables = tuple(jnp.asarray(x) for x in (s.rows, pieces, s.bias))
   row_blocks = -(-s.longest_row // (cfg.block_n if transposed else cfg.block_m))
