@@ -96,6 +96,7 @@ def test_grouping():
   assert together(DilatedPattern((64, 200), (2, 4)), 200)
   assert not together(DilatedPattern((12, 20), (3, 4)), 45)  # not nested
   assert not together(DilatedPattern((16, 32), (1, 2)), 45)  # rows of 8
+  assert not together(DilatedPattern((64, 1 << 20), (1, 2)), 1 << 20)  # 16384 intervals
 
 
 def test_subset_of_branches():

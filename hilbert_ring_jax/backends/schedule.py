@@ -35,6 +35,7 @@ import numpy as np
 from ..pattern import DilatedPattern
 
 _MIN_UNION_ROW = 16  # shortest strided row for which branches are scheduled together
+_MAX_INTERVALS = 64  # most shortest-segments per period (the host tables grow with its square)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -60,18 +61,19 @@ def groups(pattern: DilatedPattern, n: int, branches) -> list[tuple[int, ...]]:
   are long enough, else one by one (the caller merges the results)."""
   branches = tuple(range(pattern.num_branches)) if branches is None else tuple(branches)
   if len(branches) > 1:
-    w0, stride = _geometry(pattern, n, branches)
+    w0, stride, period = _geometry(pattern, n, branches)
     ws = [min(pattern.segment_lengths[b], n) for b in branches]
     nested = all(w % w0 == 0 or w == n for w in ws) and w0 % stride == 0
-    if nested and w0 // stride >= _MIN_UNION_ROW:
+    if nested and w0 // stride >= _MIN_UNION_ROW and period // w0 <= _MAX_INTERVALS:
       return [branches]
   return [(b,) for b in branches]
 
 
 def _geometry(pattern, n, group):
-  """(interval length w0, row stride L) of branches scheduled together."""
-  w0 = min(min(pattern.segment_lengths[b], n) for b in group)
-  return w0, math.lcm(*(pattern.dilation_rates[b] for b in group))
+  """(interval length w0, row stride L, period P) of branches scheduled together."""
+  ws = [min(pattern.segment_lengths[b], n) for b in group]
+  period = n if n in ws else min(math.lcm(*ws), n)
+  return min(ws), math.lcm(*(pattern.dilation_rates[b] for b in group)), period
 
 
 @functools.lru_cache(maxsize=64)
@@ -86,8 +88,7 @@ def build(pattern: DilatedPattern, n: int, num_heads: int, num_kv_heads: int, gr
   ws = [min(pattern.segment_lengths[b], n) for b in group]
   rs = [pattern.dilation_rates[b] for b in group]
   ranges = pattern.head_ranges(num_heads)
-  w0, stride = _geometry(pattern, n, group)
-  period = n if any(w == n for w in ws) else min(math.lcm(*ws), n)
+  w0, stride, period = _geometry(pattern, n, group)
   intervals = -(-period // w0)
   starts = np.arange(intervals) * w0
   lengths = np.minimum(starts + w0, period) - starts
