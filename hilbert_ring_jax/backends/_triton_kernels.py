@@ -28,6 +28,38 @@ def _rows_ptr(base, rows, row_stride, start, BLOCK: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
+def _load(ptr, MASKED: tl.constexpr):
+  """A block-pointer load: bounds-checked (zero padding) when MASKED."""
+  if MASKED:
+    return tl.load(ptr, boundary_check=(0,), padding_option="zero")
+  return tl.load(ptr)
+
+
+@triton.jit
+def _key_rows(K, V, kv0, kf, ks, kc, n0, HKV: tl.constexpr, D: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+  """Block pointers to keys and values `n0 ...` of the piece `(kf, ks, kc)`.
+
+  `ks` is a compile-time 1 when the launch's pieces all have stride 1 (then addresses are a
+  base plus constant offsets), else the piece's runtime stride.
+  """
+  off = kv0 + kf.to(tl.int64) * (HKV * D)
+  return (_rows_ptr(K + off, kc, ks * (HKV * D), n0, BLOCK_N, D),
+          _rows_ptr(V + off, kc, ks * (HKV * D), n0, BLOCK_N, D))
+
+
+@triton.jit
+def _key_visible(qpos, kf, ks, kc, n0, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+  """`[BLOCK_M, BLOCK_N]`: which keys `n0 ...` of the piece exist and (causal) are visible."""
+  offs_n = n0 + tl.arange(0, BLOCK_N)
+  kpos = kf + ks * offs_n
+  visible = offs_n[None, :] < kc
+  if CAUSAL:
+    visible = visible & (kpos[None, :] <= qpos[:, None])
+  return visible
+
+
+@triton.jit
 def _cut(first, count, stride, base, N: tl.constexpr):
   """`count` positions `first, first + stride, ...` of the period at `base`, cut at N."""
   return tl.minimum(count, tl.maximum(N - base - first + stride - 1, 0) // stride).to(tl.int32)
@@ -83,26 +115,12 @@ def _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, n0,
             HKV: tl.constexpr, D: tl.constexpr,
             BLOCK_N: tl.constexpr, QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr,
             MASKED: tl.constexpr, PRECISION: tl.constexpr):
-  """Online softmax (base 2) over keys `n0 ...` of the piece `(kf, ks, kc)`.
-
-  `ks` is a compile-time 1 when the launch's pieces all have stride 1 (then addresses are a
-  base plus constant offsets), else the piece's runtime stride.
-  """
-  off = kv0 + kf.to(tl.int64) * (HKV * D)
-  k_ptr = _rows_ptr(K + off, kc, ks * (HKV * D), n0, BLOCK_N, D)
-  v_ptr = _rows_ptr(V + off, kc, ks * (HKV * D), n0, BLOCK_N, D)
-  if MASKED:
-    k = tl.load(k_ptr, boundary_check=(0,), padding_option="zero")
-  else:
-    k = tl.load(k_ptr)
+  """Online softmax (base 2) over keys `n0 ...` of the piece `(kf, ks, kc)`."""
+  k_ptr, v_ptr = _key_rows(K, V, kv0, kf, ks, kc, n0, HKV, D, BLOCK_N)
+  k = _load(k_ptr, MASKED)
   qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * QK_SCALE + bias
   if MASKED:
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    kpos = kf + ks * offs_n
-    visible = offs_n[None, :] < kc
-    if CAUSAL:
-      visible = visible & (kpos[None, :] <= qpos[:, None])
-    qk = tl.where(visible, qk, float("-inf"))
+    qk = tl.where(_key_visible(qpos, kf, ks, kc, n0, BLOCK_N, CAUSAL), qk, float("-inf"))
   m_new = tl.maximum(m_i, tl.max(qk, 1))
   if MASKED:
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
@@ -111,10 +129,7 @@ def _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, n0,
   p = tl.math.exp2(qk - m_use[:, None])
   alpha = tl.math.exp2(m_i - m_use)
   l_i = l_i * alpha + tl.sum(p, 1)
-  if MASKED:
-    v = tl.load(v_ptr, boundary_check=(0,), padding_option="zero")
-  else:
-    v = tl.load(v_ptr)
+  v = _load(v_ptr, MASKED)
   acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
   return acc, l_i, m_new
 
@@ -188,14 +203,12 @@ def _query_rows(Q, DO, LSE, DELTA, tok0, h, stride, rows, start_m,
   do_ptr = _rows_ptr(DO + q_base, rows, stride * (H * D), start_m, BLOCK_M, D)
   offs_m = start_m + tl.arange(0, BLOCK_M)
   stat = (tok0 + offs_m.to(tl.int64) * stride) * H + h
+  q = _load(q_ptr, MASKED)
+  do = _load(do_ptr, MASKED)
   if MASKED:
-    q = tl.load(q_ptr, boundary_check=(0,), padding_option="zero")
-    do = tl.load(do_ptr, boundary_check=(0,), padding_option="zero")
     lse = tl.load(LSE + stat, mask=offs_m < rows, other=float("inf"))
     delta = tl.load(DELTA + stat, mask=offs_m < rows, other=0.0)
   else:
-    q = tl.load(q_ptr)
-    do = tl.load(do_ptr)
     lse = tl.load(LSE + stat)
     delta = tl.load(DELTA + stat)
   lse = lse * 1.4426950408889634
@@ -207,24 +220,13 @@ def _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, n0,
              HKV: tl.constexpr, D: tl.constexpr,
              BLOCK_N: tl.constexpr, QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr,
              MASKED: tl.constexpr, PRECISION: tl.constexpr):
-  off = kv0 + kf.to(tl.int64) * (HKV * D)
-  k_ptr = _rows_ptr(K + off, kc, ks * (HKV * D), n0, BLOCK_N, D)
-  v_ptr = _rows_ptr(V + off, kc, ks * (HKV * D), n0, BLOCK_N, D)
-  if MASKED:
-    k = tl.load(k_ptr, boundary_check=(0,), padding_option="zero")
-    v = tl.load(v_ptr, boundary_check=(0,), padding_option="zero")
-  else:
-    k = tl.load(k_ptr)
-    v = tl.load(v_ptr)
+  k_ptr, v_ptr = _key_rows(K, V, kv0, kf, ks, kc, n0, HKV, D, BLOCK_N)
+  k = _load(k_ptr, MASKED)
+  v = _load(v_ptr, MASKED)
   qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * QK_SCALE + bias
   p = tl.math.exp2(qk - lse[:, None])
   if MASKED:
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    kpos = kf + ks * offs_n
-    visible = offs_n[None, :] < kc
-    if CAUSAL:
-      visible = visible & (kpos[None, :] <= qpos[:, None])
-    p = tl.where(visible, p, 0.0)
+    p = tl.where(_key_visible(qpos, kf, ks, kc, n0, BLOCK_N, CAUSAL), p, 0.0)
   dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
   ds = p * (dp - delta[:, None])
   return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
