@@ -15,6 +15,8 @@ back to "pallas", then "xla".
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,16 @@ from ..merge import merge
 from ..pattern import DilatedPattern
 from . import _triton_kernels as kernels
 from . import schedule
+
+# jax-triton 0.4 renamed `out_shape=` to `out_type=` (the old name warns); 0.3 knows only the
+# former. Aliasing is avoided altogether: the two versions disagree on whether an aliased
+# output gets its own kernel parameter, so accumulating launches read the previous result as a
+# plain input instead.
+_OUT = "out_type" if "out_type" in inspect.signature(jt.triton_call).parameters else "out_shape"
+# Triton >= 3.7 deprecates the block pointers the kernels use (3.9 removes them; pyproject
+# caps triton below it). The warning is ours to act on, not the user's.
+warnings.filterwarnings("ignore", message=r"tl\.make_block_ptr is deprecated",
+                        category=UserWarning)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +79,23 @@ def _config(kind: str, head_dim: int, rows: int, causal: bool, itemsize: int) ->
   return dataclasses.replace(cfg, block_m=min(cfg.block_m, cap), block_n=min(cfg.block_n, cap))
 
 
+def lowering_problem() -> str | None:
+  """Why jax-triton cannot lower kernels with this JAX, or None.
+
+  jax-triton up to 0.4.1 registers a dead-code-elimination rule of two arguments, and JAX 0.12
+  calls it with three: every jitted call would fail with a TypeError.
+  """
+  if jax.__version_info__ >= (0, 12) and jt.__version_info__ < (0, 5):
+    return (f"jax-triton {jt.__version__} cannot lower kernels on JAX {jax.__version__} "
+            f"(install with the 'gpu' extra, which keeps JAX below 0.12)")
+  return None
+
+
 def _check(q, k):
   if jax.default_backend() != "gpu":
     raise NotImplementedError("the triton backend runs on CUDA GPUs only")
+  if problem := lowering_problem():
+    raise NotImplementedError(problem)
   d = q.shape[-1]
   if d not in (16, 32, 64, 128, 256):
     raise NotImplementedError(f"the triton backend needs a head dim of 16..256, a power of "
@@ -97,6 +123,12 @@ def _launch(kind, q, k, group, pattern, transposed):
                 PERIODS=s.periods, ROW_BLOCKS=row_blocks, CAUSAL=pattern.causal,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q))
   return cfg, tables, (len(s.rows) * row_blocks, s.periods * b), consts
+
+
+def _call(kernel, args, out, cfg, grid, **consts):
+  """One kernel launch: `args` then one parameter per leaf of `out`, which is returned."""
+  return jt.triton_call(*args, kernel=kernel, **{_OUT: out}, grid=grid,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
 
 
 def _batched(fn):
@@ -131,12 +163,10 @@ def _forward(q, k, v, pattern, scale, branches):
   parts = []
   for group in groups:
     cfg, tables, grid, consts = _launch("fwd", q, k, group, pattern, False)
-    parts.append(jt.triton_call(
-        q, k, v, *tables, kernel=kernels.forward_kernel,
-        out_shape=(jax.ShapeDtypeStruct(q.shape, dtype),
-                   jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)),
-        grid=grid, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        QK_SCALE=scale * kernels.LOG2E, **consts))
+    parts.append(_call(
+        kernels.forward_kernel, (q, k, v, *tables),
+        (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)),
+        cfg, grid, QK_SCALE=scale * kernels.LOG2E, **consts))
   return merge([o for o, _ in parts], [lse for _, lse in parts])
 
 
@@ -154,14 +184,9 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches):
   for t, group in enumerate(schedule.groups(pattern, q.shape[1], branches)):
     acc = dict(ACCUMULATE=t > 0, SCALE=scale)  # later groups add to the first's results
     cfg, tables, grid, consts = _launch("dq", q, k, group, pattern, False)
-    dq = jt.triton_call(
-        q, k, v, dout, lse, delta, *tables, dq, kernel=kernels.dq_kernel, out_shape=f32(q),
-        grid=grid, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        input_output_aliases={9: 0} if t else {}, **acc, **consts)
+    dq = _call(kernels.dq_kernel, (q, k, v, dout, lse, delta, *tables, dq), f32(q), cfg, grid,
+               **acc, **consts)
     cfg, tables, grid, consts = _launch("dkdv", q, k, group, pattern, True)
-    dk, dv = jt.triton_call(
-        q, k, v, dout, lse, delta, *tables, dk, dv, kernel=kernels.dkdv_kernel,
-        out_shape=(f32(k), f32(k)), grid=grid, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, input_output_aliases={9: 0, 10: 1} if t else {}, **acc,
-        **consts)
+    dk, dv = _call(kernels.dkdv_kernel, (q, k, v, dout, lse, delta, *tables, dk, dv),
+                   (f32(k), f32(k)), cfg, grid, **acc, **consts)
   return dq, dk, dv

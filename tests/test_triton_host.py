@@ -1,0 +1,66 @@
+"""The "triton" backend's host side against the installed jax-triton, without a GPU.
+
+jax-triton 0.3 and 0.4 disagree on the launch contract (0.4 renamed `out_shape=` and gives
+an aliased output no kernel parameter of its own), so these trace every kind of launch:
+single- and multi-launch patterns, forward and backward (the backward of a multi-launch
+pattern accumulates into the first launch's gradients). With a CUDA-enabled jaxlib installed
+(`pip install -e ".[gpu]"`) the kernels are also compiled for sm_90 on the CPU.
+"""
+
+import functools
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from hilbert_ring_jax import DilatedPattern
+
+try:  # jax-triton imports only with a CUDA-enabled jaxlib (the plugin runs on CPU machines)
+  from hilbert_ring_jax.backends import triton as tb
+except ImportError as e:
+  pytest.skip(f"jax-triton is not importable here ({e}); pip install -e '.[gpu]'",
+              allow_module_level=True)
+
+PATTERNS = {
+    "one_launch": DilatedPattern((128, 512, 2048), (1, 2, 4)),
+    "multi_launch": DilatedPattern((128, 512, 2048), (1, 4, 16)),  # rows of 8: branch by branch
+    "multi_launch_causal_gqa": DilatedPattern((96, 160), (1, 2), causal=True),
+}
+
+
+def _avals(n=2048, heads=4, kv_heads=2, d=64, dtype=jnp.bfloat16):
+  q = jax.ShapeDtypeStruct((1, n, heads, d), dtype)
+  kv = jax.ShapeDtypeStruct((1, n, kv_heads, d), dtype)
+  lse = jax.ShapeDtypeStruct((1, n, heads), jnp.float32)
+  return q, kv, lse
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_launches_trace(name):
+  pattern = PATTERNS[name]
+  q, kv, lse = _avals()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", DeprecationWarning)  # jax-triton 0.4 deprecates old names
+    out, out_lse = jax.eval_shape(lambda q, k, v: tb._forward(q, k, v, pattern, 0.1, None),
+                                  q, kv, kv)
+    grads = jax.eval_shape(lambda *a: tb._backward(*a, pattern, 0.1, None),
+                           q, kv, kv, q, lse, lse)
+  assert (out.shape, out_lse.shape, out_lse.dtype) == (q.shape, lse.shape, jnp.float32)
+  assert [(g.shape, g.dtype) for g in grads] == [(x.shape, jnp.float32) for x in (q, kv, kv)]
+
+
+def test_kernels_compile_for_sm90(monkeypatch):
+  """The multi-launch backward compiles to sm_90 machine code (Triton's own compiler, CPU)."""
+  if problem := tb.lowering_problem():  # the backend declines there, and dispatch moves on
+    pytest.skip(problem)
+  pattern = PATTERNS["multi_launch"]
+  q, kv, lse = _avals(n=1024, d=32)
+  monkeypatch.setattr(tb.jt, "triton_call",
+                      functools.partial(tb.jt.triton_call, compute_capability=90))
+  fn = jax.jit(lambda *a: tb._backward(*a, pattern, 0.1, None))
+  text = fn.trace(q, kv, kv, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text()
+  # Three branches run one by one: a dq and a dk/dv kernel each, none aliased.
+  assert len(re.findall(r"custom_call @triton_kernel_call\w*\(", text)) == 6
+  assert "output_operand_aliases" not in text
