@@ -1,4 +1,4 @@
-"""Sweeps `BlockSizes` of the pallas backend on the GPU: forward and backward timed apart.
+"""Sweeps `Config`s of the pallas backend on the GPU: forward and backward timed apart.
 
 Usage:
   python benchmarks/tune_pallas.py --n 16384 --head-dim 128 --json tune.json
@@ -56,11 +56,13 @@ def main():
     if name not in args.patterns.split(","):
       continue
     flops = 4 * d * pattern.visible_pairs(n, h)
-    out, lse = jax.jit(lambda q, k, v: pallas.forward(q, k, v, pattern, scale))(q, k, v)
+    out, lse = jax.jit(lambda q, k, v: pallas.forward(q, k, v, pattern, scale,
+                                                      out_dtype=q.dtype))(q, k, v)
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     for cfg in args.forward:
-      bs = pallas.BlockSizes(cfg[0], cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-      fn = jax.jit(lambda q, k, v, bs=bs: pallas.forward(q, k, v, pattern, scale, block_sizes=bs))
+      bs = pallas.Config(block_q=cfg[0], block_k=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+      fn = jax.jit(lambda q, k, v, bs=bs: pallas.forward(q, k, v, pattern, scale, config=bs,
+                                                         out_dtype=q.dtype))
       try:
         ms = median_ms(fn, (q, k, v), runs=7)
         row = {"pattern": name, "pass": "fwd", "cfg": cfg, "ms": ms, "tflops": flops / ms / 1e9}
@@ -69,8 +71,9 @@ def main():
       rows.append(row)
       print(json.dumps(row), flush=True)
     for cfg in args.backward:
-      bs = pallas.BlockSizes(128, 64, *cfg[:4], num_warps_bwd=cfg[4], num_stages_bwd=cfg[5])
-      fn = jax.jit(lambda *a, bs=bs: pallas.backward(*a, pattern, scale, block_sizes=bs))
+      bs = pallas.Config(block_q_dq=cfg[0], block_k_dq=cfg[1], block_q_dkv=cfg[2],
+                         block_k_dkv=cfg[3], num_warps_bwd=cfg[4], num_stages_bwd=cfg[5])
+      fn = jax.jit(lambda *a, bs=bs: pallas.backward(*a, pattern, scale, config=bs))
       try:
         ms = median_ms(fn, (q, k, v, dout, lse, delta), runs=7)
         row = {"pattern": name, "pass": "bwd", "cfg": cfg, "ms": ms,

@@ -3,7 +3,7 @@
 1. Checks: triton against xla at float32 "highest" precision (relative L2 of out, lse and
    the three gradients) over shapes that exercise GQA, ragged segments, both offsets, head
    groups, causal, and bf16/f16/f32.
-2. Sweeps: every candidate `Config` of the forward, dq and dk/dv kernels, timed apart (device-
+2. Sweeps: every candidate `Tiles` of the forward, dq and dk/dv kernels, timed apart (device-
    synchronized medians), on full attention and the LongNet pattern; cuDNN in the same run.
 Usage: python benchmarks/tune_triton.py [--n 16384] [--json out.json] [--skip-checks]
 """
@@ -86,17 +86,17 @@ def sweep(kind, candidates, n, h, d, pattern, rows):
   _, lse = dilated_attention(q, k, v, pattern, return_lse=True, implementation="xla"
                              if n <= 8192 else "triton")
   delta = jnp.zeros(lse.shape, jnp.float32)
-  saved = dict(tb.CONFIGS)
   for cand in candidates:
-    for key in saved:  # the candidate for every row regime of this pass and head dim
-      if key[:2] == (kind, d):
-        tb.CONFIGS[key] = tb.Config(*cand)
+    m, n_, warps, stages = cand
+    config = tb.Config(**{kind: tb.Tiles(block_m=m, block_n=n_, num_warps=warps,
+                                         num_stages=stages)})
     if kind == "fwd":
-      fn = jax.jit(lambda q, k, v: tb.forward(q, k, v, pattern, scale))
+      fn = jax.jit(lambda q, k, v: tb.forward(q, k, v, pattern, scale, config=config,
+                                              out_dtype=q.dtype))
       args = (q, k, v)
     else:
       fn = jax.jit(lambda q, k, v, do, lse, delta: tb.backward(q, k, v, do, lse, delta, pattern,
-                                                                scale))
+                                                                scale, config=config))
       args = (q, k, v, do, lse, delta)
     try:
       ms = median_ms(fn, args, runs=7)
@@ -106,8 +106,6 @@ def sweep(kind, candidates, n, h, d, pattern, rows):
       row = dict(kind=kind, cfg=cand, n=n, error=f"{type(e).__name__}: {str(e)[:200]}")
     rows.append(row)
     print(json.dumps(row), flush=True)
-    tb.CONFIGS.clear()
-    tb.CONFIGS.update(saved)
 
 
 def main():

@@ -1,8 +1,8 @@
-"""`dilated_attention` and its implementation dispatcher."""
+"""`dilated_attention`: input checks, then the backend `backends.resolve` picks."""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
@@ -15,7 +15,7 @@ from .pattern import DilatedPattern
 
 
 def check_inputs(q, k, v, pattern) -> None:
-  """Raises `ValueError` naming the argument for anything SPEC.md calls bad input."""
+  """Raises `ValueError` naming the argument for anything docs/SPEC.md calls bad input."""
   if not isinstance(pattern, DilatedPattern):
     raise ValueError(f"pattern must be a DilatedPattern, got {type(pattern).__name__}")
   for name, x in (("q", q), ("k", k), ("v", v)):
@@ -48,58 +48,38 @@ def check_scale(scale, head_dim: int) -> float:
   return float(scale)
 
 
-def implementation_names(implementation) -> tuple[str, ...]:
-  """Resolves `implementation` (None, a name or a sequence of names) to backend names."""
-  if implementation is None:
-    if jax.default_backend() == "gpu":
-      # JAX 0.12 deprecates Pallas's Triton lowering (with a warning): ask for it by name there.
-      pallas = ("pallas",) if jax.__version_info__ < (0, 12) else ()
-      return ("triton", *pallas, "xla")
-    return ("xla",)
-  names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
-  for name in names:
-    if name not in backends.NAMES:
-      raise ValueError(
-          f"implementation must be None, one of {backends.NAMES} or a sequence of them, "
-          f"got implementation={implementation!r}")
-  if not names:
-    raise ValueError("implementation must not be an empty sequence")
-  return names
+@dataclasses.dataclass(frozen=True)
+class _Dispatch:
+  """The kernel contract of one `dilated_attention` call: backends resolved, config bound."""
+
+  pattern: DilatedPattern
+  scale: float
+  forward_backend: str
+  backward_backend: str
+  config: object = None
+
+  def forward(self, q, k, v):
+    backend = backends.load(self.forward_backend)
+    return backend.forward(q, k, v, self.pattern, self.scale, out_dtype=q.dtype,
+                           config=backends.config_for(backend, self.config))
+
+  def backward(self, q, k, v, dout, lse, delta):
+    backend = backends.load(self.backward_backend)
+    return backend.backward(q, k, v, dout, lse, delta, self.pattern, self.scale,
+                            config=backends.config_for(backend, self.config))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, pattern, scale, name):
-  out, lse = backends.load(name).forward(q, k, v, pattern, scale)
-  return out.astype(q.dtype), lse.astype(jnp.float32)
-
-
-def _attention_fwd(q, k, v, pattern, scale, name):
-  out, lse = _attention(q, k, v, pattern, scale, name)
-  return (out, lse), (q, k, v, out, lse)
-
-
-def _attention_bwd(pattern, scale, name, res, cotangents):
-  q, k, v, out, lse = res
-  dout, dlse = cotangents
-  # delta_i = sum_d dout * out - dlse: the one row statistic every backward needs.
-  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  delta = delta - dlse.astype(jnp.float32)
-  grads = backends.load(name).backward(q, k, v, dout, lse, delta, pattern, scale)
-  return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
 # Compiled as one program even when called eagerly; inlined under an outer jit.
-_attention_jit = jax.jit(_attention, static_argnums=(3, 4, 5))
+_attention_jit = jax.jit(backends.attention, static_argnums=3)
 
 
 def dilated_attention(q, k, v, pattern: DilatedPattern, *, scale: float | None = None,
                       return_lse: bool = False,
-                      implementation: str | Sequence[str] | None = None):
+                      implementation: str | Sequence[str] | None = None, config=None):
   """LongNet dilated attention: every branch of `pattern`, merged by softmax denominators.
 
-  Computes SPEC.md's function: for query `i` and head `h`, a softmax over the keys each
-  branch makes visible (counted once per branch that sees them), in float32.
+  Computes the function of docs/SPEC.md: for query `i` and head `h`, a softmax over the keys
+  each branch makes visible (counted once per branch that sees them), in float32.
 
   Args:
     q: `[B, N, H, D]` queries, in processing order (serialize first for a Hilbert order).
@@ -109,12 +89,19 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, scale: float | None =
     return_lse: also return the float32 `[B, N, H]` log of the softmax denominator
       (`-inf` where a query sees no key).
     implementation: None (the fastest for the platform), a backend name ("triton",
-      "pallas", "xla") or a sequence tried in order; a backend that cannot run the
-      configuration raises `NotImplementedError` and the next one runs. "xla" always works.
+      "pallas", "xla") or a sequence: the first that supports the configuration runs, forward
+      and backward. "xla" supports every valid configuration.
+    config: a backend's `Config` (e.g. `hilbert_ring_jax.backends.triton.Config(...)`) to
+      run that backend with instead of its tuned defaults; other backends ignore it.
 
   Returns:
     `out` with q's shape and dtype, or `(out, lse)`. Differentiable (exact gradients, with
     memory linear in N), and usable under `jit` and `vmap`.
+
+  Raises:
+    ValueError: bad input (docs/SPEC.md, section 9), naming the argument.
+    NotImplementedError: no candidate backend runs the configuration (`NoBackendError`,
+      with each backend's reason).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -126,12 +113,11 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, scale: float | None =
   """
   check_inputs(q, k, v, pattern)
   scale = check_scale(scale, q.shape[-1])
-  errors = []
-  for name in implementation_names(implementation):
-    try:
-      out, lse = _attention_jit(q, k, v, pattern, scale, name)
-    except NotImplementedError as e:
-      errors.append(f"{name}: {e}")
-      continue
-    return (out, lse) if return_lse else out
-  raise NotImplementedError("no implementation can run this configuration: " + "; ".join(errors))
+  names = backends.candidates(implementation)
+  backends.check_config(config)
+  problem = backends.Problem.of(q, k, pattern)
+  forward = backends.resolve(names, problem)
+  backward = backends.resolve(names, dataclasses.replace(problem, backward=True))
+  kernel = _Dispatch(pattern, scale, forward, backward, config)
+  out, lse = _attention_jit(q, k, v, kernel)
+  return (out, lse) if return_lse else out

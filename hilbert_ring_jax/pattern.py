@@ -6,6 +6,8 @@ import dataclasses
 import numbers
 from collections.abc import Sequence
 
+import numpy as np
+
 _OFFSETS = ("head", "all")
 
 
@@ -102,6 +104,15 @@ class DilatedPattern:
       bounds.append(bounds[-1] + base + (1 if b < extra else 0))
     return tuple(zip(bounds[:-1], bounds[1:]))
 
+  def layout(self, seq_len: int, num_heads: int, branches=None) -> tuple[Branch, ...]:
+    """The geometry of `branches` (indices, default all) over `seq_len` tokens and `num_heads`
+    query heads: the one place where segments, residues and head coverage are derived."""
+    ranges = self.head_ranges(num_heads)
+    indices = range(self.num_branches) if branches is None else branches
+    return tuple(Branch(b, seq_len, min(self.segment_lengths[b], seq_len),
+                        self.dilation_rates[b], range(*ranges[b]), self.offsets == "head",
+                        self.causal) for b in indices)
+
   def visible_pairs(self, seq_len: int, num_heads: int) -> int:
     """Query-key-head triples the pattern makes visible, counted with multiplicity `m`.
 
@@ -109,13 +120,78 @@ class DilatedPattern:
     benchmarks (the backward is counted as 2.5x that).
     """
     total = 0
-    for (w, r), (h0, h1) in zip(self.branches, self.head_ranges(num_heads)):
-      w = min(w, seq_len)
-      for h in range(h0, h1):
-        residues = range(r) if self.offsets == "all" else (h % r,)
+    for br in self.layout(seq_len, num_heads):
+      for h in br.heads:
         # (segment length, how many segments of it): the full ones and a shorter last one.
-        for length, count in ((w, seq_len // w), (seq_len % w, 1)):
-          for c in residues:
-            n = len(range(c, length, r))
+        for length, count in ((br.w, seq_len // br.w), (seq_len % br.w, 1)):
+          for c in br.residues(h):
+            n = len(range(c, length, br.r))
             total += count * (n * (n + 1) // 2 if self.causal else n * n)
     return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Branch:
+  """Branch `index` of a pattern laid over `n` tokens: its geometry, derived once.
+
+  Segment `s` holds positions `[s w, (s + 1) w)` (the last may be shorter); within it, the
+  residue of position `p` is `(p % w) % r`, and residue class `c` is the strided *row*
+  `c, c + r, ...` of at most `rows = ceil(w / r)` tokens. Query head `h` takes part when it is
+  in `heads`; with `offsets="head"` it then reads only the class `h % r` (`per_head`), with
+  `offsets="all"` every class. Backends lay rows out their own way (folded into a batch, an
+  index map, a schedule), but read these fields rather than re-deriving them.
+
+  Example:
+    >>> (br,) = DilatedPattern((8,), (2,)).layout(20, num_heads=4)
+    >>> br.segments, br.rows, br.residues(3), br.per_head
+    (3, 4, (1,), True)
+  """
+
+  index: int
+  n: int            # sequence length
+  w: int            # effective segment length: min(w_b, n)
+  r: int            # dilation rate
+  heads: range      # the query heads this branch covers (head_groups: a contiguous group)
+  head_offsets: bool  # offsets="head"
+  causal: bool
+
+  @property
+  def segments(self) -> int:
+    return -(-self.n // self.w)
+
+  @property
+  def rows(self) -> int:
+    """Tokens of a residue class in a whole segment: `ceil(w / r)`."""
+    return -(-self.w // self.r)
+
+  @property
+  def per_head(self) -> bool:
+    """Whether each head reads one residue class (offsets="head" with r > 1)."""
+    return self.head_offsets and self.r > 1
+
+  def residues(self, h: int) -> tuple[int, ...]:
+    """The residue classes query head `h` reads (none if the branch does not cover it)."""
+    if h not in self.heads:
+      return ()
+    return (h % self.r,) if self.per_head else tuple(range(self.r))
+
+  def covered(self, num_heads: int) -> np.ndarray:
+    """`[n, H]` bool: the (token, head) rows this branch computes."""
+    pos, head = np.arange(self.n)[:, None], np.arange(num_heads)[None, :]
+    inside = (head >= self.heads.start) & (head < self.heads.stop)
+    return inside & ((pos % self.w) % self.r == head % self.r) if self.per_head else inside
+
+  def visible(self, num_heads: int) -> np.ndarray:
+    """`[H, n, n]` bool: key `j` visible to query `i` for head `h` (dense: for checks)."""
+    p = np.arange(self.n)
+    res = (p % self.w) % self.r
+    vis = (p[:, None] // self.w == p[None, :] // self.w) & (res[:, None] == res[None, :])
+    if self.causal:
+      vis &= p[None, :] <= p[:, None]
+    rows = self.covered(num_heads).T  # [H, n]: queries (hence, same class, keys) per head
+    return vis[None] & rows[:, :, None]
+
+
+def heads_per_kv(num_heads: int, num_kv_heads: int) -> int:
+  """Query heads sharing one key/value head (GQA); query head `h` reads `h // heads_per_kv`."""
+  return num_heads // num_kv_heads

@@ -5,23 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .pattern import DilatedPattern
+from .pattern import DilatedPattern, heads_per_kv
 
 
 def visibility_counts(pattern: DilatedPattern, n: int, num_heads: int) -> np.ndarray:
   """`m[h, i, j]`: in how many branches key `j` is visible to query `i` for head `h`."""
-  p = np.arange(n)
-  counts = np.zeros((num_heads, n, n), np.int32)
-  for (w, r), (h0, h1) in zip(pattern.branches, pattern.head_ranges(num_heads)):
-    w = min(w, n)
-    res = (p % w) % r
-    vis = (p[:, None] // w == p[None, :] // w) & (res[:, None] == res[None, :])
-    if pattern.causal:
-      vis &= p[None, :] <= p[:, None]
-    for h in range(h0, h1):
-      head_vis = vis & (res[:, None] == h % r) if pattern.offsets == "head" else vis
-      counts[h] += head_vis
-  return counts
+  return sum(br.visible(num_heads).astype(np.int32) for br in pattern.layout(n, num_heads))
 
 
 def dilated_attention_reference(q, k, v, pattern: DilatedPattern, *, scale=None,
@@ -34,9 +23,9 @@ def dilated_attention_reference(q, k, v, pattern: DilatedPattern, *, scale=None,
   scale = d ** -0.5 if scale is None else scale
   acc = jnp.promote_types(q.dtype, jnp.float32)
   counts = jnp.asarray(visibility_counts(pattern, n, h), acc)
-  group = h // k.shape[2]
-  kh = jnp.repeat(k, group, axis=2).astype(acc)
-  vh = jnp.repeat(v, group, axis=2).astype(acc)
+  per_kv = heads_per_kv(h, k.shape[2])
+  kh = jnp.repeat(k, per_kv, axis=2).astype(acc)
+  vh = jnp.repeat(v, per_kv, axis=2).astype(acc)
   # s: [B, H, N, N]
   s = jnp.einsum("BTHD,BSHD->BHTS", q.astype(acc), kh) * scale
   s = jnp.where(counts > 0, s, -jnp.inf)

@@ -27,37 +27,37 @@ import jax
 import jax.numpy as jnp
 
 from . import backends
-from .api import check_inputs, check_scale, implementation_names
+from .api import check_inputs, check_scale
 from .backends.xla import transpose
 from .merge import merge
-from .pattern import DilatedPattern
+from .pattern import Branch, DilatedPattern, heads_per_kv
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-  """How branch `index` runs on `shards` shards of `n` tokens (see the module docstring)."""
+  """How `branch` (laid over the whole sequence) runs on `shards` shards of `n` tokens (see
+  the module docstring)."""
 
-  index: int
+  branch: Branch
   kind: str         # "local" | "ring" | "gather"
   n: int
   shards: int
-  group: int = 1    # ring: shards per segment
+  span: int = 1     # ring: shards per segment (a sub-ring)
   compact: bool = False  # ring: only each head's residue rows travel
   zigzag: bool = False   # ring, causal: half-shard chunks dealt out in zigzag order
 
 
-def _plans(pattern: DilatedPattern, n: int, shards: int, kv_group: int):
-  for b, (w, r) in enumerate(pattern.branches):
-    w = min(w, n * shards)
-    if n % w == 0:
-      yield _Plan(b, "local", n, shards)
-    elif w % n == 0 and n % r == 0:
-      compact = pattern.offsets == "head" and 1 < r and kv_group < r
+def _plans(pattern: DilatedPattern, n: int, shards: int, num_heads: int, per_kv: int):
+  for br in pattern.layout(n * shards, num_heads):
+    if n % br.w == 0:
+      yield _Plan(br, "local", n, shards)
+    elif br.w % n == 0 and n % br.r == 0:
+      compact = br.per_head and per_kv < br.r
       # Zigzag needs half-shards that keep whole residue classes: n / 2 (compact: n / 2r) rows.
-      zigzag = pattern.causal and (n // r % 2 == 0 if compact else (n // 2) % r == 0)
-      yield _Plan(b, "ring", n, shards, w // n, compact, zigzag and n % 2 == 0)
+      zigzag = br.causal and (n // br.r % 2 == 0 if compact else (n // 2) % br.r == 0)
+      yield _Plan(br, "ring", n, shards, br.w // n, compact, zigzag and n % 2 == 0)
     else:
-      yield _Plan(b, "gather", n, shards)
+      yield _Plan(br, "gather", n, shards)
 
 
 def _rotation(plan: _Plan, hop: int, causal_forward: bool = False):
@@ -69,8 +69,8 @@ def _rotation(plan: _Plan, hop: int, causal_forward: bool = False):
   would deliver later ones are left out.
   """
   pairs = []
-  for base in range(0, plan.shards, plan.group):
-    size = min(plan.group, plan.shards - base)
+  for base in range(0, plan.shards, plan.span):
+    size = min(plan.span, plan.shards - base)
     for j in range(size):
       if causal_forward:
         if j >= max(hop, 1):
@@ -80,49 +80,65 @@ def _rotation(plan: _Plan, hop: int, causal_forward: bool = False):
   return pairs
 
 
-def _compact(x, r, heads, head_of):
-  """`[B, n, X, ...]` -> `[B, n / r, E, ...]`: head `h` keeps the rows of residue `h % r`."""
+def _compact(x, branch, head_of):
+  """`[B, n, X, ...]` -> `[B, n / r, E, ...]`: head `h` keeps the rows of its residue class."""
+  r = branch.r
   x = x.reshape(x.shape[0], x.shape[1] // r, r, *x.shape[2:])
-  return jnp.stack([x[:, :, h % r, head_of(h)] for h in heads], axis=2)
+  return jnp.stack([x[:, :, branch.residues(h)[0], head_of(h)] for h in branch.heads], axis=2)
 
 
-class _Step:
-  """One branch's arrays and backend call, in the layout its steps use (compact or not)."""
+class _RingBranch:
+  """One branch's backend (resolved once) and the layout its steps use (compact or not).
 
-  def __init__(self, plan, pattern, scale, names, q, k):
-    self.plan, self.scale, self.names = plan, scale, names
-    num_heads, kv_group = q.shape[2], q.shape[2] // k.shape[2]
-    r = pattern.dilation_rates[plan.index]
-    self.r = r
-    self.heads = range(*pattern.head_ranges(num_heads)[plan.index])
-    self.kv_group = kv_group
+  A step hands a backend an ordinary problem, with a pattern made for the step's arrays:
+  - compact ring: the arrays are the residue rows of one segment, one key head per query
+    head, so the step is plain (undilated) attention over one segment: `((length,), (1,))`;
+  - ring: the arrays are one segment's worth of tokens (the step's shard or half-shard), so
+    the branch's segment length becomes the step length. Residues stay right because shards
+    start at multiples of `r` (the plan needs `n % r == 0`), and causal order within the
+    arrays is global order; steps against another shard's keys are non-causal, the plan
+    having decided which are visible at all;
+  - local and gather: the arrays are whole segments at their true positions: the pattern
+    itself, restricted to the branch.
+  """
+
+  def __init__(self, plan, pattern, scale, names, config, q, k):
+    self.plan, self.scale, self.config = plan, scale, config
+    br = plan.branch
+    self.per_kv = heads_per_kv(q.shape[2], k.shape[2])
     if plan.kind == "ring" and plan.compact:
-      # The arrays of a step are one segment of compact rows: undilated, one key head per
-      # query head.
       self.pattern = lambda causal, length: DilatedPattern((length,), (1,), causal=causal)
       self.branches = None
     elif plan.kind == "ring":
-      def step_pattern(causal, length):  # the arrays of a step are one segment
+      def step_pattern(causal, length):
         segs = list(pattern.segment_lengths)
-        segs[plan.index] = length
+        segs[br.index] = length
         return dataclasses.replace(pattern, segment_lengths=tuple(segs), causal=causal)
       self.pattern = step_pattern
-      self.branches = (plan.index,)
+      self.branches = (br.index,)
     else:
       self.pattern = lambda causal, length: dataclasses.replace(pattern, causal=causal)
-      self.branches = (plan.index,)
-    self.causal = pattern.causal
+      self.branches = (br.index,)
+    self.causal = br.causal
+    # One resolution per branch, from the shapes of its first step; forward and backward
+    # ask the same question. `like=q`: inside shard_map the inputs vary over the mesh.
+    n = plan.n * plan.shards if plan.kind == "gather" else plan.n
+    heads = (len(br.heads),) * 2 if plan.compact else (q.shape[2], k.shape[2])
+    rows = n // br.r if plan.compact else n
+    sq, sk = (jax.ShapeDtypeStruct((x.shape[0], rows, e, x.shape[3]), x.dtype)
+              for x, e in zip((q, k), heads))
+    problem = backends.Problem.of(sq, sk, self.pattern(br.causal, rows), self.branches, like=q)
+    self.backend = backends.load(backends.resolve(names, problem))
+    self.backend_config = backends.config_for(self.backend, config)
 
   # Layout: compaction for the "compact" ring, identity otherwise.
   def query(self, x):
-    if not self.plan.compact:
-      return x
-    return _compact(x, self.r, self.heads, lambda h: h)
+    return _compact(x, self.plan.branch, lambda h: h) if self.plan.compact else x
 
   def key(self, x):
     if not self.plan.compact:
       return x
-    return _compact(x, self.r, self.heads, lambda h: h // self.kv_group)
+    return _compact(x, self.plan.branch, lambda h: h // self.per_kv)
 
   def unquery(self, x, like):
     return transpose(self.query, x, like) if self.plan.compact else x
@@ -130,24 +146,23 @@ class _Step:
   def unkey(self, x, like):
     return transpose(self.key, x, like) if self.plan.compact else x
 
-  def covered(self, n, num_heads):
-    """`[n, H]`: the rows a compact branch computes (its heads, each at its residue)."""
-    pos, head = jnp.arange(n)[:, None], jnp.arange(num_heads)[None, :]
-    inside = (head >= self.heads.start) & (head < self.heads.stop)
-    return inside & (pos % self.r == head % self.r)
+  def covered(self, num_heads):
+    """`[n, H]`: the local rows a compact branch computes (each head at its residue).
 
-  def backend(self, q, k, v, causal):
-    pattern = self.pattern(causal, q.shape[1])
-    name = backends.select(self.names, q, k, v, pattern, self.scale, self.branches)
-    return backends.load(name), pattern
+    A shard starts at a multiple of `n`, which `r` divides, so a local position has its
+    global position's residue: the branch laid over one shard covers the same rows."""
+    return dataclasses.replace(self.plan.branch, n=self.plan.n, w=self.plan.n).covered(num_heads)
 
   def forward(self, q, k, v, causal):
-    backend, pattern = self.backend(q, k, v, causal)
-    return _vary_like(backend.forward(q, k, v, pattern, self.scale, self.branches), q)
+    pattern = self.pattern(causal, q.shape[1])
+    parts = self.backend.forward(q, k, v, pattern, self.scale, branches=self.branches,
+                                 config=self.backend_config)
+    return _vary_like(parts, q)
 
   def backward(self, q, k, v, dout, lse, delta, causal):
-    backend, pattern = self.backend(q, k, v, causal)
-    grads = backend.backward(q, k, v, dout, lse, delta, pattern, self.scale, self.branches)
+    pattern = self.pattern(causal, q.shape[1])
+    grads = self.backend.backward(q, k, v, dout, lse, delta, pattern, self.scale,
+                                  branches=self.branches, config=self.backend_config)
     return _vary_like(grads, q)
 
 
@@ -169,8 +184,8 @@ def _varying(x, axis_name):
 def _step_position(plan, axis_name):
   """(this device's place in its sub-ring, the sub-ring's size), as traced values."""
   p = jax.lax.axis_index(axis_name)
-  full = (plan.shards // plan.group) * plan.group
-  return p % plan.group, jnp.where(p >= full, plan.shards - full, plan.group)
+  full = (plan.shards // plan.span) * plan.span
+  return p % plan.span, jnp.where(p >= full, plan.shards - full, plan.span)
 
 
 def _visible(plan, causal, step, axis_name):
@@ -188,8 +203,8 @@ def _zigzag_pairs(plan):
   the even-numbered chunks and for the odd-numbered ones (each a permutation).
   """
   even, odd = [], []
-  for base in range(0, plan.shards, plan.group):
-    size = min(plan.group, plan.shards - base)
+  for base in range(0, plan.shards, plan.span):
+    size = min(plan.span, plan.shards - base)
     for i in range(size):
       even.append((base + i, base + (2 * i if 2 * i < size else 2 * size - 1 - 2 * i)))
       odd.append((base + i, base + (2 * i + 1 if 2 * i + 1 < size else 2 * size - 2 - 2 * i)))
@@ -234,7 +249,7 @@ def _ring_forward(st, q, k, v, axis_name):
   acc = st.forward(qs, *kv, st.causal)
   zeros = lambda: (_varying(jnp.zeros(acc[0].shape, acc[0].dtype), axis_name),
                    _varying(jnp.full(acc[1].shape, -jnp.inf, acc[1].dtype), axis_name))
-  for step in range(1, plan.group):
+  for step in range(1, plan.span):
     # Issued before the previous step's compute is consumed, so XLA overlaps the two.
     kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step, causal_forward=st.causal))
     part = jax.lax.cond(_visible(plan, st.causal, step, axis_name),
@@ -252,7 +267,7 @@ def _zigzag_forward(st, qs, kv, axis_name):
   lo = st.forward(q0, k0, v0, True)
   hi = _merge2(st.forward(q1, k0, v0, False), st.forward(q1, k1, v1, True))
   place, size = _step_position(plan, axis_name)
-  for step in range(1, plan.group):
+  for step in range(1, plan.span):
     kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step))
     (k0, k1), (v0, v1) = _halves(*kv)
     # Keys from an earlier device: both query chunks see its early chunk. From a later one
@@ -275,12 +290,12 @@ def _backward_steps(plan, kv, grads, step_grads, axis_name):
   dq stays. `step_grads(kv, step)` gives a step's `(dq, dk, dv)` contributions.
   """
   dq, dk, dv = grads
-  for step in range(1, plan.group + 1):
+  for step in range(1, plan.span + 1):
     perm = _rotation(plan, step)
-    if step < plan.group:
+    if step < plan.span:
       kv = jax.lax.ppermute(kv, axis_name, perm)
     dk, dv = jax.lax.ppermute((dk, dv), axis_name, perm)
-    if step < plan.group:
+    if step < plan.span:
       part = step_grads(kv, step)
       dq, dk, dv = dq + part[0], dk + part[1], dv + part[2]
   return dq, dk, dv
@@ -343,80 +358,69 @@ def _local_rows(x, axis_name, n):
   return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis_name) * n, n, axis=1)
 
 
-def _forward(q, k, v, pattern, scale, axis_name, names):
-  shards = jax.lax.axis_size(axis_name)
-  n, num_heads = q.shape[1], q.shape[2]
-  outs, lses = [], []
-  for plan in _plans(pattern, n, shards, num_heads // k.shape[2]):
-    st = _Step(plan, pattern, scale, names, q, k)
-    if plan.kind == "local":
-      o, lse = st.forward(q, k, v, pattern.causal)
-    elif plan.kind == "gather":
-      o, lse = st.forward(*(_gather(x, axis_name) for x in (q, k, v)), pattern.causal)
-      o, lse = _local_rows(o, axis_name, n), _local_rows(lse, axis_name, n)
-    else:
-      o, lse = _ring_forward(st, q, k, v, axis_name)
-      if plan.compact:  # a compact row sees at least itself, so its lse is finite
-        o = st.unquery(o, q)
-        lse = jnp.where(st.covered(n, num_heads), st.unquery(lse[..., None], q[..., :1])[..., 0],
-                        -jnp.inf)
-    outs.append(o)
-    lses.append(lse)
-  return merge(outs, lses)
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """The kernel contract of a ring call (for `backends.attention`): per branch, the plan's
+  steps on this device's shard, merged."""
 
+  pattern: DilatedPattern
+  scale: float
+  axis_name: str
+  names: tuple[str, ...]
+  config: object = None
 
-def _backward(q, k, v, dout, lse, delta, pattern, scale, axis_name, names):
-  shards = jax.lax.axis_size(axis_name)
-  n, num_heads = q.shape[1], q.shape[2]
-  acc = jnp.promote_types(q.dtype, jnp.float32)
-  dq, dk, dv = (jnp.zeros(x.shape, acc) for x in (q, k, v))
-  for plan in _plans(pattern, n, shards, num_heads // k.shape[2]):
-    st = _Step(plan, pattern, scale, names, q, k)
-    if plan.kind == "local":
-      g = st.backward(q, k, v, dout, lse, delta, pattern.causal)
-    elif plan.kind == "gather":
-      full = [_gather(x, axis_name) for x in (q, k, v, dout, lse, delta)]
-      g = [_local_rows(x, axis_name, n) for x in st.backward(*full, pattern.causal)]
-    else:
-      gq, gk, gv = _ring_backward(st, q, k, v, dout, lse, delta, axis_name)
-      g = (st.unquery(gq, q), st.unkey(gk, k), st.unkey(gv, v))
-    dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
-  return dq, dk, dv
+  def _branches(self, q, k):
+    shards = jax.lax.axis_size(self.axis_name)
+    per_kv = heads_per_kv(q.shape[2], k.shape[2])
+    for plan in _plans(self.pattern, q.shape[1], shards, q.shape[2], per_kv):
+      yield plan, _RingBranch(plan, self.pattern, self.scale, self.names, self.config, q, k)
 
+  def forward(self, q, k, v):
+    n, num_heads, axis_name = q.shape[1], q.shape[2], self.axis_name
+    outs, lses = [], []
+    for plan, st in self._branches(q, k):
+      if plan.kind == "local":
+        o, lse = st.forward(q, k, v, st.causal)
+      elif plan.kind == "gather":
+        o, lse = st.forward(*(_gather(x, axis_name) for x in (q, k, v)), st.causal)
+        o, lse = _local_rows(o, axis_name, n), _local_rows(lse, axis_name, n)
+      else:
+        o, lse = _ring_forward(st, q, k, v, axis_name)
+        if plan.compact:  # a compact row sees at least itself, so its lse is finite
+          o = st.unquery(o, q)
+          lse = jnp.where(st.covered(num_heads),
+                          st.unquery(lse[..., None], q[..., :1])[..., 0], -jnp.inf)
+      outs.append(o)
+      lses.append(lse)
+    return merge(outs, lses)
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _ring(q, k, v, pattern, scale, axis_name, names):
-  out, lse = _forward(q, k, v, pattern, scale, axis_name, names)
-  return out.astype(q.dtype), lse.astype(jnp.float32)
-
-
-def _ring_fwd(q, k, v, pattern, scale, axis_name, names):
-  out, lse = _ring(q, k, v, pattern, scale, axis_name, names)
-  return (out, lse), (q, k, v, out, lse)
-
-
-def _ring_bwd(pattern, scale, axis_name, names, res, cotangents):
-  q, k, v, out, lse = res
-  dout, dlse = cotangents
-  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  delta = delta - dlse.astype(jnp.float32)
-  grads = _backward(q, k, v, dout, lse, delta, pattern, scale, axis_name, names)
-  return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
-
-
-_ring.defvjp(_ring_fwd, _ring_bwd)
+  def backward(self, q, k, v, dout, lse, delta):
+    n, axis_name = q.shape[1], self.axis_name
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    dq, dk, dv = (jnp.zeros(x.shape, acc) for x in (q, k, v))
+    for plan, st in self._branches(q, k):
+      if plan.kind == "local":
+        g = st.backward(q, k, v, dout, lse, delta, st.causal)
+      elif plan.kind == "gather":
+        full = [_gather(x, axis_name) for x in (q, k, v, dout, lse, delta)]
+        g = [_local_rows(x, axis_name, n) for x in st.backward(*full, st.causal)]
+      else:
+        gq, gk, gv = _ring_backward(st, q, k, v, dout, lse, delta, axis_name)
+        g = (st.unquery(gq, q), st.unkey(gk, k), st.unkey(gv, v))
+      dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
+    return dq, dk, dv
 
 
 def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, scale=None,
-                           return_lse=False, implementation=None):
+                           return_lse=False, implementation=None, config=None):
   """`dilated_attention` on sequence shards, called inside `jax.shard_map`.
 
   Each device passes its shard `[B, N / P, H, D]` of `q` and `[B, N / P, Hkv, D]` of `k`, `v`
   (shard `p` holds positions `[p * N / P, (p + 1) * N / P)` of processing order) and gets its
   shard of the output of `dilated_attention` on the whole sequence, with exact gradients.
   Queries and outputs never leave their device; keys and values travel only for branches
-  whose segments span shards (see the module docstring). Each step uses the backend
-  `dilated_attention` would pick (`implementation` as there).
+  whose segments span shards (see the module docstring). Each branch's steps use the backend
+  `dilated_attention` would pick for them (`implementation` and `config` as there).
 
   Example:
     >>> mesh = jax.make_mesh((4,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -426,13 +430,15 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, scale
   """
   check_inputs(q, k, v, pattern)
   scale = check_scale(scale, q.shape[-1])
-  out, lse = _ring(q, k, v, pattern, scale, axis_name, implementation_names(implementation))
+  names = backends.candidates(implementation)
+  backends.check_config(config)
+  out, lse = backends.attention(q, k, v, _Ring(pattern, scale, axis_name, names, config))
   return (out, lse) if return_lse else out
 
 
 def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_name,
                               batch_axis=None, scale=None, return_lse=False,
-                              implementation=None):
+                              implementation=None, config=None):
   """`dilated_attention` with the sequence axis sharded over `mesh.shape[axis_name]` devices.
 
   Does the `jax.shard_map` for the caller: `q`, `k`, `v` are global `[B, N, H(kv), D]` arrays
@@ -454,7 +460,8 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
     q, k, v = (jax.reshard(x, jax.NamedSharding(mesh, spec)) for x in (q, k, v))
   fn = functools.partial(ring_dilated_attention, pattern=pattern, axis_name=axis_name,
-                         scale=scale, return_lse=True, implementation=implementation)
+                         scale=scale, return_lse=True, implementation=implementation,
+                         config=config)
   out, lse = jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec),
                            check_vma=True)(q, k, v)
   return (out, lse) if return_lse else out

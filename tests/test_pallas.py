@@ -16,6 +16,7 @@ import pytest
 import helpers
 from helpers import Case
 from hilbert_ring_jax import DilatedPattern, dilated_attention
+from hilbert_ring_jax import backends
 from hilbert_ring_jax.backends import pallas
 
 PADDED = {
@@ -38,33 +39,13 @@ def test_padded_shapes(name, causal):
   helpers.check_case(PADDED[name], causal, jnp.float32, "pallas")
 
 
-def _with_blocks(pattern, block_sizes):
-  """`(q, k, v) -> (out, lse)` through the pallas kernels with `block_sizes`, differentiable."""
-
-  @jax.custom_vjp
-  def attention(q, k, v):
-    return pallas.forward(q, k, v, pattern, q.shape[-1] ** -0.5, block_sizes=block_sizes)
-
-  def fwd(q, k, v):
-    out, lse = attention(q, k, v)
-    return (out, lse), (q, k, v, out, lse)
-
-  def bwd(res, cotangents):
-    q, k, v, out, lse = res
-    dout, dlse = cotangents
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1) - dlse
-    return pallas.backward(q, k, v, dout, lse, delta, pattern, q.shape[-1] ** -0.5,
-                           block_sizes=block_sizes)
-
-  attention.defvjp(fwd, bwd)
-  return attention
-
-
 # Unequal tiles move the causal diagonal inside blocks: the unmasked/masked loop split of
 # every kernel must still visit exactly the keys j <= i.
 BLOCKS = {
-    "q32_k16": pallas.BlockSizes(32, 16, 32, 16, 16, 32, 1, 1, 1, 1),
-    "q16_k32": pallas.BlockSizes(16, 32, 16, 32, 32, 16, 1, 1, 1, 1),
+    "q32_k16": pallas.Config(block_q=32, block_k=16, block_q_dq=32, block_k_dq=16,
+                             block_q_dkv=16, block_k_dkv=32),
+    "q16_k32": pallas.Config(block_q=16, block_k=32, block_q_dq=16, block_k_dq=32,
+                             block_q_dkv=32, block_k_dkv=16),
 }
 
 
@@ -73,7 +54,9 @@ BLOCKS = {
                                   Case(96, 2, 2, (96,), (2,), offsets="all")],
                          ids=["unpadded", "padded"])
 def test_unequal_blocks_causal(case, blocks):
-  fn = _with_blocks(case.pattern(causal=True), BLOCKS[blocks])
+  pattern = case.pattern(causal=True)
+  fn = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True,
+                                         implementation="pallas", config=BLOCKS[blocks])
   helpers.check_case(case, True, jnp.float32, "pallas", fn=fn)
 
 
@@ -84,6 +67,7 @@ def test_typical_shape_runs_without_fallback(head_dim):
   case = Case(256, 2, 1, (128, 256), (1, 2), head_dim=head_dim)
   q, k, v, *_ = helpers.random_inputs(case, jnp.float32, 5)
   out, lse = jax.jit(lambda q, k, v: pallas.forward(q, k, v, pattern, 0.2))(q, k, v)
+  assert out.dtype == jnp.float32  # a partial, as the kernel contract says
   ref_out, ref_lse = helpers.reference_np.attention(
       *(np.asarray(x, np.float64) for x in (q, k, v)),
       helpers.reference_np.multiplicity(256, 2, (128, 256), (1, 2), True), 0.2)
@@ -95,26 +79,32 @@ def test_unsupported_head_dim_falls_back():
   case = Case(16, 2, 2, (8,), (2,), head_dim=264)
   pattern = case.pattern(causal=False)
   q, k, v, *_ = helpers.random_inputs(case, jnp.float32, 6)
-  with pytest.raises(NotImplementedError, match="head dims up to 256"):
-    pallas.forward(q, k, v, pattern, 0.1)
-  with pytest.raises(NotImplementedError, match="pallas"):
+  support = pallas.supports(backends.Problem.of(q, k, pattern))
+  assert not support and "head dims up to 256" in support.reason
+  with pytest.raises(backends.NoBackendError, match="head dims up to 256") as info:
     dilated_attention(q, k, v, pattern, implementation="pallas")
+  assert list(info.value.reasons) == ["pallas"]
   with jax.default_matmul_precision("highest"):  # on a GPU, "xla" would use tf32 otherwise
     out = dilated_attention(q, k, v, pattern, implementation=["pallas", "xla"])
   ref_out, _ = helpers.reference(case, False, q, k, v, q, jnp.zeros(q.shape[:3]))[:2]
   assert helpers.rel_err(out, ref_out) < helpers.TOL[jnp.float32]
 
 
-def test_block_sizes_validation():
+def test_config_validation():
   with pytest.raises(ValueError, match="block_q"):
-    pallas.BlockSizes(block_q=48)
+    pallas.Config(block_q=48)
   with pytest.raises(ValueError, match="block_k_dkv"):
-    pallas.BlockSizes(block_k_dkv=8)
+    pallas.Config(block_k_dkv=8)
   with pytest.raises(ValueError, match="num_warps"):
-    pallas.BlockSizes(num_warps=0)
+    pallas.Config(num_warps=0)
+  with pytest.raises(ValueError, match="interpret"):
+    pallas.Config(interpret="yes")
+  with pytest.raises(TypeError):  # keyword-only
+    pallas.Config(64)
   for d in (32, 64, 128, 256):
     for dtype in (jnp.bfloat16, jnp.float32):
-      assert pallas.BlockSizes.default(d, dtype, interpret=False).block_q >= 32
+      cfg = pallas.Config(interpret=False, block_k=32).resolved(d, dtype)
+      assert cfg.block_q >= 32 and cfg.block_k == 32 and cfg.interpret is False
 
 
 def _primitives(jaxpr):
@@ -188,8 +178,9 @@ def test_triton_lowering(config):
   q = jax.ShapeDtypeStruct((1, c["n"], c["heads"], c["d"]), c["dtype"])
   kv = jax.ShapeDtypeStruct((1, c["n"], c["kv"], c["d"]), c["dtype"])
   lse = jax.ShapeDtypeStruct((1, c["n"], c["heads"]), jnp.float32)
-  fwd = lambda q, k, v: pallas.forward(q, k, v, pattern, 0.1, interpret=False)
-  bwd = lambda *a: pallas.backward(*a, pattern, 0.1, interpret=False)
+  gpu = pallas.Config(interpret=False)
+  fwd = lambda q, k, v: pallas.forward(q, k, v, pattern, 0.1, config=gpu)
+  bwd = lambda *a: pallas.backward(*a, pattern, 0.1, config=gpu)
   # One forward kernel and two backward kernels (dq; dk and dv) per branch.
   assert _triton_kernels(fwd, q, kv, kv) == len(c["segs"])
   assert _triton_kernels(bwd, q, kv, kv, q, lse, lse) == 2 * len(c["segs"])

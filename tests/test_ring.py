@@ -36,8 +36,8 @@ def test_cases_cover_every_plan():
   """The cases above exercise each way a branch can run (see ring.py's module docstring)."""
   kinds = set()
   for p, n, h, hkv, pattern in CASES.values():
-    for plan in _plans(pattern, n // p, p, h // hkv):
-      kinds.add((plan.kind, plan.compact, plan.zigzag, plan.shards % plan.group != 0))
+    for plan in _plans(pattern, n // p, p, h, h // hkv):
+      kinds.add((plan.kind, plan.compact, plan.zigzag, plan.shards % plan.span != 0))
   assert {("local", False, False, False), ("gather", False, False, False),
           ("ring", True, True, False), ("ring", False, True, False),
           ("ring", False, False, False), ("ring", True, True, True),

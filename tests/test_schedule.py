@@ -46,8 +46,8 @@ def replay(pattern, n, h, hkv, branches, row_block, block, transposed):
   m = np.zeros((h, n, n))
   group = h // hkv
   clip = lambda x: np.minimum(x, n - 1)  # positions >= n are masked (ok is False)
-  for branch_group in schedule.groups(pattern, n, branches):
-    s = schedule.build(pattern, n, h, hkv, branch_group, transposed)
+  for fused in schedule.launches(pattern, n, h, branches):
+    s = schedule.build(pattern, n, h, hkv, fused, transposed)
     for p in range(s.periods):
       base = p * s.period
       cut = lambda first, count, stride: min(count, max(0, -(-(n - base - first) // stride)))
@@ -90,8 +90,8 @@ def test_schedule_reproduces_multiplicity(case, causal, transposed):
   np.testing.assert_allclose(got, ref, atol=1e-5)
 
 
-def test_grouping():
-  together = lambda p, n: len(schedule.groups(p, n, None)) == 1
+def test_launches():
+  together = lambda p, n: len(schedule.launches(p, n, 4, None)) == 1
   assert together(DilatedPattern((64, 128, 256), (1, 2, 4)), 300)
   assert together(DilatedPattern((64, 200), (2, 4)), 200)
   assert not together(DilatedPattern((12, 20), (3, 4)), 45)  # not nested
@@ -108,8 +108,8 @@ def test_subset_of_branches():
 def test_longnet_scores_each_pair_once():
   """LongNet's pattern: 1.375 scored keys per query instead of 1.75 branch by branch."""
   pattern = DilatedPattern((2048, 4096, 8192), (1, 2, 4))
-  (group,) = schedule.groups(pattern, 8192, None)
-  s = schedule.build(pattern, 8192, 4, 4, group, False)
+  (fused,) = schedule.launches(pattern, 8192, 4)
+  s = schedule.build(pattern, 8192, 4, 4, fused, False)
   scored = sum(int(s.pieces[p0:p1, 3].sum()) * count for _, _, count, p0, p1 in s.rows)
   assert scored == 8192 * 4 * 2048 * 1.375
   assert s.stride == 4 and s.period == 8192 and len(s.rows) == 4 * 4 * 4

@@ -7,7 +7,6 @@ pattern accumulates into the first launch's gradients). With a CUDA-enabled jaxl
 (`pip install -e ".[gpu]"`) the kernels are also compiled for sm_90 on the CPU.
 """
 
-import functools
 import re
 import warnings
 
@@ -43,23 +42,22 @@ def test_launches_trace(name):
   q, kv, lse = _avals()
   with warnings.catch_warnings():
     warnings.simplefilter("error", DeprecationWarning)  # jax-triton 0.4 deprecates old names
-    out, out_lse = jax.eval_shape(lambda q, k, v: tb._forward(q, k, v, pattern, 0.1, None),
+    out, out_lse = jax.eval_shape(lambda q, k, v: tb.forward(q, k, v, pattern, 0.1),
                                   q, kv, kv)
-    grads = jax.eval_shape(lambda *a: tb._backward(*a, pattern, 0.1, None),
-                           q, kv, kv, q, lse, lse)
-  assert (out.shape, out_lse.shape, out_lse.dtype) == (q.shape, lse.shape, jnp.float32)
+    grads = jax.eval_shape(lambda *a: tb.backward(*a, pattern, 0.1), q, kv, kv, q, lse, lse)
+  assert (out.shape, out_lse.shape) == (q.shape, lse.shape)
+  assert out.dtype == out_lse.dtype == jnp.float32  # partials, as the kernel contract says
   assert [(g.shape, g.dtype) for g in grads] == [(x.shape, jnp.float32) for x in (q, kv, kv)]
 
 
-def test_kernels_compile_for_sm90(monkeypatch):
+def test_kernels_compile_for_sm90():
   """The multi-launch backward compiles to sm_90 machine code (Triton's own compiler, CPU)."""
   if problem := tb.lowering_problem():  # the backend declines there, and dispatch moves on
     pytest.skip(problem)
   pattern = PATTERNS["multi_launch"]
   q, kv, lse = _avals(n=1024, d=32)
-  monkeypatch.setattr(tb.jt, "triton_call",
-                      functools.partial(tb.jt.triton_call, compute_capability=90))
-  fn = jax.jit(lambda *a: tb._backward(*a, pattern, 0.1, None))
+  sm90 = tb.Config(compute_capability=90)
+  fn = jax.jit(lambda *a: tb.backward(*a, pattern, 0.1, config=sm90))
   text = fn.trace(q, kv, kv, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text()
   # Three branches run one by one: a dq and a dk/dv kernel each, none aliased.
   assert len(re.findall(r"custom_call @triton_kernel_call\w*\(", text)) == 6

@@ -1,4 +1,4 @@
-"""Triton kernels of the "triton" backend (pure Triton: no JAX here, so they can also run
+"""Triton kernels of the "triton" backend (Triton only: no JAX calls, so they can also run
 in Triton's interpreter).
 
 Layout: q, out `[B, N, H, D]`, k, v `[B, N, HKV, D]`, lse and delta `[B, N, H]`, contiguous.
@@ -18,7 +18,21 @@ float32 inputs use IEEE products (`PRECISION="ieee"`), not tf32, so they stay ex
 import triton
 import triton.language as tl
 
+from . import schedule
+
 LOG2E = 1.4426950408889634
+# The schedule's table columns (see schedule.py), as compile-time constants.
+ROW_HEAD = tl.constexpr(schedule.ROW_HEAD)
+ROW_FIRST = tl.constexpr(schedule.ROW_FIRST)
+ROW_LENGTH = tl.constexpr(schedule.ROW_LENGTH)
+ROW_PIECE0 = tl.constexpr(schedule.ROW_PIECE0)
+ROW_PIECE1 = tl.constexpr(schedule.ROW_PIECE1)
+ROW_COLUMNS = tl.constexpr(schedule.ROW_COLUMNS)
+PIECE_HEAD = tl.constexpr(schedule.PIECE_HEAD)
+PIECE_FIRST = tl.constexpr(schedule.PIECE_FIRST)
+PIECE_STRIDE = tl.constexpr(schedule.PIECE_STRIDE)
+PIECE_LENGTH = tl.constexpr(schedule.PIECE_LENGTH)
+PIECE_COLUMNS = tl.constexpr(schedule.PIECE_COLUMNS)
 
 
 @triton.jit
@@ -70,7 +84,8 @@ def _program(ROWS, N: tl.constexpr, L: tl.constexpr, PERIOD: tl.constexpr,
              PERIODS: tl.constexpr, ROW_BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
              REVERSE: tl.constexpr):
   """This program's block of a row: (batch, period start, head, first, rows (cut at N),
-  first row of the block, pieces `[p0, p1)`). REVERSE runs a row's blocks last-first."""
+  first row of the block, pieces `[p0, p1)`). REVERSE runs a row's blocks last-first.
+  Decodes the grid of `schedule.Schedule.grid`."""
   pid = tl.program_id(0)
   r = pid // ROW_BLOCKS
   blk = pid % ROW_BLOCKS
@@ -78,10 +93,11 @@ def _program(ROWS, N: tl.constexpr, L: tl.constexpr, PERIOD: tl.constexpr,
     blk = ROW_BLOCKS - 1 - blk
   b = (tl.program_id(1) // PERIODS).to(tl.int64)
   base = (tl.program_id(1) % PERIODS).to(tl.int64) * PERIOD
-  first = tl.load(ROWS + r * 5 + 1)
-  rows = _cut(first, tl.load(ROWS + r * 5 + 2), L, base, N)
-  return (b, base, tl.load(ROWS + r * 5), first, rows, blk * BLOCK, tl.load(ROWS + r * 5 + 3),
-          tl.load(ROWS + r * 5 + 4))
+  row = ROWS + r * ROW_COLUMNS
+  first = tl.load(row + ROW_FIRST)
+  rows = _cut(first, tl.load(row + ROW_LENGTH), L, base, N)
+  return (b, base, tl.load(row + ROW_HEAD), first, rows, blk * BLOCK, tl.load(row + ROW_PIECE0),
+          tl.load(row + ROW_PIECE1))
 
 
 @triton.jit
@@ -89,9 +105,10 @@ def _piece(PIECES, BIAS, p, base, lo, hi, N: tl.constexpr, BLOCK: tl.constexpr,
            CAUSAL: tl.constexpr, TRANSPOSED: tl.constexpr):
   """Piece `p` for a row block spanning positions `lo..hi`: (head, first, stride, length,
   log2 m, and its blocks: masked `[a, b)` and `[c, d)`, unmasked `[b, c)`)."""
-  first = tl.load(PIECES + p * 4 + 1)
-  stride = tl.load(PIECES + p * 4 + 2)
-  count = _cut(first, tl.load(PIECES + p * 4 + 3), stride, base, N)
+  piece = PIECES + p * PIECE_COLUMNS
+  first = tl.load(piece + PIECE_FIRST)
+  stride = tl.load(piece + PIECE_STRIDE)
+  count = _cut(first, tl.load(piece + PIECE_LENGTH), stride, base, N)
   if TRANSPOSED:  # query pieces of a key row: queries at or after the keys
     s_any = 0
     s_full = 0
@@ -107,7 +124,7 @@ def _piece(PIECES, BIAS, p, base, lo, hi, N: tl.constexpr, BLOCK: tl.constexpr,
       n_vis = tl.where(hi >= first, tl.minimum(count, (hi - first) // stride + 1), 0)
       n_full = tl.where(lo >= first, tl.minimum(count, (lo - first) // stride + 1), 0)
     a, b, c, d = 0, 0, n_full // BLOCK, (n_vis + BLOCK - 1) // BLOCK
-  return tl.load(PIECES + p * 4), first, stride, count, tl.load(BIAS + p), a, b, c, d
+  return tl.load(piece + PIECE_HEAD), first, stride, count, tl.load(BIAS + p), a, b, c, d
 
 
 @triton.jit

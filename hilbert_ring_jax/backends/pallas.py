@@ -31,7 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..merge import merge
-from ..pattern import DilatedPattern
+from ..pattern import Branch, DilatedPattern, heads_per_kv
+from .base import YES, Problem, Support, no
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -44,9 +45,9 @@ def _pow2(x: int) -> bool:
   return x >= 1 and x & (x - 1) == 0
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Tile sizes and Triton launch parameters of the kernels.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """Tile sizes and launch parameters of the kernels (keyword-only; None: tuned defaults).
 
   Attributes:
     block_q, block_k: forward: query rows per program, key rows per loop step.
@@ -54,62 +55,80 @@ class BlockSizes:
     block_q_dkv, block_k_dkv: dk/dv kernel: query rows per loop step, key rows per program.
     num_warps, num_stages: Triton launch parameters of the forward kernel.
     num_warps_bwd, num_stages_bwd: the same for the two backward kernels.
+    interpret: run in Pallas interpret mode; None: everywhere but on a GPU (where the
+      kernels go through Triton).
 
   Blocks are powers of two >= 16 (Triton's matrix tiles); a branch whose dilated segment is
   shorter than a block uses the smallest power of two (at least 16) that holds it.
+  Example: `Config(block_q=64, block_k=64)` keeps the other fields' defaults.
   """
 
-  block_q: int = 128
-  block_k: int = 128
-  block_q_dq: int = 64
-  block_k_dq: int = 64
-  block_q_dkv: int = 64
-  block_k_dkv: int = 64
-  num_warps: int = 8
-  num_stages: int = 3
-  num_warps_bwd: int = 4
-  num_stages_bwd: int = 2
+  block_q: int | None = None
+  block_k: int | None = None
+  block_q_dq: int | None = None
+  block_k_dq: int | None = None
+  block_q_dkv: int | None = None
+  block_k_dkv: int | None = None
+  num_warps: int | None = None
+  num_stages: int | None = None
+  num_warps_bwd: int | None = None
+  num_stages_bwd: int | None = None
+  interpret: bool | None = None
 
   def __post_init__(self):
-    for name in ("block_q", "block_k", "block_q_dq", "block_k_dq", "block_q_dkv",
-                 "block_k_dkv"):
-      value = getattr(self, name)
-      if not (_pow2(value) and value >= _MIN_BLOCK):
-        raise ValueError(f"{name} must be a power of two >= {_MIN_BLOCK}, got {name}={value}")
-    for name in ("num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}")
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if value is None:
+        continue
+      if field.name == "interpret":
+        if not isinstance(value, bool):
+          raise ValueError(f"interpret must be a bool or None, got interpret={value!r}")
+      elif isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field.name} must be an int or None, got {field.name}={value!r}")
+      elif field.name.startswith("block") and not (_pow2(value) and value >= _MIN_BLOCK):
+        raise ValueError(f"{field.name} must be a power of two >= {_MIN_BLOCK}, got "
+                         f"{field.name}={value}")
+      elif value < 1:
+        raise ValueError(f"{field.name} must be >= 1, got {field.name}={value}")
+
+  def resolved(self, head_dim: int, dtype) -> Config:
+    """This config with every None filled from the defaults for `head_dim` and `dtype`."""
+    interpret = default_interpret() if self.interpret is None else self.interpret
+    base = _defaults(head_dim, dtype, interpret)
+    return dataclasses.replace(base, interpret=interpret, **{
+        f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+        if getattr(self, f.name) is not None and f.name != "interpret"})
 
   @property
   def blocks(self) -> tuple[int, ...]:
     return (self.block_q, self.block_k, self.block_q_dq, self.block_k_dq, self.block_q_dkv,
             self.block_k_dkv)
 
-  @classmethod
-  def default(cls, head_dim: int, dtype, interpret: bool) -> BlockSizes:
-    """Defaults by head dim and dtype, measured on an H100 (benchmarks/tune_pallas.py).
 
-    In interpret mode: the smallest tiles, which keep CPU tests fast.
-    """
-    if interpret:
-      return cls(*(16,) * 6, 1, 1, 1, 1)
-    if jnp.dtype(dtype).itemsize > 2:  # float32: twice the shared memory per tile
-      b = 64 if head_dim <= 128 else 32
-      return cls(b, b, b, b, b, b, num_warps=4, num_stages=2, num_warps_bwd=4,
-                 num_stages_bwd=2)
-    if head_dim <= 64:
-      return cls(64, 64, 64, 64, 64, 64, num_warps=4, num_stages=3, num_warps_bwd=4,
-                 num_stages_bwd=2)
-    if head_dim <= 128:
-      # 128x128 forward tiles with 3 stages just fit the 227 KiB of shared memory of Hopper;
-      # older GPUs (A100: 163 KiB) get 128x64 tiles in 2 stages.
-      if not _is_hopper():
-        return cls(128, 64, 64, 64, 64, 64, num_warps=8, num_stages=2, num_warps_bwd=4,
-                   num_stages_bwd=2)
-      return cls(128, 128, 64, 64, 64, 64, num_warps=8, num_stages=3, num_warps_bwd=4,
-                 num_stages_bwd=2)
-    return cls(64, 64, 32, 32, 32, 32, num_warps=8, num_stages=2, num_warps_bwd=8,
-               num_stages_bwd=2)
+def _defaults(head_dim: int, dtype, interpret: bool) -> Config:
+  """Defaults by head dim and dtype, measured on an H100 (benchmarks/tune_pallas.py).
+
+  In interpret mode: the smallest tiles, which keep CPU tests fast.
+  """
+  def tiles(q, k, q_dq, k_dq, q_dkv, k_dkv, warps, stages, warps_bwd, stages_bwd):
+    return Config(block_q=q, block_k=k, block_q_dq=q_dq, block_k_dq=k_dq, block_q_dkv=q_dkv,
+                  block_k_dkv=k_dkv, num_warps=warps, num_stages=stages,
+                  num_warps_bwd=warps_bwd, num_stages_bwd=stages_bwd)
+
+  if interpret:
+    return tiles(16, 16, 16, 16, 16, 16, 1, 1, 1, 1)
+  if jnp.dtype(dtype).itemsize > 2:  # float32: twice the shared memory per tile
+    b = 64 if head_dim <= 128 else 32
+    return tiles(b, b, b, b, b, b, 4, 2, 4, 2)
+  if head_dim <= 64:
+    return tiles(64, 64, 64, 64, 64, 64, 4, 3, 4, 2)
+  if head_dim <= 128:
+    # 128x128 forward tiles with 3 stages just fit the 227 KiB of shared memory of Hopper;
+    # older GPUs (A100: 163 KiB) get 128x64 tiles in 2 stages.
+    if not _is_hopper():
+      return tiles(128, 64, 64, 64, 64, 64, 8, 2, 4, 2)
+    return tiles(128, 128, 64, 64, 64, 64, 8, 3, 4, 2)
+  return tiles(64, 64, 32, 32, 32, 32, 8, 2, 8, 2)
 
 
 def _is_hopper() -> bool:
@@ -125,16 +144,10 @@ def default_interpret() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Branch:
-  """One branch laid out as `[B, S, M_pad, R, X, ...]`, with the blocks its kernels use."""
+  """One branch (`geo`) laid out as `[B, S, M_pad, R, X, ...]`, with its kernels' blocks."""
 
-  n: int          # sequence length
-  w: int          # effective segment length min(w_b, N)
-  r: int          # dilation rate
-  h0: int         # the query heads [h0, h1) this branch covers
-  h1: int
-  per_head: bool  # offsets="head" and r > 1: head h reads residue h % r only
-  causal: bool
-  blocks: tuple[int, ...]  # BlockSizes.blocks, each clipped to the segment
+  geo: Branch
+  blocks: tuple[int, ...]  # Config.blocks, each clipped to the segment
 
   @property
   def bq(self) -> int:
@@ -145,93 +158,76 @@ class _Branch:
     return self.blocks[1]
 
   @property
-  def m(self) -> int:
-    """Dilated rows per residue (the last rows may be padding when r does not divide w)."""
-    return -(-self.w // self.r)
-
-  @property
   def m_pad(self) -> int:
+    """Rows per residue padded to whole blocks (the last rows may be padding)."""
     unit = max(self.blocks)  # powers of two: a multiple of every block
-    return -(-self.m // unit) * unit
-
-  @property
-  def s(self) -> int:
-    return -(-self.n // self.w)
+    return -(-self.geo.rows // unit) * unit
 
   @property
   def padded(self) -> bool:
     """Whether the view is a padded copy (and the kernels must mask rows past the tokens)."""
-    return self.n % self.w != 0 or self.w % self.r != 0 or self.m_pad != self.m
+    g = self.geo
+    return g.n % g.w != 0 or g.w % g.r != 0 or self.m_pad != g.rows
 
   @property
   def all_residues(self) -> bool:
     """offsets="all" with r > 1: residues are a grid axis."""
-    return not self.per_head and self.r > 1
+    return not self.geo.per_head and self.geo.r > 1
 
   def covers_all(self, num_heads: int) -> bool:
     """Whether every (token, head) is a query row of this branch."""
-    return not self.per_head and (self.h0, self.h1) == (0, num_heads)
+    return not self.geo.per_head and self.geo.heads == range(num_heads)
 
   def split(self, x, fill=0):
     """`[B, N, ...]` -> `[B, S, M_pad, R, ...]`; free unless `padded`."""
+    g = self.geo
     b, rest = x.shape[0], x.shape[2:]
     if not self.padded:
-      return x.reshape(b, self.s, self.m, self.r, *rest)
+      return x.reshape(b, g.segments, g.rows, g.r, *rest)
     widths = [(0, 0)] * (x.ndim - 2)
-    x = jnp.pad(x, [(0, 0), (0, self.s * self.w - self.n), *widths], constant_values=fill)
-    x = x.reshape(b, self.s, self.w, *rest)
-    x = jnp.pad(x, [(0, 0), (0, 0), (0, self.m_pad * self.r - self.w), *widths],
-                constant_values=fill)
-    return x.reshape(b, self.s, self.m_pad, self.r, *rest)
+    x = jnp.pad(x, [(0, 0), (0, g.segments * g.w - g.n), *widths], constant_values=fill)
+    x = x.reshape(b, g.segments, g.w, *rest)
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, self.m_pad * g.r - g.w), *widths], constant_values=fill)
+    return x.reshape(b, g.segments, self.m_pad, g.r, *rest)
 
   def unsplit(self, x):
     """Inverse of `split`: drops the padding."""
+    g = self.geo
     b, rest = x.shape[0], x.shape[4:]
     if not self.padded:
-      return x.reshape(b, self.n, *rest)
-    x = x.reshape(b, self.s, self.m_pad * self.r, *rest)[:, :, :self.w]
-    return x.reshape(b, self.s * self.w, *rest)[:, :self.n]
+      return x.reshape(b, g.n, *rest)
+    x = x.reshape(b, g.segments, self.m_pad * g.r, *rest)[:, :, :g.w]
+    return x.reshape(b, g.segments * g.w, *rest)[:, :g.n]
 
   def n_valid(self, s, c):
     """Real tokens in the dilated row of segment `s`, residue `c` (traced ints)."""
+    g = self.geo
     if not self.padded:
-      return self.m
-    w_s = jnp.minimum(self.w, self.n - s * self.w)  # the last segment may be shorter
-    return lax.div(w_s - c + self.r - 1, self.r)  # numerator >= 1: w_s >= 1, c < r
+      return g.rows
+    w_s = jnp.minimum(g.w, g.n - s * g.w)  # the last segment may be shorter
+    return lax.div(w_s - c + g.r - 1, g.r)  # numerator >= 1: w_s >= 1, c < r
 
 
-def _branches(pattern: DilatedPattern, n: int, num_heads: int, blocks: BlockSizes,
+def _branches(pattern: DilatedPattern, n: int, num_heads: int, config: Config,
               selected=None):
-  ranges = pattern.head_ranges(num_heads)
-  for b in range(pattern.num_branches) if selected is None else selected:
-    (w, r), (h0, h1) = pattern.branches[b], ranges[b]
-    w = min(w, n)
+  for geo in pattern.layout(n, num_heads, selected):
     # A segment shorter than a block runs in the smallest power-of-two block holding it.
-    cap = max(_MIN_BLOCK, pl.next_power_of_2(-(-w // r)))
-    yield _Branch(n, w, r, h0, h1, pattern.offsets == "head" and r > 1, pattern.causal,
-                  tuple(min(b, cap) for b in blocks.blocks))
+    cap = max(_MIN_BLOCK, pl.next_power_of_2(geo.rows))
+    yield _Branch(geo, tuple(min(b, cap) for b in config.blocks))
 
 
-def _check(q, blocks, interpret):
-  aval = jax.typeof(q)
-  varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None) or \
-      getattr(aval, "vma", None)
-  if varying:  # pallas_call's outputs would need their varying mesh axes spelled out
-    raise NotImplementedError(
-        "the pallas backend does not run inside shard_map with check_vma=True (the ring); "
-        "its steps use the next implementation")
-  d = q.shape[-1]
-  if d > _MAX_HEAD_DIM:
-    raise NotImplementedError(
-        f"the pallas backend supports head dims up to {_MAX_HEAD_DIM} (its [block, D] float32 "
-        f"tiles live in registers), got head_dim={d}")
-  if not any(q.dtype == t for t in _DTYPES):
-    raise NotImplementedError(
-        f"the pallas backend runs float32, bfloat16 and float16, got dtype={q.dtype}")
-  interpret = default_interpret() if interpret is None else interpret
-  if blocks is None:
-    blocks = BlockSizes.default(d, q.dtype, interpret)
-  return blocks, interpret
+def supports(problem: Problem) -> Support:
+  """Float32/bfloat16/float16, head dims up to 256, outside `shard_map(check_vma=True)`."""
+  if problem.varying:  # pallas_call's outputs would need their varying mesh axes spelled out
+    return no("the pallas backend does not run inside shard_map with check_vma=True (the "
+              "ring); its steps use the next implementation")
+  if problem.head_dim > _MAX_HEAD_DIM:
+    return no(f"the pallas backend supports head dims up to {_MAX_HEAD_DIM} (its [block, D] "
+              f"float32 tiles live in registers), got head_dim={problem.head_dim}")
+  if not any(problem.dtype == t for t in _DTYPES):
+    return no(f"the pallas backend runs float32, bfloat16 and float16, got "
+              f"dtype={problem.dtype}")
+  return YES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,23 +263,23 @@ def _coords(br: _Branch, ids, n_blocks: int):
   first keeps them out of the tail of the launch.
   """
   blk, b, hh, s = ids[:4]
-  if br.causal:
+  if br.geo.causal:
     blk = n_blocks - 1 - blk
-  h = hh + br.h0
+  h = hh + br.geo.heads.start
   if br.all_residues:
     c = ids[4]
-  elif br.per_head:
-    c = lax.rem(h, br.r)
+  elif br.geo.per_head:
+    c = lax.rem(h, br.geo.r)
   else:
     c = 0
   return blk, b, h, s, c
 
 
-def _query_specs(br: _Branch, n_blocks: int, block_q: int, dp: int, group: int):
+def _query_specs(br: _Branch, n_blocks: int, block_q: int, dp: int, per_kv: int):
   """BlockSpecs of a grid over query blocks: a query block, its key/value row, its stats.
 
   Dilation is the index map: the residue `c` of the view `[B, S, M, R, H, D]`. A key/value
-  head is shared by `group` query heads and read in place.
+  head is shared by `per_kv` query heads and read in place.
   """
   def q_map(*ids):
     i, b, hh, s, c = _coords(br, ids, n_blocks)
@@ -291,7 +287,7 @@ def _query_specs(br: _Branch, n_blocks: int, block_q: int, dp: int, group: int):
 
   def kv_map(*ids):
     _, b, hh, s, c = _coords(br, ids, n_blocks)
-    return b, s, 0, c, hh // group, 0
+    return b, s, 0, c, hh // per_kv, 0
 
   return (pl.BlockSpec((None, None, block_q, None, None, dp), q_map),
           pl.BlockSpec((None, None, br.m_pad, None, None, dp), kv_map),
@@ -301,7 +297,7 @@ def _query_specs(br: _Branch, n_blocks: int, block_q: int, dp: int, group: int):
 def _kv_coords(br: _Branch, g0: int, ids):
   """dk/dv grid indices -> (key block, b, kv head, s, c): every residue is a grid axis."""
   blk, b, gg, s = ids[:4]
-  return blk, b, gg + g0, s, (ids[4] if br.r > 1 else 0)
+  return blk, b, gg + g0, s, (ids[4] if br.geo.r > 1 else 0)
 
 
 def _program_ids(ndim):
@@ -309,13 +305,13 @@ def _program_ids(ndim):
 
 
 def _grid(br: _Branch, blocks: int, heads: int, batch: int):
-  return (blocks, batch, heads, br.s) + ((br.r,) if br.all_residues else ())
+  return (blocks, batch, heads, br.geo.segments) + ((br.geo.r,) if br.all_residues else ())
 
 
 def _mask(br, q_rows, k_rows, n_valid):
   """Visibility of a [rows, keys] tile in dilated coordinates (None: all visible)."""
   mask = None
-  if br.causal:
+  if br.geo.causal:
     mask = k_rows[None, :] <= q_rows[:, None]
   if br.padded:
     valid = (k_rows[None, :] < n_valid) & (q_rows[:, None] < n_valid)
@@ -328,10 +324,10 @@ def _key_ranges(br, q_block, bq, bk, n_valid):
   n_blocks = br.m_pad // bk
   if br.padded:  # rare: one masked loop over the blocks holding real keys
     hi = pl.cdiv(n_valid, bk)
-    if br.causal:
+    if br.geo.causal:
       hi = jnp.minimum(hi, pl.cdiv((q_block + 1) * bq, bk))
     return [(0, hi, True)]
-  if not br.causal:
+  if not br.geo.causal:
     return [(0, n_blocks, False)]
   # Blocks entirely at or below the first query row need no mask; then up to the diagonal.
   n_full = lax.div(q_block * bq + 1, bk)
@@ -342,9 +338,9 @@ def _query_ranges(br, k_block, bq, bk, n_valid):
   """`[(lo, hi, masked)]`: query blocks that see a key block (the dk/dv loop)."""
   n_blocks = br.m_pad // bq
   if br.padded:
-    lo = lax.div(k_block * bk, bq) if br.causal else 0
+    lo = lax.div(k_block * bk, bq) if br.geo.causal else 0
     return [(lo, pl.cdiv(n_valid, bq), True)]
-  if not br.causal:
+  if not br.geo.causal:
     return [(0, n_blocks, False)]
   lo = lax.div(k_block * bk, bq)
   full = pl.cdiv(k_block * bk + bk - 1, bq)  # first block whose rows all follow the keys
@@ -405,16 +401,16 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode):
   lse_ref[...] = lse
 
 
-def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, blocks, interpret):
+def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, cfg):
   """Runs one branch; returns the running `(out, lse)` in `[B, N, H, D]`, `[B, N, H]`."""
   bsz, _, h, d = q.shape
-  group = h // k.shape[2]
+  per_kv = heads_per_kv(h, k.shape[2])
   dp = max(_MIN_BLOCK, pl.next_power_of_2(d))
   qs, ks, vs = br.split(q), br.split(k), br.split(v)
   n_blocks = br.m_pad // br.bq
-  grid = _grid(br, n_blocks, br.h1 - br.h0, bsz)
+  grid = _grid(br, n_blocks, br.geo.heads.stop - br.geo.heads.start, bsz)
 
-  q_spec, kv_spec, lse_spec = _query_specs(br, n_blocks, br.bq, dp, group)
+  q_spec, kv_spec, lse_spec = _query_specs(br, n_blocks, br.bq, dp, per_kv)
   args, in_specs, aliases = [qs, ks, vs], [q_spec, kv_spec, kv_spec], {}
   if mode != "fresh":
     args += [br.split(acc[0]), br.split(acc[1], fill=-jnp.inf)]
@@ -428,26 +424,23 @@ def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, blocks, interpret)
       out_shape=[jax.ShapeDtypeStruct(qs.shape, out_dtype),
                  jax.ShapeDtypeStruct(qs.shape[:-1], jnp.float32)],
       input_output_aliases=aliases,
-      compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                           num_stages=blocks.num_stages),
-      interpret=interpret,
-      name=f"dilated_forward_w{br.w}_r{br.r}",
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                           num_stages=cfg.num_stages),
+      interpret=cfg.interpret,
+      name=f"dilated_forward_w{br.geo.w}_r{br.geo.r}",
   )(*args)
   return br.unsplit(out), br.unsplit(lse)
 
 
-def forward(q, k, v, pattern: DilatedPattern, scale: float, branches=None, *,
-            block_sizes: BlockSizes | None = None, interpret: bool | None = None):
-  """`(out [B, N, H, D] in q's dtype, lse [B, N, H] float32)`, branches merged in-kernel.
-
-  Raises:
-    NotImplementedError: head dim above 256 or a dtype other than float32/bfloat16/float16.
-  """
-  blocks, interpret = _check(q, block_sizes, interpret)
+def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
+            out_dtype=None):
+  """`(out [B, N, H, D], lse [B, N, H])` of `branches`, merged in-kernel: float32 partials,
+  or `out` in `out_dtype` when given (written directly by a single branch)."""
+  cfg = (config or Config()).resolved(q.shape[-1], q.dtype)
   b, n, h, _ = q.shape
-  branches = list(_branches(pattern, n, h, blocks, branches))
+  branches = list(_branches(pattern, n, h, cfg, branches))
   # One branch writes the result directly; several merge into float32 accumulators.
-  out_dtype = q.dtype if len(branches) == 1 else jnp.float32
+  acc_dtype = (out_dtype or jnp.float32) if len(branches) == 1 else jnp.float32
   acc = None
   for idx, br in enumerate(branches):
     if idx > 0:
@@ -456,9 +449,9 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, branches=None, *,
       mode = "fresh"
     else:  # rows the first branch does not cover must read as out = 0, lse = -inf
       mode = "first"
-      acc = (jnp.zeros(q.shape, out_dtype), jnp.full((b, n, h), -jnp.inf, jnp.float32))
-    acc = _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, blocks, interpret)
-  return acc[0].astype(q.dtype), acc[1]
+      acc = (jnp.zeros(q.shape, acc_dtype), jnp.full((b, n, h), -jnp.inf, jnp.float32))
+    acc = _forward_branch(br, q, k, v, acc, scale, mode, acc_dtype, cfg)
+  return acc[0].astype(out_dtype or jnp.float32), acc[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,21 +495,21 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, sc
   _store(dq_ref, dq.astype(dq_ref.dtype), dmask)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, scale, group,
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, scale, per_kv,
                 g0, accumulate):
   dk_ref, dv_ref = refs[-2:]
   bq, bk, dp = br.blocks[4], br.blocks[5], q_ref.shape[-1]
-  j, _, g, s, c = _kv_coords(br, g0, _program_ids(4 + (br.r > 1)))
+  j, _, g, s, c = _kv_coords(br, g0, _program_ids(4 + (br.geo.r > 1)))
   n_valid = br.n_valid(s, c)
   dmask = _head_mask(d, dp)
   kb, vb = _load(k_ref, dmask), _load(v_ref, dmask)
   k_rows = j * bk + jnp.arange(bk)
   # The query heads of kv head g in this branch's range; offsets="head": those with h % r == c.
-  h_lo = jnp.maximum(g * group, br.h0)
-  h_hi = jnp.minimum((g + 1) * group, br.h1)
-  step = br.r if br.per_head else 1
-  if br.per_head:
-    h_lo = h_lo + lax.rem(c - lax.rem(h_lo, br.r) + br.r, br.r)
+  h_lo = jnp.maximum(g * per_kv, br.geo.heads.start)
+  h_hi = jnp.minimum((g + 1) * per_kv, br.geo.heads.stop)
+  step = br.geo.r if br.geo.per_head else 1
+  if br.geo.per_head:
+    h_lo = h_lo + lax.rem(c - lax.rem(h_lo, br.geo.r) + br.geo.r, br.geo.r)
   n_heads = jnp.maximum(lax.div(h_hi - h_lo + step - 1, step), 0)
 
   def head_body(t, carry):
@@ -545,17 +538,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, s
   _store(dv_ref, dv.astype(dv_ref.dtype), dmask)
 
 
-def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes, blocks,
-                     interpret):
+def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg):
   """Adds one branch's `(dq, dk, dv)` to `grads` (or creates them: mode "fresh")."""
   bsz, _, h, d = q.shape
-  hkv = k.shape[2]
-  group = h // hkv
+  per_kv = heads_per_kv(h, k.shape[2])
   dp = max(_MIN_BLOCK, pl.next_power_of_2(d))
   qs, ks, vs, dos = (br.split(x) for x in (q, k, v, dout))
   lses, deltas = br.split(lse, fill=-jnp.inf), br.split(delta)
-  params = plgpu.CompilerParams(num_warps=blocks.num_warps_bwd,
-                                num_stages=blocks.num_stages_bwd)
+  params = plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
   _, _, bq_dq, _, _, bk_dkv = br.blocks
   dq_mode, kv_mode = modes
   dq, dk, dv = grads
@@ -563,7 +553,7 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes,
   # dq: one program per (query block, b, h, s, c), like the forward.
   n_blocks = br.m_pad // bq_dq
 
-  q_spec, kv_spec, row_spec = _query_specs(br, n_blocks, bq_dq, dp, group)
+  q_spec, kv_spec, row_spec = _query_specs(br, n_blocks, bq_dq, dp, per_kv)
   args = [qs, ks, vs, dos, lses, deltas]
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   accumulate = dq_mode == "merge"
@@ -572,18 +562,18 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes,
     in_specs.append(q_spec)
   dq = br.unsplit(pl.pallas_call(
       functools.partial(_dq_kernel, br=br, d=d, scale=scale, accumulate=accumulate),
-      grid=_grid(br, n_blocks, br.h1 - br.h0, bsz),
+      grid=_grid(br, n_blocks, br.geo.heads.stop - br.geo.heads.start, bsz),
       in_specs=in_specs,
       out_specs=q_spec,
-      out_shape=jax.ShapeDtypeStruct(qs.shape, dtypes[0]),
+      out_shape=jax.ShapeDtypeStruct(qs.shape, jnp.float32),
       input_output_aliases={6: 0} if dq_mode != "fresh" else {},
       compiler_params=params,
-      interpret=interpret,
-      name=f"dilated_dq_w{br.w}_r{br.r}",
+      interpret=cfg.interpret,
+      name=f"dilated_dq_w{br.geo.w}_r{br.geo.r}",
   )(*args))
 
   # dk, dv: one program per (key block, b, kv head, s, c); the kernel loops over query heads.
-  g0, g1 = br.h0 // group, (br.h1 - 1) // group + 1
+  g0, g1 = br.geo.heads.start // per_kv, (br.geo.heads.stop - 1) // per_kv + 1
 
   def k_map(*ids):
     j, b, g, s, c = _kv_coords(br, g0, ids)
@@ -602,42 +592,38 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes,
     args += [br.split(dk), br.split(dv)]
     in_specs += [k_spec, k_spec]
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, br=br, d=d, scale=scale, group=group, g0=g0,
+      functools.partial(_dkv_kernel, br=br, d=d, scale=scale, per_kv=per_kv, g0=g0,
                         accumulate=kv_mode == "merge"),
-      grid=(br.m_pad // bk_dkv, bsz, g1 - g0, br.s) + ((br.r,) if br.r > 1 else ()),
+      grid=(br.m_pad // bk_dkv, bsz, g1 - g0, br.geo.segments) + ((br.geo.r,) if br.geo.r > 1 else ()),
       in_specs=in_specs,
       out_specs=[k_spec, k_spec],
-      out_shape=[jax.ShapeDtypeStruct(ks.shape, dtypes[1]),
-                 jax.ShapeDtypeStruct(vs.shape, dtypes[2])],
+      out_shape=[jax.ShapeDtypeStruct(ks.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(vs.shape, jnp.float32)],
       input_output_aliases={6: 0, 7: 1} if kv_mode != "fresh" else {},
       compiler_params=params,
-      interpret=interpret,
-      name=f"dilated_dkv_w{br.w}_r{br.r}",
+      interpret=cfg.interpret,
+      name=f"dilated_dkv_w{br.geo.w}_r{br.geo.r}",
   )(*args)
   return dq, br.unsplit(dk), br.unsplit(dv)
 
 
-def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, branches=None,
-             *, block_sizes: BlockSizes | None = None, interpret: bool | None = None):
-  """`(dq, dk, dv)` from the global `lse` and `delta = rowsum(dout * out) - dlse`."""
-  blocks, interpret = _check(q, block_sizes, interpret)
+def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
+             branches=None, config=None):
+  """float32 `(dq, dk, dv)` from the global `lse` and `delta = rowsum(dout * out) - dlse`."""
+  cfg = (config or Config()).resolved(q.shape[-1], q.dtype)
   n, h, hkv = q.shape[1], q.shape[2], k.shape[2]
-  group = h // hkv
-  branches = list(_branches(pattern, n, h, blocks, branches))
-  single = len(branches) == 1
-  dtypes = (q.dtype, k.dtype, v.dtype) if single else (jnp.float32,) * 3
+  per_kv = heads_per_kv(h, hkv)
   lse, delta = lse.astype(jnp.float32), delta.astype(jnp.float32)
   grads = (None, None, None)
-  for idx, br in enumerate(branches):
+  for idx, br in enumerate(_branches(pattern, n, h, cfg, branches)):
     if idx > 0:
       modes = ("merge", "merge")
     else:
-      all_kv = (br.h0 // group, (br.h1 - 1) // group + 1) == (0, hkv)
+      heads = br.geo.heads
+      all_kv = (heads.start // per_kv, (heads.stop - 1) // per_kv + 1) == (0, hkv)
       modes = ("fresh" if br.covers_all(h) else "first", "fresh" if all_kv else "first")
       # Rows or heads the first branch does not write must read as zero gradients.
-      grads = tuple(jnp.zeros(x.shape, dt) if mode == "first" else None
-                    for x, dt, mode in zip((q, k, v), dtypes, (modes[0], modes[1], modes[1])))
-    grads = _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, dtypes,
-                             blocks, interpret)
-  dq, dk, dv = grads
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+      grads = tuple(jnp.zeros(x.shape, jnp.float32) if mode == "first" else None
+                    for x, mode in zip((q, k, v), (modes[0], modes[1], modes[1])))
+    grads = _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg)
+  return grads

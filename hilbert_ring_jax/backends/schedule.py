@@ -1,7 +1,7 @@
 """Block schedule of the "triton" backend: which keys each query row visits, and with which
-multiplicity (pure NumPy, built on the host once per shape and cached).
+multiplicity (NumPy, built on the host once per shape and cached).
 
-SPEC counts a key once per branch that sees it: `den = sum_j m(i, j, h) exp(s(i, j))`. A key
+docs/SPEC.md counts a key once per branch that sees it: `den = sum_j m(i, j, h) exp(s(i, j))`. A key
 seen by several branches need not be scored several times: it is scored once with the bias
 `log m`. For LongNet's pattern `w = (2048, 4096, 8192), r = (1, 2, 4)` with
 `offsets="head"` this scores 1.375 instead of 1.75 keys per query and segment position (-21%
@@ -30,22 +30,32 @@ import dataclasses
 import functools
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
-from ..pattern import DilatedPattern
+from ..pattern import DilatedPattern, heads_per_kv
 
 _MIN_UNION_ROW = 16  # shortest strided row for which branches are scheduled together
 _MAX_INTERVALS = 64  # most shortest-segments per period (the host tables grow with its square)
+
+# Columns of the tables, shared with the kernels (`_triton_kernels.py`).
+# rows: the row's head (query head; key/value head when transposed), its first position, its
+# length in a whole period, and its pieces [first, end).
+ROW_HEAD, ROW_FIRST, ROW_LENGTH, ROW_PIECE0, ROW_PIECE1, ROW_COLUMNS = range(6)
+# pieces: the head of the other side, first position, stride, length.
+PIECE_HEAD, PIECE_FIRST, PIECE_STRIDE, PIECE_LENGTH, PIECE_COLUMNS = range(5)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Schedule:
   """One launch's schedule. Positions are relative to the start of a period.
 
-  rows: int32 `[R, 5]`: head (query head; key/value head when transposed), first position,
-    length in a whole period, pieces `[p0, p1)`.
-  pieces: int32 `[E, 4]`: head of the other side, first position, stride, length.
-  bias: float32 `[E]`: `log2 m` of each piece.
+  rows: int32 `[R, ROW_COLUMNS]`; pieces: int32 `[E, PIECE_COLUMNS]` (the column names
+    above); bias: float32 `[E]`: `log2 m` of each piece.
+
+  Launch geometry: a program per (row block, row) on the grid's first axis, row-major
+  (`row * row_blocks + block`), and per (batch, period) on the second (`b * periods + p`);
+  `_triton_kernels._program` decodes the same.
   """
   period: int
   periods: int
@@ -55,40 +65,50 @@ class Schedule:
   pieces: np.ndarray
   bias: np.ndarray
 
+  def row_blocks(self, block: int) -> int:
+    """Blocks of `block` positions in the longest row (every row gets as many programs)."""
+    return -(-self.longest_row // block)
 
-def groups(pattern: DilatedPattern, n: int, branches) -> list[tuple[int, ...]]:
-  """The branches scheduled together: all at once when their segments nest and their rows
-  are long enough, else one by one (the caller merges the results)."""
-  branches = tuple(range(pattern.num_branches)) if branches is None else tuple(branches)
-  if len(branches) > 1:
-    w0, stride, period = _geometry(pattern, n, branches)
-    ws = [min(pattern.segment_lengths[b], n) for b in branches]
-    nested = all(w % w0 == 0 or w == n for w in ws) and w0 % stride == 0
+  def grid(self, batch: int, block: int) -> tuple[int, int]:
+    return len(self.rows) * self.row_blocks(block), self.periods * batch
+
+  def arrays(self):
+    """(rows, pieces, bias) as device arrays (one never-read piece when there are none)."""
+    pieces = self.pieces if len(self.pieces) else np.zeros((1, PIECE_COLUMNS), np.int32)
+    return tuple(jnp.asarray(x) for x in (self.rows, pieces, self.bias))
+
+
+def launches(pattern: DilatedPattern, n: int, num_heads: int,
+             branches=None) -> list[tuple[int, ...]]:
+  """The branches of each launch: all at once when their segments nest and their rows are
+  long enough, else one by one (the caller merges the results)."""
+  layout = pattern.layout(n, num_heads, branches)
+  if len(layout) > 1:
+    w0, stride, period = _geometry(layout)
+    nested = all(br.w % w0 == 0 or br.w == n for br in layout) and w0 % stride == 0
     if nested and w0 // stride >= _MIN_UNION_ROW and period // w0 <= _MAX_INTERVALS:
-      return [branches]
-  return [(b,) for b in branches]
+      return [tuple(br.index for br in layout)]
+  return [(br.index,) for br in layout]
 
 
-def _geometry(pattern, n, group):
+def _geometry(layout):
   """(interval length w0, row stride L, period P) of branches scheduled together."""
-  ws = [min(pattern.segment_lengths[b], n) for b in group]
+  n, ws = layout[0].n, [br.w for br in layout]
   period = n if n in ws else min(math.lcm(*ws), n)
-  return min(ws), math.lcm(*(pattern.dilation_rates[b] for b in group)), period
+  return min(ws), math.lcm(*(br.r for br in layout)), period
 
 
 @functools.lru_cache(maxsize=64)
-def build(pattern: DilatedPattern, n: int, num_heads: int, num_kv_heads: int, group,
+def build(pattern: DilatedPattern, n: int, num_heads: int, num_kv_heads: int, fused,
           transposed: bool) -> Schedule:
-  """The schedule of the branches `group` (a tuple from `groups`).
+  """The schedule of the branches `fused` (a tuple from `launches`).
 
   Forward and dq schedules (`transposed=False`) have query rows and key pieces; dk/dv
   schedules have key rows (per key/value head) and query pieces (from each query head that
   reads the row's key/value head).
   """
-  ws = [min(pattern.segment_lengths[b], n) for b in group]
-  rs = [pattern.dilation_rates[b] for b in group]
-  ranges = pattern.head_ranges(num_heads)
-  w0, stride, period = _geometry(pattern, n, group)
+  layout = pattern.layout(n, num_heads, fused)
+  w0, stride, period = _geometry(layout)
   intervals = -(-period // w0)
   starts = np.arange(intervals) * w0
   lengths = np.minimum(starts + w0, period) - starts
@@ -96,25 +116,23 @@ def build(pattern: DilatedPattern, n: int, num_heads: int, num_kv_heads: int, gr
   row_len = np.maximum((lengths[:, None] - np.arange(stride)[None, :] + stride - 1) // stride, 0)
 
   # mult[h, i, a, j, c]: branches in which (interval i, class a) and (interval j, class c)
-  # see each other for query head h.
+  # see each other for query head h. Classes are positions mod L, and r divides L, so a
+  # class's residue in a branch is its class mod r.
   classes = np.arange(stride)
   mult = np.zeros((num_heads, intervals, stride, intervals, stride), np.int32)
-  for b, w, r in zip(group, ws, rs):
-    seg = starts // w
+  for br in layout:
+    seg = starts // br.w
     same_seg = seg[:, None] == seg[None, :]
-    same_res = (classes[:, None] % r) == (classes[None, :] % r)
-    h0, h1 = ranges[b]
-    for h in range(h0, h1):
-      res_ok = np.ones(stride, bool)
-      if pattern.offsets == "head":
-        res_ok = classes % r == h % r
+    same_res = (classes[:, None] % br.r) == (classes[None, :] % br.r)
+    for h in br.heads:
+      res_ok = np.isin(classes % br.r, br.residues(h))
       vis = same_res & res_ok[:, None] & res_ok[None, :]
       mult[h] += same_seg[:, None, :, None] & vis[None, :, None, :]
 
-  group_size = num_heads // num_kv_heads
+  per_kv = heads_per_kv(num_heads, num_kv_heads)
   rows, pieces = [], []
   for head in range(num_kv_heads if transposed else num_heads):
-    others = range(head * group_size, (head + 1) * group_size) if transposed else [head]
+    others = range(head * per_kv, (head + 1) * per_kv) if transposed else [head]
     for i in range(intervals):
       for a in range(stride):
         count = int(row_len[i, a])
@@ -123,13 +141,17 @@ def build(pattern: DilatedPattern, n: int, num_heads: int, num_kv_heads: int, gr
         p0 = len(pieces)
         for h in others:
           m = mult[h, :, :, i, a] if transposed else mult[h, i, a]  # [interval, class]
+          # (head, first, stride, length: the PIECE_* columns in order, then m)
           pieces += [(h, *run) for run in _runs(m, starts, lengths, w0)]
-        rows.append((head, int(starts[i]) + a, count, p0, len(pieces)))
+        row = [0] * ROW_COLUMNS
+        row[ROW_HEAD], row[ROW_FIRST], row[ROW_LENGTH] = head, int(starts[i]) + a, count
+        row[ROW_PIECE0], row[ROW_PIECE1] = p0, len(pieces)
+        rows.append(row)
   return Schedule(
       period=period, periods=-(-n // period), stride=stride, longest_row=int(row_len.max()),
-      rows=np.array(rows, np.int32).reshape(-1, 5),
-      pieces=np.array([p[:4] for p in pieces], np.int32).reshape(-1, 4),
-      bias=np.log2(np.array([p[4] for p in pieces] or [1], np.float32)))
+      rows=np.array(rows, np.int32).reshape(-1, ROW_COLUMNS),
+      pieces=np.array([p[:PIECE_COLUMNS] for p in pieces], np.int32).reshape(-1, PIECE_COLUMNS),
+      bias=np.log2(np.array([p[PIECE_COLUMNS] for p in pieces] or [1], np.float32)))
 
 
 def _runs(m, starts, lengths, w0):

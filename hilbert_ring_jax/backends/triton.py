@@ -6,7 +6,8 @@ scored once with the bias `log m` of its multiplicity, so one launch writes the 
 and lse (other patterns run branch by branch and are merged). Rows and entries are strided
 runs of tokens, so no input is padded, gathered or copied. Backward: a dq kernel over query
 rows and a dk/dv kernel over key rows, in float32. Block sizes, warps and stages come from
-`_config`, chosen per pass, head dim and row length and kept in code.
+`Config` when the caller gives them, else from the read-only table `TUNED`, per pass, head
+dim and row length (`_choose`).
 
 Importing this module needs `jax_triton` (and `triton`); without them the dispatcher falls
 back to "pallas", then "xla".
@@ -16,17 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 import warnings
 
 import jax
 import jax.numpy as jnp
 import jax_triton as jt
-import numpy as np
 
 from ..merge import merge
 from ..pattern import DilatedPattern
 from . import _triton_kernels as kernels
 from . import schedule
+from .base import YES, Problem, Support, no
 
 # jax-triton 0.4 renamed `out_shape=` to `out_type=` (the old name warns); 0.3 knows only the
 # former. Aliasing is avoided altogether: the two versions disagree on whether an aliased
@@ -39,44 +41,100 @@ warnings.filterwarnings("ignore", message=r"tl\.make_block_ptr is deprecated",
                         category=UserWarning)
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
+_KINDS = ("fwd", "dq", "dkdv")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tiles:
+  """One kernel's launch: `block_m` query rows by `block_n` keys (powers of two >= 16),
+  Triton's `num_warps` and `num_stages`."""
+
   block_m: int
   block_n: int
   num_warps: int
   num_stages: int
 
+  def __post_init__(self):
+    for name in ("block_m", "block_n", "num_warps", "num_stages"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
+    for name in ("block_m", "block_n"):
+      value = getattr(self, name)
+      if value < 16 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= 16, got {name}={value}")
 
-# (pass, head_dim, rows) -> config, rows being "long" (> 1024 positions per row), "short"
-# or "causal" (long rows under a causal mask); shrunk further for tiny rows by `_config`.
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """Launch choices of the "triton" backend (keyword-only; None: the tuned table).
+
+  Attributes:
+    fwd, dq, dkdv: `Tiles` of the forward, dq and dk/dv kernels (blocks are still capped
+      to a row's length, as for the tuned ones).
+    compute_capability: the GPU to compile for, e.g. 90 (sm_90); None: the local GPU. Lets
+      the kernels be compiled ahead of time, or on a machine without a GPU.
+  """
+
+  fwd: Tiles | None = None
+  dq: Tiles | None = None
+  dkdv: Tiles | None = None
+  compute_capability: int | None = None
+
+  def __post_init__(self):
+    for kind in _KINDS:
+      value = getattr(self, kind)
+      if value is not None and not isinstance(value, Tiles):
+        raise ValueError(f"{kind} must be a Tiles or None, got {kind}={value!r}")
+    cc = self.compute_capability
+    if cc is not None and (isinstance(cc, bool) or not isinstance(cc, int) or cc < 1):
+      raise ValueError(f"compute_capability must be a positive int or None, got "
+                       f"compute_capability={cc!r}")
+
+
+def _tiles(*rows):
+  return {(kind, d): Tiles(block_m=m, block_n=n, num_warps=w, num_stages=st)
+          for kind, d, m, n, w, st in rows}
+
+
+# (pass, head_dim, rows) -> Tiles, rows being "long" (> 1024 positions per row), "short"
+# or "causal" (long rows under a causal mask); shrunk further for tiny rows by `_choose`.
 # Chosen by benchmarks/tune_triton.py on an H100 (bf16, H = 16, N = 16K; full attention,
 # causal, and LongNet's (2048, 4096, 8192) x (1, 2, 4), whose rows are 512 long; see
-# benchmarks/RESULTS.md). float16 shares them; float32 gets smaller blocks (`_config`).
-_LONG = {
-    ("fwd", 64): Config(64, 64, 4, 3),  # 383 TFLOP/s; also best on causal and short rows
-    ("fwd", 128): Config(128, 128, 8, 3),  # 460
-    ("fwd", 256): Config(64, 64, 4, 3),  # 347; larger tiles exceed shared memory
-    ("dq", 64): Config(64, 64, 4, 3),
-    ("dq", 128): Config(128, 64, 8, 3),
-    ("dq", 256): Config(128, 32, 8, 3),
-    ("dkdv", 64): Config(32, 128, 4, 3),
-    ("dkdv", 128): Config(32, 64, 4, 4),
-    ("dkdv", 256): Config(32, 64, 8, 2),
-}
-CONFIGS = {(kind, d, rows): cfg for (kind, d), cfg in _LONG.items()
-           for rows in ("long", "short", "causal")}
-CONFIGS[("fwd", 128, "short")] = Config(128, 64, 8, 3)  # 447 TFLOP/s against 395 (128x128)
-CONFIGS[("fwd", 128, "causal")] = Config(64, 64, 4, 3)  # 453 against 413
+# benchmarks/RESULTS.md). float16 shares them; float32 gets smaller blocks (`_choose`).
+_LONG = _tiles(
+    ("fwd", 64, 64, 64, 4, 3),  # 383 TFLOP/s; also best on causal and short rows
+    ("fwd", 128, 128, 128, 8, 3),  # 460
+    ("fwd", 256, 64, 64, 4, 3),  # 347; larger tiles exceed shared memory
+    ("dq", 64, 64, 64, 4, 3),
+    ("dq", 128, 128, 64, 8, 3),
+    ("dq", 256, 128, 32, 8, 3),
+    ("dkdv", 64, 32, 128, 4, 3),
+    ("dkdv", 128, 32, 64, 4, 4),
+    ("dkdv", 256, 32, 64, 8, 2),
+)
+TUNED = types.MappingProxyType({
+    **{(kind, d, rows): tiles for (kind, d), tiles in _LONG.items()
+       for rows in ("long", "short", "causal")},
+    ("fwd", 128, "short"): Tiles(block_m=128, block_n=64, num_warps=8, num_stages=3),  # 447 vs 395
+    ("fwd", 128, "causal"): Tiles(block_m=64, block_n=64, num_warps=4, num_stages=3),  # 453 vs 413
+})
 
 
-def _config(kind: str, head_dim: int, rows: int, causal: bool, itemsize: int) -> Config:
-  regime = "short" if rows <= 1024 else "causal" if causal else "long"
-  cfg = CONFIGS[(kind, max(64, head_dim), regime)]
-  if itemsize == 4:  # float32 tiles take twice the shared memory: smaller blocks, 2 stages
-    cfg = Config(min(cfg.block_m, 64 if head_dim <= 128 else 32), min(cfg.block_n, 32),
-                 cfg.num_warps, 2)
+def _choose(kind: str, head_dim: int, rows: int, causal: bool, itemsize: int,
+            config: Config) -> Tiles:
+  """The tiles of one launch: `config`'s if it names them, else the tuned ones for the row
+  regime (float32: smaller blocks, 2 stages); blocks capped to the row length."""
+  tiles = getattr(config, kind)
+  if tiles is None:
+    regime = "short" if rows <= 1024 else "causal" if causal else "long"
+    tiles = TUNED[(kind, max(64, head_dim), regime)]
+    if itemsize == 4:  # float32 tiles take twice the shared memory: smaller blocks, 2 stages
+      tiles = Tiles(block_m=min(tiles.block_m, 64 if head_dim <= 128 else 32),
+                    block_n=min(tiles.block_n, 32), num_warps=tiles.num_warps, num_stages=2)
   cap = max(16, 1 << (max(rows, 1) - 1).bit_length())  # next power of two >= rows
-  return dataclasses.replace(cfg, block_m=min(cfg.block_m, cap), block_n=min(cfg.block_n, cap))
+  return dataclasses.replace(tiles, block_m=min(tiles.block_m, cap),
+                             block_n=min(tiles.block_n, cap))
 
 
 def lowering_problem() -> str | None:
@@ -91,44 +149,51 @@ def lowering_problem() -> str | None:
   return None
 
 
-def _check(q, k):
-  if jax.default_backend() != "gpu":
-    raise NotImplementedError("the triton backend runs on CUDA GPUs only")
-  if problem := lowering_problem():
-    raise NotImplementedError(problem)
-  d = q.shape[-1]
+_MAX_GRID_Y = 65535  # CUDA's limit on the grid's second axis (batch x periods)
+
+
+def supports(problem: Problem) -> Support:
+  """CUDA GPUs; bf16, f16, f32; head dims 16..256 (powers of two); a launchable grid."""
+  if problem.platform != "gpu":
+    return no("the triton backend runs on CUDA GPUs only")
+  if why := lowering_problem():
+    return no(why)
+  d = problem.head_dim
   if d not in (16, 32, 64, 128, 256):
-    raise NotImplementedError(f"the triton backend needs a head dim of 16..256, a power of "
-                              f"two; got {d}")
-  if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-    raise NotImplementedError(f"the triton backend runs bf16, f16 and f32, got {q.dtype}")
+    return no(f"the triton backend needs a head dim of 16..256, a power of two; got {d}")
+  if not any(problem.dtype == t for t in (jnp.bfloat16, jnp.float16, jnp.float32)):
+    return no(f"the triton backend runs bf16, f16 and f32, got {problem.dtype}")
+  b, n, h, _ = problem.q_shape
+  for fused in schedule.launches(problem.pattern, n, h, problem.branches):
+    periods = schedule.build(problem.pattern, n, h, problem.kv_shape[2], fused, False).periods
+    if periods * b > _MAX_GRID_Y:
+      return no(f"the triton backend launches at most {_MAX_GRID_Y} batch x period programs; "
+                f"got {b} x {periods}")
+  return YES
 
 
 def _precision(q):
   return "ieee" if q.dtype == jnp.float32 else "tf32"  # the latter is unused for 16-bit inputs
 
 
-def _launch(kind, q, k, group, pattern, transposed):
-  """(config, schedule tables as arrays, grid, constants) of one launch."""
+def _launch(kind, q, k, fused, pattern, config):
+  """(tiles, schedule tables as arrays, grid, constants) of one launch of branches `fused`."""
   b, n, h, d = q.shape
-  s = schedule.build(pattern, n, h, k.shape[2], group, transposed)
-  if s.periods * b > 65535:  # the grid's second axis
-    raise NotImplementedError(f"the triton backend launches at most 65535 batch x period "
-                              f"programs; got {b} x {s.periods}")
-  cfg = _config(kind, d, s.longest_row, pattern.causal, q.dtype.itemsize)
-  pieces = s.pieces if len(s.pieces) else np.zeros((1, 4), np.int32)  # never read
-  tables = tuple(jnp.asarray(x) for x in (s.rows, pieces, s.bias))
-  row_blocks = -(-s.longest_row // (cfg.block_n if transposed else cfg.block_m))
+  transposed = kind == "dkdv"
+  s = schedule.build(pattern, n, h, k.shape[2], fused, transposed)
+  tiles = _choose(kind, d, s.longest_row, pattern.causal, q.dtype.itemsize, config)
+  row_block = tiles.block_n if transposed else tiles.block_m
   consts = dict(N=n, H=h, HKV=k.shape[2], D=d, L=s.stride, PERIOD=s.period,
-                PERIODS=s.periods, ROW_BLOCKS=row_blocks, CAUSAL=pattern.causal,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q))
-  return cfg, tables, (len(s.rows) * row_blocks, s.periods * b), consts
+                PERIODS=s.periods, ROW_BLOCKS=s.row_blocks(row_block), CAUSAL=pattern.causal,
+                BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=_precision(q))
+  return tiles, s.arrays(), s.grid(b, row_block), consts
 
 
-def _call(kernel, args, out, cfg, grid, **consts):
+def _call(kernel, args, out, tiles, grid, config, **consts):
   """One kernel launch: `args` then one parameter per leaf of `out`, which is returned."""
   return jt.triton_call(*args, kernel=kernel, **{_OUT: out}, grid=grid,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts)
+                        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                        compute_capability=config.compute_capability, **consts)
 
 
 def _batched(fn):
@@ -150,43 +215,49 @@ def _batched(fn):
   return wrapped
 
 
-def forward(q, k, v, pattern: DilatedPattern, scale: float, branches=None):
-  """`(out, lse)` of `branches` (all if None): out in q's dtype, lse float32 `[B, N, H]`."""
-  _check(q, k)
-  return _batched(lambda q, k, v: _forward(q, k, v, pattern, scale, branches))(q, k, v)
+def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
+            out_dtype=None):
+  """`(out, lse)` of `branches` (all if None): float32 partials, or `out` in `out_dtype` when
+  given (written by the kernel when one launch covers the branches)."""
+  config = config or Config()
+  fn = lambda q, k, v: _forward(q, k, v, pattern, scale, branches, config, out_dtype)
+  return _batched(fn)(q, k, v)
 
 
-def _forward(q, k, v, pattern, scale, branches):
-  groups = schedule.groups(pattern, q.shape[1], branches)
-  # One group writes the output directly; several give float32 partials to merge.
-  dtype = q.dtype if len(groups) == 1 else jnp.float32
+def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
+  launches = schedule.launches(pattern, q.shape[1], q.shape[2], branches)
+  # One launch writes the output directly; several give float32 partials to merge.
+  dtype = (out_dtype or jnp.float32) if len(launches) == 1 else jnp.float32
   parts = []
-  for group in groups:
-    cfg, tables, grid, consts = _launch("fwd", q, k, group, pattern, False)
+  for fused in launches:
+    tiles, tables, grid, consts = _launch("fwd", q, k, fused, pattern, config)
     parts.append(_call(
         kernels.forward_kernel, (q, k, v, *tables),
         (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)),
-        cfg, grid, QK_SCALE=scale * kernels.LOG2E, **consts))
-  return merge([o for o, _ in parts], [lse for _, lse in parts])
+        tiles, grid, config, QK_SCALE=scale * kernels.LOG2E, **consts))
+  out, lse = merge([o for o, _ in parts], [lse for _, lse in parts])
+  return out.astype(out_dtype or jnp.float32), lse
 
 
-def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, branches=None):
+def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
+             branches=None, config=None):
   """float32 `(dq, dk, dv)` of `branches` from the global `lse` and `delta`."""
-  _check(q, k)
-  return _batched(lambda *a: _backward(*a, pattern, scale, branches))(q, k, v, dout, lse, delta)
+  config = config or Config()
+  fn = lambda *a: _backward(*a, pattern, scale, branches, config)
+  return _batched(fn)(q, k, v, dout, lse, delta)
 
 
-def _backward(q, k, v, dout, lse, delta, pattern, scale, branches):
+def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config):
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse).astype(jnp.float32)  # p = 0 on such rows
   delta = delta.astype(jnp.float32)
   f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
   dq = dk = dv = jnp.zeros((1,), jnp.float32)
-  for t, group in enumerate(schedule.groups(pattern, q.shape[1], branches)):
-    acc = dict(ACCUMULATE=t > 0, SCALE=scale)  # later groups add to the first's results
-    cfg, tables, grid, consts = _launch("dq", q, k, group, pattern, False)
-    dq = _call(kernels.dq_kernel, (q, k, v, dout, lse, delta, *tables, dq), f32(q), cfg, grid,
-               **acc, **consts)
-    cfg, tables, grid, consts = _launch("dkdv", q, k, group, pattern, True)
+  for t, fused in enumerate(schedule.launches(pattern, q.shape[1], q.shape[2], branches)):
+    acc = dict(ACCUMULATE=t > 0, SCALE=scale)  # later launches add to the first's results
+    tiles, tables, grid, consts = _launch("dq", q, k, fused, pattern, config)
+    dq = _call(kernels.dq_kernel, (q, k, v, dout, lse, delta, *tables, dq), f32(q), tiles, grid,
+               config, **acc, **consts)
+    tiles, tables, grid, consts = _launch("dkdv", q, k, fused, pattern, config)
     dk, dv = _call(kernels.dkdv_kernel, (q, k, v, dout, lse, delta, *tables, dk, dv),
-                   (f32(k), f32(k)), cfg, grid, **acc, **consts)
+                   (f32(k), f32(k)), tiles, grid, config, **acc, **consts)
   return dq, dk, dv

@@ -19,9 +19,31 @@ import jax
 import jax.numpy as jnp
 
 from ..merge import merge
-from ..pattern import DilatedPattern
+from ..pattern import Branch, DilatedPattern, heads_per_kv
+from .base import YES, Problem, Support
 
-KEY_BLOCK = 512
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """Tuning of the "xla" backend.
+
+  Attributes:
+    key_block: keys per step of the blockwise loop; the score block of a step is
+      `[rows, key_block]`, so memory grows with it and the number of steps shrinks.
+  """
+
+  key_block: int = 512
+
+  def __post_init__(self):
+    if isinstance(self.key_block, bool) or not isinstance(self.key_block, int) or \
+        self.key_block < 1:
+      raise ValueError(f"key_block must be an int >= 1, got key_block={self.key_block!r}")
+
+
+def supports(problem: Problem) -> Support:
+  """Every valid configuration, on every platform."""
+  del problem
+  return YES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,41 +57,35 @@ class _Fold:
   linear, and their transposes (`jax.linear_transpose`) unfold outputs and gradients.
   """
 
-  n: int          # sequence length
-  w: int          # effective segment length min(w_b, N)
-  r: int          # dilation rate
-  h0: int         # the query heads [h0, h1) this branch covers
-  h1: int
-  kv_group: int   # query heads per key/value head in the inputs (H // Hkv)
-  per_head: bool  # offsets="head" with r > 1: head h reads residue h % r only
-
-  @property
-  def m(self) -> int:
-    return -(-self.w // self.r)
+  branch: Branch
+  per_kv: int     # query heads per key/value head in the inputs
 
   @property
   def group(self) -> int:
     """G: query heads sharing a folded key/value head (1 when keys are picked per head)."""
-    aligned = self.h0 % self.kv_group == 0 and self.h1 % self.kv_group == 0
-    return self.kv_group if aligned and not self.per_head else 1
+    heads = self.branch.heads
+    aligned = heads.start % self.per_kv == 0 and heads.stop % self.per_kv == 0
+    return self.per_kv if aligned and not self.branch.per_head else 1
 
   def _split(self, x, fill):
     """`[B, N, X, D]` -> `[B, S, M, r, X, D]`, padded with `fill` to whole segments."""
-    seg = -(-self.n // self.w)
-    x = jnp.pad(x, [(0, 0), (0, seg * self.w - self.n), (0, 0), (0, 0)], constant_values=fill)
-    x = x.reshape(x.shape[0], seg, self.w, *x.shape[2:])
-    x = jnp.pad(x, [(0, 0), (0, 0), (0, self.m * self.r - self.w), (0, 0), (0, 0)],
+    br = self.branch
+    x = jnp.pad(x, [(0, 0), (0, br.segments * br.w - br.n), (0, 0), (0, 0)],
                 constant_values=fill)
-    return x.reshape(x.shape[0], seg, self.m, self.r, *x.shape[3:])
+    x = x.reshape(x.shape[0], br.segments, br.w, *x.shape[2:])
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, br.rows * br.r - br.w), (0, 0), (0, 0)],
+                constant_values=fill)
+    return x.reshape(x.shape[0], br.segments, br.rows, br.r, *x.shape[3:])
 
   def _fold(self, x, head_of, contiguous, fill):
     """`[B, N, X, D]` -> `[B, Z, E, M, D]` for the E heads picked by `head_of(h)`."""
     x5 = self._split(x, fill)  # [B, S, M, r, X, D]
-    heads = range(self.h0, self.h1)
-    if self.per_head:  # one residue per head: static slices stacked over heads
-      return jnp.stack([x5[:, :, :, h % self.r, head_of(h)] for h in heads], axis=2)
+    heads = self.branch.heads
+    if self.branch.per_head:  # one residue per head: static slices stacked over heads
+      return jnp.stack([x5[:, :, :, self.branch.residues(h)[0], head_of(h)] for h in heads],
+                       axis=2)
     if contiguous:  # a run of heads: one slice
-      x5 = x5[..., head_of(self.h0):head_of(self.h1 - 1) + 1, :]
+      x5 = x5[..., head_of(heads.start):head_of(heads.stop - 1) + 1, :]
     else:
       x5 = jnp.stack([x5[..., head_of(h), :] for h in heads], axis=-2)
     x5 = jnp.transpose(x5, (0, 1, 3, 4, 2, 5))  # [B, S, r, E, M, D]: residues become rows
@@ -85,26 +101,18 @@ class _Fold:
   def key(self, x):
     """`[B, N, Hkv, D]` -> `[B, Z, K, M, D]`."""
     # Shared key/value heads stay shared (G > 1), or are picked once per query head.
-    contiguous = self.group > 1 or self.kv_group == 1
-    return self._fold(x, lambda h: h // self.kv_group, contiguous, 0)
+    contiguous = self.group > 1 or self.per_kv == 1
+    return self._fold(x, lambda h: h // self.per_kv, contiguous, 0)
 
   def key_valid(self, num_kv_heads):
     """`[Z, K or 1, M]` bool: which folded keys are real tokens (padding folds to False)."""
-    valid = self.key(jnp.ones((1, self.n, num_kv_heads, 1), jnp.bool_))[0, ..., 0]
-    return valid if self.per_head else valid[:, :1]
-
-  def covered(self, num_heads):
-    """`[N, H]` bool: the (token, head) pairs this branch computes."""
-    pos, head = jnp.arange(self.n)[:, None], jnp.arange(num_heads)[None, :]
-    cover = (head >= self.h0) & (head < self.h1)
-    return cover & ((pos % self.w) % self.r == head % self.r) if self.per_head else cover
+    valid = self.key(jnp.ones((1, self.branch.n, num_kv_heads, 1), jnp.bool_))[0, ..., 0]
+    return valid if self.branch.per_head else valid[:, :1]
 
 
-def _folds(pattern: DilatedPattern, n: int, num_heads: int, kv_group: int, branches):
-  ranges = pattern.head_ranges(num_heads)
-  for b in range(pattern.num_branches) if branches is None else branches:
-    (w, r), (h0, h1) = pattern.branches[b], ranges[b]
-    yield _Fold(n, min(w, n), r, h0, h1, kv_group, pattern.offsets == "head" and r > 1)
+def _folds(pattern: DilatedPattern, q, k, branches):
+  per_kv = heads_per_kv(q.shape[2], k.shape[2])
+  return [_Fold(br, per_kv) for br in pattern.layout(q.shape[1], q.shape[2], branches)]
 
 
 def _blocked(x, axis, nb, bk, fill=0):
@@ -123,36 +131,37 @@ def _scan(step, carry, blocks):
   return jax.lax.scan(step, carry, blocks)
 
 
-def _key_scan(fold, k, v, valid):
+def _key_scan(fold, k, v, valid, key_block):
   """Key blocks to scan: `(index, k [B,Z,K,bk,D], v, valid [Z,K',bk])`, and the block size."""
-  nb = -(-fold.m // KEY_BLOCK)
-  bk = -(-fold.m // nb)  # the least padding for nb blocks
+  rows = fold.branch.rows
+  nb = -(-rows // key_block)
+  bk = -(-rows // nb)  # the least padding for nb blocks
   return (jnp.arange(nb), _blocked(fold.key(k), 3, nb, bk), _blocked(fold.key(v), 3, nb, bk),
           _blocked(valid, 2, nb, bk, fill=False)), bk
 
 
-def _scores(fold, qf, kb, valid, first_key, causal, scale):
+def _scores(fold, qf, kb, valid, first_key, scale):
   """Masked scores `[B, Z, K, T, bk]` of all folded queries against one key block."""
   acc = jnp.promote_types(qf.dtype, jnp.float32)
   # s: [B, Z, K, T, bk]
   s = jnp.einsum("BZKTD,BZKJD->BZKTJ", qf, kb, preferred_element_type=acc) * scale
   mask = valid[None, :, :, None, :]  # [1, Z, K or 1, 1, bk]
-  if causal:  # the fold keeps order within a row, so j <= i compares row indices
+  if fold.branch.causal:  # the fold keeps order within a row: j <= i compares row indices
     q_idx = jnp.arange(qf.shape[3]) // fold.group
     k_idx = first_key + jnp.arange(kb.shape[3])
     mask = mask & (k_idx[None, :] <= q_idx[:, None])
   return jnp.where(mask, s, -jnp.inf)
 
 
-def _branch_forward(fold, q, k, v, causal, scale):
+def _branch_forward(fold, q, k, v, scale, key_block):
   """Folded `(out [B, Z, K, T, D], lse [B, Z, K, T])` of one branch."""
   qf = fold.query(q)
   acc = jnp.promote_types(q.dtype, jnp.float32)
-  blocks, bk = _key_scan(fold, k, v, fold.key_valid(k.shape[2]))
+  blocks, bk = _key_scan(fold, k, v, fold.key_valid(k.shape[2]), key_block)
 
   def step(carry, blk):
     i, kb, vb, valid = blk
-    s = _scores(fold, qf, kb, valid, i * bk, causal, scale)
+    s = _scores(fold, qf, kb, valid, i * bk, scale)
     # Softmax within the block; the one merge folds it into the carry.
     mx = jnp.max(s, axis=-1)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
@@ -176,38 +185,40 @@ def transpose(fn, y, like):
   return jax.vjp(fn, jnp.zeros_like(like, dtype=y.dtype))[1](y)[0]
 
 
-def forward(q, k, v, pattern: DilatedPattern, scale: float, branches=None):
-  """`(out [B, N, H, D], lse [B, N, H])` in float32 (or wider), branches merged.
-
-  `branches`: indices of the branches to compute (default all); ring steps use one.
-  """
-  n, h = q.shape[1], q.shape[2]
+def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
+            out_dtype=None):
+  """`(out [B, N, H, D], lse [B, N, H])` of `branches` (default all), merged: float32 (float64
+  for float64 inputs) partials, or `out` in `out_dtype` when given."""
+  config = config or Config()
+  h = q.shape[2]
   outs, lses = [], []
-  for fold in _folds(pattern, n, h, h // k.shape[2], branches):
-    o, lse = _branch_forward(fold, q, k, v, pattern.causal, scale)
+  for fold in _folds(pattern, q, k, branches):
+    o, lse = _branch_forward(fold, q, k, v, scale, config.key_block)
     outs.append(transpose(fold.query, o, q))
     # Padding rows may hold -inf; a covered row sees at least itself, so its lse is finite.
     lse = transpose(fold.query, jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None], q[..., :1])
-    lses.append(jnp.where(fold.covered(h), lse[..., 0], -jnp.inf))
-  return merge(outs, lses)
+    lses.append(jnp.where(fold.branch.covered(h), lse[..., 0], -jnp.inf))
+  out, lse = merge(outs, lses)
+  return out.astype(out_dtype or out.dtype), lse
 
 
-def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, branches=None):
+def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
+             branches=None, config=None):
   """`(dq, dk, dv)` from the global `lse` and `delta = rowsum(dout * out) - dlse`."""
-  n, h = q.shape[1], q.shape[2]
+  config = config or Config()
   acc = jnp.promote_types(q.dtype, jnp.float32)
   # p = exp(s - lse) must vanish on rows with no visible key (lse = -inf) and on padding.
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(acc))
   dq, dk, dv = (jnp.zeros(x.shape, acc) for x in (q, k, v))
-  for fold in _folds(pattern, n, h, h // k.shape[2], branches):
+  for fold in _folds(pattern, q, k, branches):
     qf, dof = fold.query(q), fold.query(dout)
     lsef = fold.query(lse[..., None], fill=jnp.inf)[..., 0]
     deltaf = fold.query(delta[..., None].astype(acc))[..., 0]
-    blocks, bk = _key_scan(fold, k, v, fold.key_valid(k.shape[2]))
+    blocks, bk = _key_scan(fold, k, v, fold.key_valid(k.shape[2]), config.key_block)
 
     def step(dqf, blk):
       i, kb, vb, valid = blk
-      s = _scores(fold, qf, kb, valid, i * bk, pattern.causal, scale)
+      s = _scores(fold, qf, kb, valid, i * bk, scale)
       p = jnp.exp(s - lsef[..., None])
       # dvb, dkb: [B, Z, K, bk, D]
       dvb = jnp.einsum("BZKTJ,BZKTD->BZKJD", p.astype(dof.dtype), dof,
@@ -222,7 +233,7 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, b
 
     dqf, (dkb, dvb) = _scan(step, jnp.zeros(qf.shape, acc), blocks)
     # [nb, B, Z, K, bk, D] -> [B, Z, K, M, D]
-    dkb, dvb = (jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], -1, x.shape[-1])[..., :fold.m, :]
+    dkb, dvb = (jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], -1, x.shape[-1])[..., :fold.branch.rows, :]
                 for x in (dkb, dvb))
     dq = dq + transpose(fold.query, dqf, q)
     dk = dk + transpose(fold.key, dkb, k)

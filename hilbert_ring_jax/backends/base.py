@@ -1,0 +1,215 @@
+"""What a backend is, how one is chosen, and the one custom_vjp around the kernel contract.
+
+A backend is a module of `hilbert_ring_jax.backends` that provides (see `Backend`):
+
+- `Config`: a frozen, keyword-only dataclass of its tuning knobs (validated on construction);
+  `None` everywhere means "the backend's own tuned defaults";
+- `supports(problem) -> Support`: whether it runs a `Problem` (shapes, dtypes, pattern,
+  branches, platform), decided from those facts alone: no trial trace;
+- `forward(q, k, v, pattern, scale, *, branches=None, config=None, out_dtype=None)` ->
+  `(out [B, N, H, D], lse [B, N, H])`: the attention over the keys of `branches` (indices into
+  `pattern.branches`; None: all), merged. Both are float32 *partials*, ready for `merge`;
+  a caller whose result is final (no merge follows) may ask for `out_dtype=q.dtype`, so no
+  float32 copy of the output is ever materialized;
+- `backward(q, k, v, dout, lse, delta, pattern, scale, *, branches=None, config=None)` ->
+  float32 `(dq, dk, dv)`: the contribution of `branches`, given the *global* `lse` and
+  `delta = rowsum(dout * out) - dlse`, so that branches, launches and ring steps add up to the
+  exact gradient (docs/SPEC.md, sections 5 and 6).
+
+`resolve` picks the first candidate whose `supports` says yes, once per call (or per ring
+branch): forward and backward are resolved from the same facts, and when every candidate
+declines, `NoBackendError` keeps each one's reason. To add a backend: write the module, add
+its name to `Name`, and give it a place in `candidates`' platform defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import typing
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Literal, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from ..pattern import DilatedPattern
+
+Name = Literal["triton", "pallas", "xla"]
+NAMES: tuple[Name, ...] = typing.get_args(Name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """What a backend is asked to compute: the abstract facts `supports` decides on.
+
+  Attributes:
+    q_shape, kv_shape: `[B, N, H, D]` and `[B, N, Hkv, D]`.
+    dtype: the input dtype.
+    pattern, branches: the pattern and the branch indices to compute (None: all).
+    platform: `jax.default_backend()` ("cpu", "gpu", ...).
+    varying: whether the inputs vary over mesh axes (inside `shard_map(check_vma=True)`).
+    backward: whether the backward pass is asked for (else the forward).
+  """
+
+  q_shape: tuple[int, ...]
+  kv_shape: tuple[int, ...]
+  dtype: jnp.dtype
+  pattern: DilatedPattern
+  branches: tuple[int, ...] | None = None
+  platform: str = "cpu"
+  varying: bool = False
+  backward: bool = False
+
+  @classmethod
+  def of(cls, q, k, pattern, branches=None, *, like=None) -> Problem:
+    """The problem of arrays (or shape/dtype structs) `q`, `k`; `like` (default `q`) is a
+    real array whose mesh-axes type tells whether the inputs vary inside `shard_map`."""
+    aval = jax.typeof(q if like is None else like)
+    varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None) or \
+        getattr(aval, "vma", None)
+    return cls(tuple(q.shape), tuple(k.shape), jnp.dtype(q.dtype), pattern,
+               None if branches is None else tuple(branches), jax.default_backend(),
+               bool(varying))
+
+  @property
+  def head_dim(self) -> int:
+    return self.q_shape[-1]
+
+
+class Support(typing.NamedTuple):
+  """`supports`' answer: truthy when the backend runs the problem, else falsy with a reason."""
+
+  ok: bool
+  reason: str = ""
+
+  def __bool__(self) -> bool:
+    return self.ok
+
+
+YES = Support(True)
+
+
+def no(reason: str) -> Support:
+  return Support(False, reason)
+
+
+class Backend(Protocol):
+  """The interface every backend module implements (see the module docstring)."""
+
+  Config: type
+
+  def supports(self, problem: Problem) -> Support: ...
+
+  def forward(self, q, k, v, pattern: DilatedPattern, scale: float, *, branches=None,
+              config=None, out_dtype=None): ...
+
+  def backward(self, q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
+               branches=None, config=None): ...
+
+
+class NoBackendError(NotImplementedError):
+  """No candidate backend runs the problem; `reasons` maps each name to why it declined."""
+
+  def __init__(self, reasons: dict[str, str]):
+    self.reasons = dict(reasons)
+    super().__init__("no implementation can run this configuration: " +
+                     "; ".join(f"{name}: {why}" for name, why in reasons.items()))
+
+
+def load(name: Name) -> ModuleType:
+  """The backend module `name`; `ImportError` if it cannot be imported here."""
+  return importlib.import_module(f"{__package__}.{name}")
+
+
+def candidates(implementation) -> tuple[Name, ...]:
+  """`implementation` (None, a name or a sequence of names) as backend names to try in order.
+
+  None: the platform's defaults, fastest first: on a GPU "triton", "pallas" (JAX < 0.12: 0.12
+  deprecates Pallas's Triton lowering, with a warning), "xla"; elsewhere "xla".
+  """
+  if implementation is None:
+    if jax.default_backend() == "gpu":
+      pallas = ("pallas",) if jax.__version_info__ < (0, 12) else ()
+      return ("triton", *pallas, "xla")
+    return ("xla",)
+  names = (implementation,) if isinstance(implementation, str) else implementation
+  if not isinstance(names, Sequence) or not names or any(n not in NAMES for n in names):
+    raise ValueError(f"implementation must be None, one of {NAMES} or a non-empty sequence "
+                     f"of them, got implementation={implementation!r}")
+  return tuple(names)
+
+
+def resolve(names: Sequence[Name], problem: Problem) -> Name:
+  """The first of `names` whose backend supports `problem`; `NoBackendError` if none does."""
+  reasons = {}
+  for name in names:
+    try:
+      backend = load(name)
+    except ImportError as e:  # e.g. jax_triton missing
+      reasons[name] = f"unavailable here ({e})"
+      continue
+    support = backend.supports(problem)
+    if support:
+      return name
+    reasons[name] = support.reason
+  raise NoBackendError(reasons)
+
+
+def config_for(backend: ModuleType, config):
+  """`config` if it is `backend`'s kind of config, else None (that backend's defaults)."""
+  return config if isinstance(config, backend.Config) else None
+
+
+def check_config(config) -> None:
+  if config is not None and not any(
+      isinstance(config, getattr(_loaded(name), "Config", ())) for name in NAMES):
+    raise ValueError(f"config must be None or a backend's Config (e.g. "
+                     f"hilbert_ring_jax.backends.xla.Config), got config={config!r}")
+
+
+def _loaded(name):
+  try:
+    return load(name)
+  except ImportError:
+    return None
+
+
+class Kernel(Protocol):
+  """The two halves `attention` differentiates: any computation following the contract."""
+
+  def forward(self, q, k, v): ...  # -> (out, lse)
+
+  def backward(self, q, k, v, dout, lse, delta): ...  # -> float32 (dq, dk, dv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def attention(q, k, v, kernel: Kernel):
+  """`(out, lse)` of `kernel` with the contract's exact gradient: out in q's dtype, lse float32.
+
+  The one custom_vjp of the package: `dilated_attention`, the ring and the tests all go
+  through it. `kernel` is a hashable object (a static argument) with `forward(q, k, v)` and
+  `backward(q, k, v, dout, lse, delta)`; the backward gets `delta = rowsum(dout * out) - dlse`,
+  the one row statistic every backward needs.
+  """
+  out, lse = kernel.forward(q, k, v)
+  return out.astype(q.dtype), lse.astype(jnp.float32)
+
+
+def _attention_fwd(q, k, v, kernel):
+  out, lse = attention(q, k, v, kernel)
+  return (out, lse), (q, k, v, out, lse)
+
+
+def _attention_bwd(kernel, res, cotangents):
+  q, k, v, out, lse = res
+  dout, dlse = cotangents
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  delta = delta - dlse.astype(jnp.float32)
+  grads = kernel.backward(q, k, v, dout, lse, delta)
+  return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
