@@ -10,12 +10,17 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__, jax.devices())"
+python3 -c "import jax, triton, jax_triton; print('jax', jax.__version__, 'triton', triton.__version__, 'jax-triton', jax_triton.__version__, jax.devices())"
 for stage in "$@"; do
   echo "=== $stage"
   case $stage in
-    tests-triton) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention.py \
-                    -k "triton and (float32 or low_precision or leak or vmap)" 2>&1 | tail -25 ;;
+    tests-triton) timeout 360 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention.py \
+                    tests/test_backends.py -k triton 2>&1 | tail -25 ;;
+    tests-triton-quick) timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
+                    tests/test_attention.py tests/test_backends.py -k "triton and (float32 or \
+                    low_precision or partials)" 2>&1 | tail -15 ;;
+    checks-triton) timeout 240 python3 benchmarks/tune_triton.py --kinds none --patterns longnet \
+                    2>&1 | grep -v '^{' | tail -25 ;;
     tests-pallas) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention.py \
                     -k "pallas and (float32 or low_precision)" 2>&1 | tail -25 ;;
     tune-triton) timeout 360 python3 benchmarks/tune_triton.py --json "$OUT/tune_triton.json" \
@@ -28,6 +33,9 @@ for stage in "$@"; do
     bench-causal) timeout 100 python3 benchmarks/bench_attention.py --pattern full --causal \
                   --seq-len 32768,131072 --impl triton,pallas,cudnn \
                   --json "$OUT/causal.json" 2>&1 | grep -v '^{' ;;
+    bench-longnet-quick) timeout 120 python3 benchmarks/bench_attention.py --pattern longnet \
+                  --seq-len 32768,131072 --impl triton,folded_cudnn \
+                  --json "$OUT/longnet.json" 2>&1 | grep -v '^{' ;;
     bench-longnet) timeout 150 python3 benchmarks/bench_attention.py --pattern longnet \
                   --seq-len 32768,131072 --impl triton,pallas,folded_cudnn,xla \
                   --json "$OUT/longnet.json" --plot "$OUT/longnet.png" 2>&1 | grep -v '^{' ;;

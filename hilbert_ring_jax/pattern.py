@@ -32,7 +32,7 @@ class DilatedPattern:
   segment of `w_b` tokens and share the residue `(p % w_b) % r_b`; with `offsets="head"` that
   residue must also be `h % r_b`, with `offsets="all"` every residue class attends within
   itself. `causal` adds `j <= i`; `head_groups` gives branch `b` only the `b`-th contiguous
-  group of heads. See SPEC.md for the exact function. With `offsets="head"` and fewer heads
+  group of heads. See docs/SPEC.md for the exact function. With `offsets="head"` and fewer heads
   than `r_b`, the residues `>= H` of branch `b` are read by no head; use `offsets="all"` when
   every token should take part in every branch.
 

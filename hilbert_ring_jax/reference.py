@@ -1,4 +1,4 @@
-"""A dense reference of SPEC.md's function: O(N^2) memory, for checks and small examples."""
+"""A dense reference of docs/SPEC.md's function: O(N^2) memory, for checks and small examples."""
 
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ class _Fold:
   per_kv: int     # query heads per key/value head in the inputs
 
   @property
-  def group(self) -> int:
+  def shared(self) -> int:
     """G: query heads sharing a folded key/value head (1 when keys are picked per head)."""
     heads = self.branch.heads
     aligned = heads.start % self.per_kv == 0 and heads.stop % self.per_kv == 0
@@ -95,13 +95,13 @@ class _Fold:
     """`[B, N, H, D]` -> `[B, Z, K, T, D]`."""
     x = self._fold(x, lambda h: h, True, fill)  # [B, Z, K * G, M, D]
     b, z, e, m, d = x.shape
-    g = self.group
+    g = self.shared
     return jnp.swapaxes(x.reshape(b, z, e // g, g, m, d), 3, 4).reshape(b, z, e // g, m * g, d)
 
   def key(self, x):
     """`[B, N, Hkv, D]` -> `[B, Z, K, M, D]`."""
     # Shared key/value heads stay shared (G > 1), or are picked once per query head.
-    contiguous = self.group > 1 or self.per_kv == 1
+    contiguous = self.shared > 1 or self.per_kv == 1
     return self._fold(x, lambda h: h // self.per_kv, contiguous, 0)
 
   def key_valid(self, num_kv_heads):
@@ -147,7 +147,7 @@ def _scores(fold, qf, kb, valid, first_key, scale):
   s = jnp.einsum("BZKTD,BZKJD->BZKTJ", qf, kb, preferred_element_type=acc) * scale
   mask = valid[None, :, :, None, :]  # [1, Z, K or 1, 1, bk]
   if fold.branch.causal:  # the fold keeps order within a row: j <= i compares row indices
-    q_idx = jnp.arange(qf.shape[3]) // fold.group
+    q_idx = jnp.arange(qf.shape[3]) // fold.shared
     k_idx = first_key + jnp.arange(kb.shape[3])
     mask = mask & (k_idx[None, :] <= q_idx[:, None])
   return jnp.where(mask, s, -jnp.inf)
