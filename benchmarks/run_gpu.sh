@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # How the GPU figures in RESULTS.md were taken on the lent machines (device tool): installs the
-# carried jax-triton wheel, prints versions, then runs the named stages, logs under $OUT.
-#   bash benchmarks/run_gpu.sh tests tune bench ...
+# carried wheels (WHL, default .whl: jax-triton), prints versions, then runs the named stages,
+# logs under $OUT.
+#   bash benchmarks/run_gpu.sh tests-triton tune-triton bench-full ...
+#   WHL=.whl4 SITE=/tmp/site4 bash benchmarks/run_gpu.sh tests-triton   # another jax-triton
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
+WHL=${WHL:-.whl}; SITE=${SITE:-/tmp/site}
+if ls "$WHL"/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+      --target "$SITE" "$WHL"/*.whl && export PYTHONPATH=$SITE:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
