@@ -21,7 +21,9 @@ for stage in "$@"; do
                     tests/test_backends.py -k triton 2>&1 | tail -25 ;;
     tests-triton-quick) timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
                     tests/test_attention.py tests/test_backends.py -k "triton and (float32 or \
-                    low_precision or partials)" 2>&1 | tail -15 ;;
+                    low_precision or partials or overflow or huge)" 2>&1 | tail -15 ;;
+    tests-triton-numerics) timeout 120 python3 -m pytest -q -p no:cacheprovider \
+                    tests/test_attention.py -k "triton and (overflow or huge)" 2>&1 | tail -15 ;;
     checks-triton) timeout 240 python3 benchmarks/tune_triton.py --kinds none --patterns longnet \
                     2>&1 | grep -v '^{' | tail -25 ;;
     tests-pallas) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention.py \
@@ -36,6 +38,9 @@ for stage in "$@"; do
     bench-causal) timeout 100 python3 benchmarks/bench_attention.py --pattern full --causal \
                   --seq-len 32768,131072 --impl triton,pallas,cudnn \
                   --json "$OUT/causal.json" 2>&1 | grep -v '^{' ;;
+    bench-full-quick) timeout 150 python3 benchmarks/bench_attention.py --pattern full \
+                  --seq-len 32768,131072 --impl triton,cudnn --json "$OUT/full.json" 2>&1 | \
+                  grep -v '^{' ;;
     bench-longnet-quick) timeout 120 python3 benchmarks/bench_attention.py --pattern longnet \
                   --seq-len 32768,131072 --impl triton,folded_cudnn \
                   --json "$OUT/longnet.json" 2>&1 | grep -v '^{' ;;

@@ -14,30 +14,45 @@ from . import backends
 from .pattern import DilatedPattern
 
 
+def _dtypes() -> tuple:
+  """The input dtypes every backend computes in: float64 too when JAX runs with x64."""
+  wide = (jnp.float64,) if jax.config.read("jax_enable_x64") else ()
+  return (jnp.float32, jnp.bfloat16, jnp.float16) + wide
+
+
 def check_inputs(q, k, v, pattern) -> None:
   """Raises `ValueError` naming the argument for anything docs/SPEC.md calls bad input."""
   if not isinstance(pattern, DilatedPattern):
     raise ValueError(f"pattern must be a DilatedPattern, got {type(pattern).__name__}")
   for name, x in (("q", q), ("k", k), ("v", v)):
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+      raise ValueError(f"{name} must be an array (jax or NumPy), got {type(x).__name__}")
     if jnp.ndim(x) != 4:
       raise ValueError(f"{name} must have rank 4 [B, N, H, D], got {name}.shape={jnp.shape(x)}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise ValueError(f"{name} must have a floating dtype, got {name}.dtype={x.dtype}")
+    if not any(x.dtype == t for t in _dtypes()):
+      raise ValueError(f"{name} must be float32, bfloat16 or float16 (float64 with x64), got "
+                       f"{name}.dtype={x.dtype}")
+    if min(x.shape) < 1:
+      raise ValueError(f"{name} must have B, N, H and D >= 1, got {name}.shape={x.shape}")
   if k.shape != v.shape:
     raise ValueError(f"k and v must have the same shape, got {k.shape=} and {v.shape=}")
   for axis, what in ((0, "batch"), (1, "sequence length"), (3, "head dim")):
     if not q.shape[axis] == k.shape[axis]:
       raise ValueError(
           f"q and k/v must have the same {what} (axis {axis}): {q.shape=}, {k.shape=}")
-  if q.shape[1] < 1:
-    raise ValueError(f"q must hold at least one token, got {q.shape=}")
-  if k.shape[2] < 1 or q.shape[2] % k.shape[2]:
+  if q.shape[2] % k.shape[2]:
     raise ValueError(
         f"the number of query heads must be a multiple of the key/value heads: "
         f"{q.shape=} has {q.shape[2]} heads, {k.shape=} has {k.shape[2]}")
   if not q.dtype == k.dtype == v.dtype:
     raise ValueError(f"q, k and v must share a dtype, got {q.dtype=}, {k.dtype=}, {v.dtype=}")
   pattern.head_ranges(q.shape[2])  # head_groups needs H >= number of branches
+
+
+def check_flag(name: str, value) -> bool:
+  if not isinstance(value, bool):
+    raise ValueError(f"{name} must be a bool, got {name}={value!r}")
+  return value
 
 
 def check_scale(scale, head_dim: int) -> float:
@@ -113,6 +128,7 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, scale: float | None =
   """
   check_inputs(q, k, v, pattern)
   scale = check_scale(scale, q.shape[-1])
+  check_flag("return_lse", return_lse)
   names = backends.candidates(implementation)
   backends.check_config(config)
   problem = backends.Problem.of(q, k, pattern)

@@ -101,9 +101,16 @@ def check_heads(num_heads, qkv_features, num_kv_heads, pattern) -> tuple[int, in
 
 
 def check_dropout_rate(dropout_rate) -> float:
-  if not 0.0 <= dropout_rate < 1.0:
-    raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate=}")
+  if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, numbers.Real) or \
+      not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f"dropout_rate must be a number in [0, 1), got {dropout_rate=!r}")
   return float(dropout_rate)
+
+
+def check_features(**features) -> None:
+  for name, val in features.items():
+    if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 1:
+      raise ValueError(f"{name} must be a positive int, got {name}={val!r}")
 
 
 def static_implementation(implementation):
@@ -132,6 +139,9 @@ def attend(q, k, v, pattern, *, implementation=None, mesh=None, seq_axis=None):
     if seq_axis is not None:
       raise ValueError(f"seq_axis is only used with a mesh, got {seq_axis=} and mesh=None")
     return dilated_attention(q, k, v, pattern, implementation=implementation)
+  if seq_axis is None:
+    raise ValueError(f"a mesh needs seq_axis, the mesh axis that shards the sequence (one of "
+                     f"{tuple(mesh.shape)}), got seq_axis=None")
   try:
     from .ring import sharded_dilated_attention  # pylint: disable=import-outside-toplevel
   except ImportError as e:
@@ -197,8 +207,10 @@ class DilatedMultiHeadAttention(nnx.Module):
                dropout_rate: float = 0.0, deterministic: bool = False, dtype=None,
                param_dtype=jnp.float32, implementation=None, mesh=None, seq_axis=None,
                rngs: nnx.Rngs):
+    check_features(in_features=in_features)
     qkv_features = in_features if qkv_features is None else qkv_features
     out_features = in_features if out_features is None else out_features
+    check_features(out_features=out_features)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     num_kv_heads, head_dim = check_heads(num_heads, qkv_features, num_kv_heads, pattern)
     if mesh is None and seq_axis is not None:
@@ -274,7 +286,9 @@ def dilated_attention_fn(pattern: DilatedPattern, *, scale: float | None = None,
     del precision, unused
     if mask is not None or bias is not None:
       raise ValueError("dilated attention takes no mask or bias: the pattern defines which keys "
-                       f"are visible; got mask={mask is not None}, bias={bias is not None}")
+                       f"are visible; got mask={mask is not None}, bias={bias is not None} "
+                       "(nnx.MultiHeadAttention(decode=True) passes a cache mask: cached "
+                       "decoding is not supported through attention_fn)")
     if is_causal and not pattern.causal:
       raise ValueError(f"is_causal=True needs a causal pattern, got {pattern=}")
     if module is not None:

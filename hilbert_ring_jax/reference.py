@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from .api import check_inputs, check_scale
 from .pattern import DilatedPattern, heads_per_kv
 
 
@@ -17,10 +18,12 @@ def dilated_attention_reference(q, k, v, pattern: DilatedPattern, *, scale=None,
                                 return_lse=False):
   """Dense `dilated_attention` (same arguments) with explicit multiplicity masks.
 
-  Materializes `[B, H, N, N]` scores: use it to check results at small N.
+  Materializes `[B, H, N, N]` scores: use it to check results at small N. Inputs are
+  checked as `dilated_attention` checks them (`ValueError` naming the argument).
   """
+  check_inputs(q, k, v, pattern)
   b, n, h, d = q.shape
-  scale = d ** -0.5 if scale is None else scale
+  scale = check_scale(scale, d)
   acc = jnp.promote_types(q.dtype, jnp.float32)
   counts = jnp.asarray(visibility_counts(pattern, n, h), acc)
   per_kv = heads_per_kv(h, k.shape[2])

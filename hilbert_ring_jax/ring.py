@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from . import backends
-from .api import check_inputs, check_scale
+from .api import check_flag, check_inputs, check_scale
 from .backends.xla import transpose
 from .merge import merge
 from .pattern import Branch, DilatedPattern, heads_per_kv
@@ -430,6 +430,13 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, scale
   """
   check_inputs(q, k, v, pattern)
   scale = check_scale(scale, q.shape[-1])
+  check_flag("return_lse", return_lse)
+  try:
+    jax.lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(
+        f"axis_name={axis_name!r} is not bound here: call ring_dilated_attention inside "
+        f"jax.shard_map over a mesh with that axis, or use sharded_dilated_attention") from e
   names = backends.candidates(implementation)
   backends.check_config(config)
   out, lse = backends.attention(q, k, v, _Ring(pattern, scale, axis_name, names, config))

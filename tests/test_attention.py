@@ -154,3 +154,40 @@ def test_xla_memory_is_linear_in_n_and_flat_in_w(grad):
   assert _temp_bytes(2048, 2048, 2, grad) < 1.3 * base
   assert 1.6 * base < _temp_bytes(4096, 1024, 1, grad) < 2.4 * base
   assert 1.6 * base < _temp_bytes(4096, 4096, 1, grad) < 2.4 * base
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_float16_backward_does_not_overflow(implementation):
+  """Large `v` and `dout` make `ds = p (dp - delta)` exceed float16's range although every
+  gradient fits it: the ds products must not round ds to float16 first."""
+  case = Case(16, 1, 1, (16,), (1,), head_dim=64)
+  rng = np.random.default_rng(11)
+  shape = (1, 16, 1, 64)
+  q, k = (jnp.asarray(rng.standard_normal(shape), jnp.float16) for _ in range(2))
+  v = jnp.asarray(1e3 * rng.choice([-1.0, 1.0], shape), jnp.float16)
+  dout = jnp.asarray(32 * rng.standard_normal(shape), jnp.float16)
+  pattern = case.pattern(causal=False)
+  fn = lambda q, k, v: dilated_attention(q, k, v, pattern, implementation=implementation)
+  grads = jax.vjp(jax.jit(fn), q, k, v)[1](dout)
+  _, _, ref = helpers.reference(case, False, q, k, v, dout, np.zeros(shape[:3]))
+  for name, g, r in zip("qkv", grads, ref):
+    assert np.abs(r).max() < 6e4  # the true gradient is representable in float16
+    assert np.isfinite(np.asarray(g, np.float32)).all(), f"d{name}"
+    assert helpers.rel_err(g, r) < 2 * helpers.TOL[jnp.float16], (f"d{name}", helpers.rel_err(g, r))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+def test_huge_logits_keep_gradients_finite(implementation, dtype):
+  """Logits of ~1e9 (q, k ~ 6e4): float32 lse rounding must not turn p = exp(s - lse) into
+  inf. The softmax is one-hot there and the true gradient about 0."""
+  case = Case(32, 2, 2, (16,), (1,), head_dim=16)
+  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.float32, 12)
+  q, k = (jnp.asarray(6e4 * jnp.sign(x), dtype) for x in (q, k))
+  v, dout = v.astype(dtype), dout.astype(dtype)
+  pattern = case.pattern(causal=True)
+  fn = lambda q, k, v: dilated_attention(q, k, v, pattern, implementation=implementation)
+  out, vjp = jax.vjp(jax.jit(fn), q, k, v)
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  for g in vjp(dout):
+    assert np.isfinite(np.asarray(g, np.float32)).all()

@@ -4,8 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hilbert_ring_jax import (DilatedPattern, dilated_attention, hilbert_permutation,
-                              hilbert_permutation_per_segment, inverse_permutation, serialize,
+from hilbert_ring_jax import (DilatedPattern, dilated_attention, dilated_attention_reference,
+                              hilbert_permutation, hilbert_permutation_per_segment,
+                              inverse_permutation, ring_dilated_attention, serialize,
                               unserialize)
 
 P = DilatedPattern((8,), (1,))
@@ -99,3 +100,34 @@ def test_permutation_length_must_match():
 def test_bad_per_segment(n, w, match):
   with pytest.raises(ValueError, match=match):
     hilbert_permutation_per_segment(n, w)
+
+
+@pytest.mark.parametrize("q,match", [
+    (jnp.zeros((0, 8, 2, 4)), "q must have B, N, H and D"),
+    (jnp.zeros((1, 8, 0, 4)), "q must have B, N, H and D"),
+    (jnp.zeros((1, 8, 2, 0)), "q must have B, N, H and D"),
+    (jnp.zeros((1, 8, 2, 4), jnp.float8_e4m3fn), "q must be float32, bfloat16 or float16"),
+    (np.zeros((1, 8, 2, 4), np.int8), "q must be float32"),
+    ([[[[0.0] * 4] * 2] * 8], "q must be an array"),
+])
+def test_input_gaps(q, match):
+  """Zero-size axes, unsupported floats and non-arrays: a ValueError naming the argument."""
+  kv = jnp.zeros((1, 8, 1, 4))  # q is checked first
+  with pytest.raises(ValueError, match=match):
+    dilated_attention(q, kv, kv, P)
+
+
+def test_flags_and_reference_are_checked():
+  with pytest.raises(ValueError, match="return_lse"):
+    dilated_attention(x, x, x, P, return_lse="no")
+  # The dense reference validates like the function.
+  for q, k, v, match in [(x.astype(jnp.int32),) * 3 + ("q",),
+                         (x, x, x[:, :, :1], "k and v"),
+                         (x, jnp.zeros((2, 8, 2, 4)), jnp.zeros((2, 8, 2, 4)), "batch")]:
+    with pytest.raises(ValueError, match=match):
+      dilated_attention_reference(q, k, v, P)
+
+
+def test_ring_outside_shard_map():
+  with pytest.raises(ValueError, match="axis_name='seq' is not bound"):
+    ring_dilated_attention(x, x, x, P, axis_name="seq")

@@ -266,3 +266,23 @@ def test_size_mismatch_at_call(kwargs, match):
     layer(inputs())
   with pytest.raises(ValueError, match="in_features=16"):
     make_layer()(jnp.ones((B, N, 8)))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(in_features=-8), "in_features=-8"),
+    (dict(in_features=8.5), "in_features=8.5"),
+    (dict(in_features=0), "in_features=0"),
+    (dict(out_features=0), "out_features=0"),
+    (dict(dropout_rate="0.1"), "dropout_rate='0.1'"),
+])
+def test_layer_argument_types(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    make_layer(**kwargs)
+
+
+def test_mesh_needs_seq_axis():
+  mesh = jax.make_mesh((2,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:2])
+  layer = make_layer(mesh=mesh)
+  with pytest.raises(ValueError, match="seq_axis"):
+    layer(inputs())

@@ -233,6 +233,21 @@ def _query_rows(Q, DO, LSE, DELTA, tok0, h, stride, rows, start_m,
 
 
 @triton.jit
+def _probs(qk, lse):
+  """`p = exp2(qk - lse)` (base 2), clipped at its exact bound 1: with huge logits
+  (|s| ~ 1e9) float32 rounding of the recomputed s - lse would overflow exp2."""
+  return tl.math.exp2(tl.minimum(qk - lse, 0.0))
+
+
+@triton.jit
+def _ds_dot(ds, x, PRECISION: tl.constexpr):
+  """`ds @ x`: in x's dtype, except float16, whose range ds can exceed (float32 there)."""
+  if x.dtype == tl.float16:
+    return tl.dot(ds, x.to(tl.float32), input_precision=PRECISION)
+  return tl.dot(ds.to(x.dtype), x, input_precision=PRECISION)
+
+
+@triton.jit
 def _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, n0,
              HKV: tl.constexpr, D: tl.constexpr,
              BLOCK_N: tl.constexpr, QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr,
@@ -241,12 +256,12 @@ def _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, n0,
   k = _load(k_ptr, MASKED)
   v = _load(v_ptr, MASKED)
   qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * QK_SCALE + bias
-  p = tl.math.exp2(qk - lse[:, None])
+  p = _probs(qk, lse[:, None])
   if MASKED:
     p = tl.where(_key_visible(qpos, kf, ks, kc, n0, BLOCK_N, CAUSAL), p, 0.0)
   dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
   ds = p * (dp - delta[:, None])
-  return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+  return dq + _ds_dot(ds, k, PRECISION)
 
 
 @triton.jit
@@ -305,14 +320,14 @@ def _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias,
                MASKED: tl.constexpr, PRECISION: tl.constexpr):
   q, do, lse, delta = _query_rows(Q, DO, LSE, DELTA, qtok, h, qs, qc, m0, H, D, BLOCK_M, MASKED)
   qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * QK_SCALE + bias
-  p_t = tl.math.exp2(qk_t - lse[None, :])  # [BLOCK_N, BLOCK_M]; 0 on padded queries
+  p_t = _probs(qk_t, lse[None, :])  # [BLOCK_N, BLOCK_M]; 0 on padded queries
   if MASKED and CAUSAL:
     qpos = qf + qs * (m0 + tl.arange(0, BLOCK_M))
     p_t = tl.where(kpos[:, None] <= qpos[None, :], p_t, 0.0)
   dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
   dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
   ds_t = p_t * (dp_t - delta[None, :])
-  dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+  dk += _ds_dot(ds_t, q, PRECISION)
   return dk, dv
 
 

@@ -209,7 +209,15 @@ def _attention_bwd(kernel, res, cotangents):
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   delta = delta - dlse.astype(jnp.float32)
   grads = kernel.backward(q, k, v, dout, lse, delta)
-  return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+  return tuple(_saturate(g, x.dtype) for g, x in zip(grads, (q, k, v)))
+
+
+def _saturate(x, dtype):
+  """`x` cast to `dtype`, float16 saturating at its largest finite value rather than inf."""
+  if dtype == jnp.float16:
+    big = float(jnp.finfo(jnp.float16).max)
+    x = jnp.clip(x, -big, big)
+  return x.astype(dtype)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

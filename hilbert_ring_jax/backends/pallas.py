@@ -33,6 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 from ..merge import merge
 from ..pattern import Branch, DilatedPattern, heads_per_kv
 from .base import YES, Problem, Support, no
+from .xla import ds_operands
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -463,7 +464,7 @@ def _probs(br, q, kb, lse2, q_rows, k_rows, n_valid, masked, scale):
   s2 = _dot(q, kb, trans_b=True) * (scale * _LOG2E)
   if masked:
     s2 = jnp.where(_mask(br, q_rows, k_rows, n_valid), s2, -jnp.inf)
-  return jnp.exp2(s2 - lse2[:, None])
+  return jnp.exp2(jnp.minimum(s2 - lse2[:, None], 0.0))  # p <= 1: clip rounding of huge s
 
 
 def _global_lse2(lse):
@@ -486,7 +487,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, sc
     vb = _load(v_ref.at[pl.ds(j * bk, bk)], dmask)
     p = _probs(br, q, kb, lse2, q_rows, j * bk + jnp.arange(bk), n_valid, masked, scale)
     ds = p * (_dot(do, vb, trans_b=True) - delta[:, None])  # [bq, bk]
-    return dq + _dot(ds.astype(kb.dtype), kb)
+    return dq + _dot(*ds_operands(ds, kb))
 
   dq = _fori(_key_ranges(br, i, bq, bk, n_valid), body, jnp.zeros((bq, dp), jnp.float32))
   dq = dq * scale
@@ -524,7 +525,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, s
       p = _probs(br, q, kb, lse2, i * bq + jnp.arange(bq), k_rows, n_valid, masked, scale)
       dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
       ds = p * (_dot(do, vb, trans_b=True) - delta[:, None])  # [bq, bk]
-      return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
+      return dk + _dot(*ds_operands(ds, q), trans_a=True), dv
 
     return _fori(_query_ranges(br, j, bq, bk, n_valid), body, carry)
 

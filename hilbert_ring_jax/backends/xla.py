@@ -176,6 +176,14 @@ def _branch_forward(fold, q, k, v, scale, key_block):
   return _scan(step, init, blocks)[0]
 
 
+def ds_operands(ds, x):
+  """`(ds, x)` for the products `ds @ k` and `ds^T @ q`: in x's dtype, except float16, whose
+  range `ds = p (dp - delta)` can exceed where the gradients themselves fit: float32 there."""
+  if x.dtype == jnp.float16:
+    return ds.astype(jnp.float32), x.astype(jnp.float32)
+  return ds.astype(x.dtype), x
+
+
 def transpose(fn, y, like):
   """`fn^T(y)` for a linear `fn` of arrays shaped like `like` (an unfold for a fold).
 
@@ -219,16 +227,17 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
     def step(dqf, blk):
       i, kb, vb, valid = blk
       s = _scores(fold, qf, kb, valid, i * bk, scale)
-      p = jnp.exp(s - lsef[..., None])
+      # p <= 1 exactly; clipping keeps float32 rounding of huge logits (s ~ lse ~ 1e9) from
+      # giving exp of a large positive error.
+      p = jnp.exp(jnp.minimum(s - lsef[..., None], 0.0))
       # dvb, dkb: [B, Z, K, bk, D]
       dvb = jnp.einsum("BZKTJ,BZKTD->BZKJD", p.astype(dof.dtype), dof,
                        preferred_element_type=acc)
       dp = jnp.einsum("BZKTD,BZKJD->BZKTJ", dof, vb, preferred_element_type=acc)
       ds = p * (dp - deltaf[..., None]) * scale
-      dqf = dqf + jnp.einsum("BZKTJ,BZKJD->BZKTD", ds.astype(kb.dtype), kb,
+      dqf = dqf + jnp.einsum("BZKTJ,BZKJD->BZKTD", *ds_operands(ds, kb),
                              preferred_element_type=acc)
-      dkb = jnp.einsum("BZKTJ,BZKTD->BZKJD", ds.astype(qf.dtype), qf,
-                       preferred_element_type=acc)
+      dkb = jnp.einsum("BZKTJ,BZKTD->BZKJD", *ds_operands(ds, qf), preferred_element_type=acc)
       return dqf, (dkb, dvb)
 
     dqf, (dkb, dvb) = _scan(step, jnp.zeros(qf.shape, acc), blocks)
