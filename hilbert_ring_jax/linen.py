@@ -53,6 +53,7 @@ class DilatedMultiHeadAttention(nn.Module):
   implementation: Any = None
   mesh: Any = None
   seq_axis: str | None = None
+  batch_axis: Any = None
 
   @nn.compact
   def __call__(self, x, *, deterministic: bool | None = None):
@@ -73,7 +74,7 @@ class DilatedMultiHeadAttention(nn.Module):
     v = dense((num_kv_heads, head_dim), name="value")(x)
     # [B, N, H, D]
     y = attend(q, k, v, self.pattern, implementation=static_implementation(self.implementation),
-               mesh=self.mesh, seq_axis=self.seq_axis)
+               mesh=self.mesh, seq_axis=self.seq_axis, batch_axis=self.batch_axis)
     if rate > 0.0:
       deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
       y = nn.Dropout(rate, deterministic=deterministic)(y)

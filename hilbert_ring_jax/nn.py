@@ -133,11 +133,14 @@ def permute(x, perm, *, inverse=False, mesh=None):
   return unserialize(x, perm) if inverse else serialize(x, perm)
 
 
-def attend(q, k, v, pattern, *, implementation=None, mesh=None, seq_axis=None):
-  """`dilated_attention`, or the ring version sharded over `seq_axis` of `mesh`."""
+def attend(q, k, v, pattern, *, implementation=None, mesh=None, seq_axis=None,
+           batch_axis=None):
+  """`dilated_attention`, or the ring version sharded over `seq_axis` (and the batch over
+  `batch_axis`) of `mesh`."""
   if mesh is None:
-    if seq_axis is not None:
-      raise ValueError(f"seq_axis is only used with a mesh, got {seq_axis=} and mesh=None")
+    if seq_axis is not None or batch_axis is not None:
+      raise ValueError(f"seq_axis and batch_axis are only used with a mesh, got {seq_axis=}, "
+                       f"{batch_axis=} and mesh=None")
     return dilated_attention(q, k, v, pattern, implementation=implementation)
   if seq_axis is None:
     raise ValueError(f"a mesh needs seq_axis, the mesh axis that shards the sequence (one of "
@@ -149,6 +152,7 @@ def attend(q, k, v, pattern, *, implementation=None, mesh=None, seq_axis=None):
         f"mesh= needs hilbert_ring_jax.ring.sharded_dilated_attention, unavailable here: {e}"
     ) from e
   return sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name=seq_axis,
+                                   batch_axis=batch_axis,
                                    implementation=implementation)
 
 
@@ -188,6 +192,8 @@ class DilatedMultiHeadAttention(nnx.Module):
       (`hilbert_ring_jax.ring.sharded_dilated_attention`); with explicit mesh axes, trace
       under `jax.set_mesh(mesh)`. An ordering then gathers the sequence axis for its
       permutations: serializing once at the model's input is cheaper.
+    batch_axis: with `mesh`, the mesh axis (or axes) the batch is split over: data x
+      sequence parallelism.
     rngs: `nnx.Rngs` for parameter init (and the `dropout` stream if `dropout_rate > 0`).
 
   Example:
@@ -206,6 +212,7 @@ class DilatedMultiHeadAttention(nnx.Module):
                pattern: DilatedPattern, ordering=None, grid_shape=None,
                dropout_rate: float = 0.0, deterministic: bool = False, dtype=None,
                param_dtype=jnp.float32, implementation=None, mesh=None, seq_axis=None,
+               batch_axis=None,
                rngs: nnx.Rngs):
     check_features(in_features=in_features)
     qkv_features = in_features if qkv_features is None else qkv_features
@@ -213,8 +220,9 @@ class DilatedMultiHeadAttention(nnx.Module):
     check_features(out_features=out_features)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     num_kv_heads, head_dim = check_heads(num_heads, qkv_features, num_kv_heads, pattern)
-    if mesh is None and seq_axis is not None:
-      raise ValueError(f"seq_axis is only used with a mesh, got {seq_axis=} and mesh=None")
+    if mesh is None and (seq_axis is not None or batch_axis is not None):
+      raise ValueError(f"seq_axis and batch_axis are only used with a mesh, got {seq_axis=}, "
+                       f"{batch_axis=} and mesh=None")
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.in_features, self.out_features = in_features, out_features
     self.pattern = pattern
@@ -222,7 +230,7 @@ class DilatedMultiHeadAttention(nnx.Module):
     self.dropout_rate = check_dropout_rate(dropout_rate)
     self.deterministic = deterministic
     self.implementation = static_implementation(implementation)
-    self.mesh, self.seq_axis = mesh, seq_axis
+    self.mesh, self.seq_axis, self.batch_axis = mesh, seq_axis, batch_axis
     linear = functools.partial(nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype,
                                rngs=rngs)
     self.query = linear(in_features, (num_heads, head_dim))
@@ -247,7 +255,7 @@ class DilatedMultiHeadAttention(nnx.Module):
     q, k, v = self.query(x), self.key(x), self.value(x)
     # [B, N, H, D]
     y = attend(q, k, v, self.pattern, implementation=self.implementation, mesh=self.mesh,
-               seq_axis=self.seq_axis)
+               seq_axis=self.seq_axis, batch_axis=self.batch_axis)
     deterministic = self.deterministic if deterministic is None else deterministic
     y = self.dropout(y, deterministic=deterministic, rngs=rngs)
     # [B, N, out_features]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -176,11 +177,6 @@ def _vary_like(xs, ref):
   return tuple(x + zero.astype(x.dtype) for x in xs)
 
 
-def _varying(x, axis_name):
-  """Marks a device-invariant value (zeros) as varying over the ring axis, for `lax.cond`."""
-  return jax.lax.pcast(x, (axis_name,), to="varying")
-
-
 def _step_position(plan, axis_name):
   """(this device's place in its sub-ring, the sub-ring's size), as traced values."""
   p = jax.lax.axis_index(axis_name)
@@ -247,8 +243,10 @@ def _ring_forward(st, q, k, v, axis_name):
   if plan.zigzag:
     return _zigzag_forward(st, qs, kv, axis_name)
   acc = st.forward(qs, *kv, st.causal)
-  zeros = lambda: (_varying(jnp.zeros(acc[0].shape, acc[0].dtype), axis_name),
-                   _varying(jnp.full(acc[1].shape, -jnp.inf, acc[1].dtype), axis_name))
+  # An empty step's result: typed like a real one (varying over every mesh axis q varies
+  # over, the data axis included), as lax.cond needs.
+  zeros = lambda: _vary_like((jnp.zeros(acc[0].shape, acc[0].dtype),
+                              jnp.full(acc[1].shape, -jnp.inf, acc[1].dtype)), qs)
   for step in range(1, plan.span):
     # Issued before the previous step's compute is consumed, so XLA overlaps the two.
     kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step, causal_forward=st.causal))
@@ -310,7 +308,7 @@ def _ring_backward(st, q, k, v, dout, lse, delta, axis_name):
   if plan.zigzag:
     return _zigzag_backward(st, rows, kv, axis_name)
   grads = st.backward(rows[0], *kv, *rows[1:], st.causal)
-  zeros = lambda: tuple(_varying(jnp.zeros(x.shape, x.dtype), axis_name) for x in grads)
+  zeros = lambda: _vary_like(tuple(jnp.zeros(x.shape, x.dtype) for x in grads), rows[0])
 
   def step_grads(kv, step):
     return jax.lax.cond(_visible(plan, st.causal, step, axis_name),
@@ -449,12 +447,17 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   """`dilated_attention` with the sequence axis sharded over `mesh.shape[axis_name]` devices.
 
   Does the `jax.shard_map` for the caller: `q`, `k`, `v` are global `[B, N, H(kv), D]` arrays
-  (sharded or not); the result is sharded like `P(batch_axis, axis_name)`. Works the same
-  in one process or under `jax.distributed.initialize()` with one process per GPU.
+  (sharded or not); the result is sharded like `P(batch_axis, axis_name)`: with `batch_axis`
+  (a mesh axis, or a tuple of them) the batch is split over it too (data x sequence
+  parallelism); other mesh axes hold replicas. Compiled as one program, so an eager call is
+  as fast as a jitted one (and inlined under an outer `jit`). Works the same in one process
+  or under `jax.distributed.initialize()` with one process per GPU.
 
   Example:
-    >>> mesh = jax.make_mesh((8,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,))
-    >>> out = sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq")  # doctest: +SKIP
+    >>> mesh = jax.make_mesh((2, 4), ("data", "seq"),
+    ...                      axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    >>> out = sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq",
+    ...                                 batch_axis="data")  # doctest: +SKIP
   """
   check_inputs(q, k, v, pattern)
   if axis_name not in mesh.shape:
@@ -463,12 +466,37 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   if q.shape[1] % shards:
     raise ValueError(f"the sequence length {q.shape[1]} must be divisible by the size "
                      f"{shards} of mesh axis axis_name={axis_name!r}")
-  spec = jax.P(batch_axis, axis_name)
-  if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-    q, k, v = (jax.reshard(x, jax.NamedSharding(mesh, spec)) for x in (q, k, v))
-  fn = functools.partial(ring_dilated_attention, pattern=pattern, axis_name=axis_name,
-                         scale=scale, return_lse=True, implementation=implementation,
-                         config=config)
-  out, lse = jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec),
-                           check_vma=True)(q, k, v)
+  batch_axes = (batch_axis,) if isinstance(batch_axis, str) else tuple(batch_axis or ())
+  for name in batch_axes:
+    if name not in mesh.shape or name == axis_name:
+      raise ValueError(f"batch_axis must be None or mesh axes other than axis_name, got "
+                       f"batch_axis={batch_axis!r} (mesh axes {dict(mesh.shape)})")
+  replicas = math.prod(mesh.shape[name] for name in batch_axes)
+  if q.shape[0] % replicas:
+    raise ValueError(f"the batch size {q.shape[0]} must be divisible by the size {replicas} "
+                     f"of batch_axis={batch_axis!r}")
+  scale = check_scale(scale, q.shape[-1])
+  check_flag("return_lse", return_lse)
+  names = backends.candidates(implementation)
+  backends.check_config(config)
+  fn = _sharded(pattern, mesh, axis_name, batch_axes or None, scale, names, config)
+  out, lse = fn(q, k, v)
   return (out, lse) if return_lse else out
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded(pattern, mesh, axis_name, batch_axes, scale, names, config):
+  """The jitted shard_map of one configuration (cached: eager calls reuse its compilation)."""
+  spec = jax.P(batch_axes, axis_name)
+  explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+  inner = functools.partial(ring_dilated_attention, pattern=pattern, axis_name=axis_name,
+                            scale=scale, return_lse=True, implementation=names, config=config)
+  mapped = jax.shard_map(inner, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec),
+                         check_vma=True)
+
+  def run(q, k, v):
+    if explicit:
+      q, k, v = (jax.reshard(x, jax.NamedSharding(mesh, spec)) for x in (q, k, v))
+    return mapped(q, k, v)
+
+  return jax.jit(run)

@@ -286,3 +286,20 @@ def test_mesh_needs_seq_axis():
   layer = make_layer(mesh=mesh)
   with pytest.raises(ValueError, match="seq_axis"):
     layer(inputs())
+
+
+def test_layers_with_data_and_sequence_axes():
+  """NNX and Linen layers on a (data=2, seq=4) mesh equal the single-device layer."""
+  mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  x = inputs()
+  sharded = make_layer(mesh=mesh, seq_axis="seq", batch_axis="data")
+  np.testing.assert_allclose(jax.jit(lambda x: sharded(x))(x), make_layer()(x), rtol=1e-5,
+                             atol=1e-5)
+  module = linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=PATTERN,
+                                           mesh=mesh, seq_axis="seq", batch_axis="data")
+  plain = linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=PATTERN)
+  params = plain.init(jax.random.PRNGKey(0), x)
+  np.testing.assert_allclose(jax.jit(module.apply)(params, x), plain.apply(params, x),
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="batch_axis"):
+    make_layer(batch_axis="data")

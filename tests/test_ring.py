@@ -9,9 +9,11 @@ import pytest
 
 import helpers
 from hilbert_ring_jax import DilatedPattern, dilated_attention
+from hilbert_ring_jax import ring as ring_module
 from hilbert_ring_jax.ring import _plans, ring_dilated_attention, sharded_dilated_attention
 
 AUTO = jax.sharding.AxisType.Auto
+EXPLICIT = jax.sharding.AxisType.Explicit
 
 # (P, N, H, Hkv, pattern) -- local-only, spanning, full attention, mixed, fallbacks.
 CASES = {
@@ -142,3 +144,57 @@ def test_ring_steps_fall_back_to_the_next_backend():
                              rtol=1e-5, atol=1e-5)
   with pytest.raises(NotImplementedError, match="pallas"):
     ring("pallas")(q, k, v)
+
+
+# Data x sequence meshes: every plan kind, (data=2, seq=4) and (data=4, seq=2), both axis types.
+DATA_SEQ = [("spanning_head", 2, EXPLICIT), ("mqa_not_compact", 2, AUTO),
+            ("head_groups_gqa", 2, AUTO), ("gather_fallback", 2, EXPLICIT),
+            ("partial_non_causal", 2, AUTO), ("causal_without_zigzag", 2, EXPLICIT),
+            ("full_attention_p2", 4, EXPLICIT), ("local_only", 2, AUTO)]
+
+
+@pytest.mark.parametrize("name,data,axis_type", DATA_SEQ,
+                         ids=[f"{n}-data{d}-{t.name}" for n, d, t in DATA_SEQ])
+def test_data_and_sequence_parallel(name, data, axis_type):
+  p, n, h, hkv, pattern = CASES[name]
+  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
+                      pattern.offsets, pattern.head_groups, batch=2 * data)
+  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.float32, 13)
+  mesh = jax.make_mesh((data, p), ("data", "seq"), axis_types=(axis_type,) * 2,
+                       devices=jax.devices()[:data * p])
+  ring = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq",
+                                                   batch_axis="data", return_lse=True)
+  single = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
+  (out, lse), vjp = jax.vjp(single, q, k, v)
+  (rout, rlse), rvjp = jax.vjp(jax.jit(ring), q, k, v)
+  assert rout.sharding.spec[:2] == ("data", "seq")
+  np.testing.assert_allclose(rout, out, rtol=1e-5, atol=1e-5)
+  finite = np.isfinite(np.asarray(lse))
+  np.testing.assert_allclose(np.asarray(rlse)[finite], np.asarray(lse)[finite], atol=1e-5)
+  for g, rg in zip(vjp((dout, dlse)), rvjp((dout, dlse))):
+    np.testing.assert_allclose(rg, g, rtol=1e-5, atol=1e-5)
+
+
+def test_eager_call_compiles_once():
+  """Called without jit, the ring runs as one cached program, not op by op."""
+  p, n, h, hkv, pattern = CASES["spanning_head"]
+  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates)
+  q, k, v, *_ = helpers.random_inputs(case, jnp.float32, 14)
+  call = lambda: sharded_dilated_attention(q, k, v, pattern, mesh=mesh(p), axis_name="seq")
+  first = call()
+  before = ring_module._sharded.cache_info()
+  np.testing.assert_array_equal(call(), first)
+  after = ring_module._sharded.cache_info()
+  assert (after.hits, after.misses) == (before.hits + 1, before.misses)
+
+
+def test_bad_batch_axis():
+  x = jnp.zeros((3, 32, 2, 8))
+  m = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AUTO, AUTO))
+  for batch_axis in ("model", "seq"):
+    with pytest.raises(ValueError, match="batch_axis"):
+      sharded_dilated_attention(x, x, x, DilatedPattern((8,), (1,)), mesh=m, axis_name="seq",
+                                batch_axis=batch_axis)
+  with pytest.raises(ValueError, match="batch size 3"):
+    sharded_dilated_attention(x, x, x, DilatedPattern((8,), (1,)), mesh=m, axis_name="seq",
+                              batch_axis="data")
