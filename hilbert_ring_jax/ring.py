@@ -416,8 +416,9 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, scale
   Each device passes its shard `[B, N / P, H, D]` of `q` and `[B, N / P, Hkv, D]` of `k`, `v`
   (shard `p` holds positions `[p * N / P, (p + 1) * N / P)` of processing order) and gets its
   shard of the output of `dilated_attention` on the whole sequence, with exact gradients.
-  Queries and outputs never leave their device; keys and values travel only for branches
-  whose segments span shards (see the module docstring). Each branch's steps use the backend
+  Keys and values travel only for branches whose segments span shards (see the module
+  docstring); queries and outputs stay on their device, except that a causal zigzag branch
+  trades half-shards once each way and the gather fallback all-gathers its inputs. Each branch's steps use the backend
   `dilated_attention` would pick for them (`implementation` and `config` as there).
 
   Example:
