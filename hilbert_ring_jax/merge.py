@@ -7,6 +7,22 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 
 
+def _check_shapes(outs, lses):
+  """`ValueError` unless the outs share one shape `[..., D]` and every lse is `[...]`."""
+  out_shape = jnp.shape(outs[0])
+  if not out_shape:
+    raise ValueError(f"outs must have a last (feature) axis, got outs[0] of shape {out_shape}")
+  for i, o in enumerate(outs):
+    if jnp.shape(o) != out_shape:
+      raise ValueError(f"outs must all have one shape, got outs[0] of shape {out_shape} and "
+                       f"outs[{i}] of shape {jnp.shape(o)}")
+  for i, lse in enumerate(lses):
+    # Broadcasting would silently mix rows of different partials.
+    if jnp.shape(lse) != out_shape[:-1]:
+      raise ValueError(f"lses[{i}] must have its out's shape without the last axis, "
+                       f"{out_shape[:-1]}, got shape {jnp.shape(lse)}")
+
+
 def merge(outs: Sequence[jnp.ndarray], lses: Sequence[jnp.ndarray]):
   """Combines softmax-attention partials over disjoint (multi)sets of keys.
 
@@ -15,24 +31,50 @@ def merge(outs: Sequence[jnp.ndarray], lses: Sequence[jnp.ndarray]):
 
       lse = logsumexp_i lse_i,   out = sum_i exp(lse_i - lse) * o_i
 
-  A row no partial sees (`lse_i = -inf` for all `i`) gets `out = 0`, `lse = -inf`, never NaN.
-  Computed in the dtype of the inputs (callers pass float32 accumulators).
+  A row no partial sees (`lse_i = -inf` for all `i`) gets `out = 0`, `lse = -inf`, never NaN,
+  and zero gradients with respect to every `o_i` and `lse_i`. A partial with `lse_i = +inf`
+  (an overflowed denominator) dominates its row: `out` is the mean of the `o_i` with
+  `lse_i = +inf`, `lse = +inf`, and the gradient with respect to the `lse_i` of that row is
+  zero. (A single partial is returned as it is, and so are its gradients.) Computed in the
+  dtype of the inputs (callers pass float32 accumulators).
+
+  Args:
+    outs: partial outputs, all of one shape `[..., D]`.
+    lses: their log-denominators, each of shape `[...]` (its out's shape without `D`).
+
+  Returns:
+    `(out [..., D], lse [...])`.
 
   Example:
-    >>> o, lse = merge([o_a, o_b], [lse_a, lse_b])  # doctest: +SKIP
+    >>> o_a, o_b = jnp.array([[1.0, 0.0]]), jnp.array([[0.0, 1.0]])
+    >>> out, lse = merge([o_a, o_b], [jnp.array([0.0]), jnp.array([0.0])])  # equal weights
+    >>> out.tolist(), round(float(lse[0]), 4)  # lse = log(1 + 1)
+    ([[0.5, 0.5]], 0.6931)
   """
   if len(outs) != len(lses) or not outs:
-    raise ValueError(f"merge needs matching, non-empty outs and lses, got {len(outs)=} {len(lses)=}")
+    raise ValueError(
+        f"merge needs matching, non-empty outs and lses, got {len(outs)=} {len(lses)=}")
+  _check_shapes(outs, lses)
   if len(outs) == 1:
     return outs[0], lses[0]
   lse_max = lses[0]
   for lse in lses[1:]:
     lse_max = jnp.maximum(lse_max, lse)
+  # A row with an lse of +inf keeps only those partials, as lse 0 (the rest -inf): finite
+  # weights and gradients. Finite rows pass through every where() unchanged.
+  overflow = lse_max == jnp.inf
+  lses = [jnp.where(overflow, jnp.where(lse == jnp.inf, 0.0, -jnp.inf), lse) for lse in lses]
+  lse_max = jnp.where(overflow, 0.0, lse_max)
   # A fully masked row has lse_max = -inf; shifting by 0 there keeps exp() finite.
   shift = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
   weights = [jnp.exp(lse - shift) for lse in lses]
   den = sum(weights[1:], weights[0])
-  lse = shift + jnp.log(den)
-  inv = 1.0 / jnp.where(den > 0, den, 1.0)
+  # Double where: log() only sees den > 0, so a masked row (den = 0) gets lse = -inf with a
+  # zero gradient instead of 0 * log'(0) = NaN. (`!= 0`, not `> 0`: a NaN row stays NaN.)
+  seen = den != 0
+  safe_den = jnp.where(seen, den, 1.0)
+  lse = jnp.where(seen, shift + jnp.log(safe_den), -jnp.inf)
+  lse = jnp.where(overflow, jnp.inf, lse)
+  inv = 1.0 / safe_den
   out = sum((w * inv)[..., None] * o for w, o in zip(weights, outs))
   return out, lse

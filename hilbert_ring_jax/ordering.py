@@ -2,16 +2,30 @@
 
 `perm[j]` is the caller's index of the token processed `j`-th: `x_serial[:, j] = x[:, perm[j]]`.
 Permutations are host-side NumPy arrays built once per (static) shape.
+
+The permutation contract of `serialize`, `unserialize` and `inverse_permutation`: `perm` is host
+data (a NumPy array, a Python sequence or a concrete `jax.Array`), converted to NumPy and checked
+to be a permutation of `0 .. N-1` when it is passed in, also while tracing under `jax.jit` (as a
+closed-over constant). A traced `perm` (a `jax.core.Tracer`: a jit argument, or computed inside
+the traced function, `jnp.asarray` included) cannot be checked there, since a gather with a
+repeated or out-of-range index silently duplicates rows or yields NaN, so it is refused with a
+`ValueError` unless the caller passes `validate=False`: "perm is a device-computed permutation
+whose validity I guarantee". Nothing about its values is checked then (its rank, integer dtype
+and length still are); a non-permutation gives unspecified results.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+_MAX_CELLS = 1 << 28  # 2 GiB of int64 on the host; far beyond the sequences a mesh holds
 
 
 def _check_grid_shape(grid_shape) -> tuple[int, ...]:
@@ -22,7 +36,11 @@ def _check_grid_shape(grid_shape) -> tuple[int, ...]:
   if not 1 <= len(dims) <= 3 or any(
       isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in dims):
     raise ValueError(f"grid_shape must be 1 to 3 positive ints, got grid_shape={grid_shape!r}")
-  return tuple(int(d) for d in dims)
+  dims = tuple(int(d) for d in dims)
+  if math.prod(dims) > _MAX_CELLS:  # the permutation is a host array of int64 per cell
+    raise ValueError(f"grid_shape={grid_shape!r} has {math.prod(dims)} cells, more than the "
+                     f"{_MAX_CELLS} a host permutation is built for")
+  return dims
 
 
 def _sign(v):
@@ -155,38 +173,81 @@ def hilbert_permutation_per_segment(n: int, w: int) -> np.ndarray:
   return np.concatenate(parts).astype(np.int64)
 
 
-def _check_perm(perm, n: int | None = None, name: str = "perm") -> np.ndarray | jax.Array:
+def _not_a_permutation(arr: np.ndarray, name: str) -> str:
+  """Why `arr` (1-D, integer) is not a permutation: its first out-of-range or repeated entry."""
+  n = len(arr)
+  bad = np.flatnonzero((arr < 0) | (arr >= n))
+  if len(bad):
+    return f"{name}[{bad[0]}] = {arr[bad[0]]} is out of range"
+  _, first = np.unique(arr, return_index=True)
+  repeat = np.setdiff1d(np.arange(n), first)[0]  # the first index holding an earlier value
+  return (f"{name}[{repeat}] = {arr[repeat]} repeats "
+          f"{name}[{np.flatnonzero(arr == arr[repeat])[0]}]")
+
+
+def _check_perm(perm, n: int | None = None, name: str = "perm", *,
+                validate: bool = True) -> np.ndarray | jax.Array:
+  """`perm` as a NumPy array, checked; a traced `perm` only with `validate=False`, unchecked."""
   if isinstance(perm, jax.core.Tracer):
-    if perm.ndim != 1 or (n is not None and perm.shape[0] != n):
-      raise ValueError(f"{name} must be 1-D of length {n}, got shape {perm.shape}")
-    return perm
-  arr = np.asarray(perm)
-  if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or (n is not None and len(arr) != n):
+    if validate:
+      # Its values are unknown while tracing, and a gather with a bad index fails silently.
+      raise ValueError(
+          f"{name} is a traced value ({perm.dtype}{list(perm.shape)}), whose values cannot be "
+          f"checked to be a permutation: pass {name} as host data (a NumPy array built outside "
+          f"the traced function and closed over, not a jit argument, nor jnp.asarray inside "
+          f"it), or pass validate=False if {name} is a device-computed permutation whose "
+          f"validity you guarantee")
+    arr = perm
+  else:
+    arr = np.asarray(perm)
+  if (arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer)
+      or (n is not None and arr.shape[0] != n)):
     raise ValueError(
         f"{name} must be a 1-D integer permutation of 0..{'N' if n is None else n}-1, "
         f"got dtype {arr.dtype} and shape {arr.shape}")
-  if not np.array_equal(np.sort(arr), np.arange(len(arr))):
-    raise ValueError(f"{name} is not a permutation of 0..{len(arr) - 1}")
+  if validate and not np.array_equal(np.sort(arr), np.arange(len(arr))):
+    raise ValueError(
+        f"{name} is not a permutation of 0..{len(arr) - 1}: {_not_a_permutation(arr, name)}")
   return arr
 
 
-def inverse_permutation(perm) -> np.ndarray:
+def inverse_permutation(perm, *, validate: bool = True) -> np.ndarray | jax.Array:
   """`inv` with `inv[perm[j]] = j`.
+
+  Args:
+    perm: a permutation of `0 .. N-1` as host data (NumPy array, sequence or concrete
+      `jax.Array`), checked; a traced one is refused unless `validate=False`.
+    validate: False declares `perm` a permutation whose validity the caller guarantees: its
+      values are not checked, and a traced `perm` is accepted (inverted by a scatter).
+
+  Returns:
+    A NumPy array, or for a traced `perm` a traced array of its dtype.
 
   Example:
     >>> inverse_permutation([2, 0, 1]).tolist()
     [1, 2, 0]
+    >>> jax.jit(lambda p: inverse_permutation(p, validate=False))(jnp.array([2, 0, 1])).tolist()
+    [1, 2, 0]
   """
-  perm = _check_perm(perm)
+  perm = _check_perm(perm, validate=validate)
   if isinstance(perm, jax.core.Tracer):
-    return jnp.argsort(perm)
-  inv = np.empty_like(perm)
+    # A scatter, O(N), rather than an argsort; the caller promised the indices are unique.
+    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype),
+                                             unique_indices=True)
+  inv = np.zeros_like(perm)
   inv[perm] = np.arange(len(perm), dtype=perm.dtype)
   return inv
 
 
-def serialize(x, perm):
+def serialize(x, perm, *, validate: bool = True):
   """Reorders the sequence axis (1) of `x` into processing order: `x[:, perm]`.
+
+  Args:
+    x: an array `[B, N, ...]`.
+    perm: a permutation of `0 .. N-1` as host data (NumPy array, sequence or concrete
+      `jax.Array`), checked; a traced one is refused unless `validate=False`.
+    validate: False declares `perm` a permutation whose validity the caller guarantees, e.g. one
+      computed on the device under `jax.jit`: it is accepted traced and its values unchecked.
 
   Example:
     >>> x = jnp.arange(4.0).reshape(1, 4)
@@ -195,11 +256,25 @@ def serialize(x, perm):
   """
   if jnp.ndim(x) < 2:
     raise ValueError(f"x must have a sequence axis 1, got shape {jnp.shape(x)}")
-  return jnp.take(x, _check_perm(perm, x.shape[1]), axis=1)
+  return jnp.take(x, _check_perm(perm, x.shape[1], validate=validate), axis=1)
 
 
-def unserialize(x, perm):
-  """Undoes `serialize`: `unserialize(serialize(x, perm), perm) == x`."""
+def unserialize(x, perm, *, validate: bool = True):
+  """Undoes `serialize`: `unserialize(serialize(x, perm), perm) == x`.
+
+  Args:
+    x: an array `[B, N, ...]` in processing order.
+    perm: the permutation `serialize` used, as host data; a traced one is refused unless
+      `validate=False` (see `serialize`).
+    validate: False declares `perm` a permutation whose validity the caller guarantees.
+
+  Example:
+    >>> perm = hilbert_permutation((2, 2))
+    >>> unserialize(jnp.array([[0.0, 2.0, 3.0, 1.0]]), perm).tolist()
+    [[0.0, 1.0, 2.0, 3.0]]
+  """
   if jnp.ndim(x) < 2:
     raise ValueError(f"x must have a sequence axis 1, got shape {jnp.shape(x)}")
-  return jnp.take(x, inverse_permutation(_check_perm(perm, x.shape[1])), axis=1)
+  # Checked once here; the inversion need not check again.
+  perm = _check_perm(perm, x.shape[1], validate=validate)
+  return jnp.take(x, inverse_permutation(perm, validate=False), axis=1)

@@ -76,7 +76,7 @@ def test_bad_scale(scale):
     dilated_attention(x, x, x, P, scale=scale)
 
 
-@pytest.mark.parametrize("grid", [(0, 4), (2, 3, 4, 5), (2.5, 4), "ab", -3])
+@pytest.mark.parametrize("grid", [(0, 4), (2, 3, 4, 5), (2.5, 4), "ab", -3, (1 << 20, 1 << 20)])
 def test_bad_grid(grid):
   with pytest.raises(ValueError, match="grid_shape"):
     hilbert_permutation(grid)

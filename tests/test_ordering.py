@@ -78,9 +78,67 @@ def test_inverse_and_round_trip():
   x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 60, 3)))
   np.testing.assert_array_equal(serialize(x, perm), np.asarray(x)[:, perm])
   np.testing.assert_array_equal(unserialize(serialize(x, perm), perm), x)
-  # Under jit, with the permutation traced.
-  f = jax.jit(lambda x, p: unserialize(serialize(x, p), p))
-  np.testing.assert_array_equal(f(x, jnp.asarray(perm)), x)
+  # Under jit, with the permutation a closed-over host constant (checked while tracing).
+  f = jax.jit(lambda x: unserialize(serialize(x, perm), perm))
+  np.testing.assert_array_equal(f(x), x)
+  # A concrete jax Array is host data too: converted and checked.
+  np.testing.assert_array_equal(serialize(x, jnp.asarray(perm)), np.asarray(x)[:, perm])
+  np.testing.assert_array_equal(unserialize(serialize(x, perm), jnp.asarray(perm)), x)
+  inv_jax = inverse_permutation(jnp.asarray(perm))
+  assert isinstance(inv_jax, np.ndarray)
+  np.testing.assert_array_equal(inv_jax, inv)
+  jnp_perm = jnp.asarray(perm)
+  np.testing.assert_array_equal(jax.jit(lambda x: serialize(x, jnp_perm))(x),
+                                np.asarray(x)[:, perm])
+
+
+# The reproducers of traced non-permutations that used to pass silently under jit (duplicated
+# rows, a NaN row, and an argsort that turned [0, 0, 1] into [0, 1, 2]), and a valid one: a
+# traced perm cannot be checked, so it is refused unless validate=False.
+@pytest.mark.parametrize("fn,perm", [
+    ("serialize", [0, 0, 1, 2]), ("serialize", [0, 1, 2, 99]), ("unserialize", [0, 0, 1, 2]),
+    ("serialize", [3, 2, 1, 0]), ("inverse", [0, 0, 1]), ("inverse", [2, 0, 1])])
+def test_traced_permutation_is_refused(fn, perm):
+  x = jnp.arange(8.0).reshape(1, 4, 2)
+  f = {"serialize": lambda p: serialize(x, p), "unserialize": lambda p: unserialize(x, p),
+       "inverse": inverse_permutation}[fn]
+  with pytest.raises(ValueError, match=r"perm is a traced value .*validate=False"):
+    jax.jit(f)(jnp.asarray(perm))
+  # Built with jnp inside the traced function is traced too.
+  with pytest.raises(ValueError, match="perm is a traced value"):
+    jax.jit(lambda: f(jnp.asarray(perm)))()
+
+
+def test_validate_false_under_jit():
+  """A device-computed permutation: accepted traced, and right when it is one."""
+  perm = hilbert_permutation((4, 6))
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 24, 3)))
+  ser = jax.jit(lambda x, p: serialize(x, p, validate=False))(x, jnp.asarray(perm))
+  np.testing.assert_array_equal(ser, np.asarray(x)[:, perm])
+  back = jax.jit(lambda y, p: unserialize(y, p, validate=False))(ser, jnp.asarray(perm))
+  np.testing.assert_array_equal(back, x)
+  inv = jax.jit(lambda p: inverse_permutation(p, validate=False))(jnp.asarray(perm))
+  np.testing.assert_array_equal(inv, inverse_permutation(perm))
+  # A permutation computed on the device from data: argsort of random keys.
+  keys = jax.random.uniform(jax.random.key(0), (24,))
+  dev = jax.jit(lambda k: inverse_permutation(jnp.argsort(k), validate=False))(keys)
+  np.testing.assert_array_equal(dev, inverse_permutation(np.asarray(jnp.argsort(keys))))
+  # Static properties are still checked: rank, integer dtype, length.
+  for bad in (jnp.arange(23), jnp.arange(24.0), jnp.arange(24).reshape(4, 6)):
+    with pytest.raises(ValueError, match="perm must be a 1-D integer permutation"):
+      jax.jit(lambda p: serialize(x, p, validate=False))(bad)
+
+
+@pytest.mark.parametrize("perm,detail", [
+    ([0, 1, 3], r"perm\[2\] = 3 is out of range"), ([0, -1, 1], r"perm\[1\] = -1 is out"),
+    ([1, 0, 1], r"perm\[2\] = 1 repeats perm\[0\]"), ([2, 0, 0, 3], r"perm\[2\] = 0 repeats")])
+def test_not_a_permutation_names_the_value(perm, detail):
+  for p in (perm, np.asarray(perm), jnp.asarray(perm)):
+    with pytest.raises(ValueError, match=rf"perm is not a permutation of 0..{len(perm) - 1}: "
+                                         rf"{detail}"):
+      inverse_permutation(p)
+  with pytest.raises(ValueError, match=detail):
+    jax.jit(lambda x: serialize(x, perm))(jnp.zeros((1, len(perm))))
 
 
 def test_within_segment_permutation_changes_nothing():
