@@ -2,6 +2,7 @@
 
 One process over all local devices (CPU default: 8 virtual CPU devices):
   python examples/multi_gpu.py
+  python examples/multi_gpu.py --data-parallel 2     # (data=2, seq=4): batch x sequence
 
 One process per GPU under JAX's multi-controller runtime (the same fingerprint, see below):
   for i in 0 1 2 3; do
@@ -49,6 +50,9 @@ def main():
   ap.add_argument("--kv-heads", type=int, default=2)
   ap.add_argument("--head-dim", type=int, default=32)
   ap.add_argument("--causal", action="store_true")
+  ap.add_argument("--data-parallel", type=int, default=1, metavar="D",
+                  help="split the devices into a (data=D, seq=devices/D) mesh: the batch (of D "
+                       "sequences) over 'data', each sequence over 'seq'")
   ap.add_argument("--impl", default=None)
   ap.add_argument("--steps", type=int, default=1,
                   help="repeat the sharded forward and backward this many times, printing each "
@@ -73,6 +77,8 @@ def main():
     ap.error("--heartbeat-timeout, --init-timeout and --shutdown-timeout need --distributed")
   if args.steps < 1:
     ap.error(f"--steps must be at least 1, got {args.steps}")
+  if args.data_parallel < 1:
+    ap.error(f"--data-parallel must be at least 1, got {args.data_parallel}")
 
   import jax  # configured before first use: virtual CPU devices, CPU collectives
   jax.config.update("jax_num_cpu_devices", args.cpu_devices)
@@ -88,11 +94,14 @@ def main():
 
   n = args.seq_len
   pattern = DilatedPattern((n // 8, n // 2, n), (1, 2, 4), causal=args.causal)
-  mesh = jax.make_mesh((jax.device_count(),), ("seq",),
-                       axis_types=(jax.sharding.AxisType.Explicit,))
-  sharding = jax.NamedSharding(mesh, jax.P(None, "seq"))
+  data = args.data_parallel
+  if jax.device_count() % data:
+    raise SystemExit(f"--data-parallel {data} must divide the {jax.device_count()} devices")
+  mesh = jax.make_mesh((data, jax.device_count() // data), ("data", "seq"),
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  sharding = jax.NamedSharding(mesh, jax.P("data", "seq"))
   rng = np.random.default_rng(0)
-  shapes = [(1, n, args.heads, args.head_dim)] + [(1, n, args.kv_heads, args.head_dim)] * 2
+  shapes = [(data, n, args.heads, args.head_dim)] + [(data, n, args.kv_heads, args.head_dim)] * 2
   host = [rng.standard_normal(s).astype(np.float32) for s in shapes + shapes[:1]]
   # Each process places the slices its devices hold of the same global arrays.
   q, k, v, dout = (jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx])
@@ -100,7 +109,7 @@ def main():
 
   def loss(q, k, v, dout):
     out = sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq",
-                                    implementation=args.impl)
+                                    batch_axis="data", implementation=args.impl)
     return jnp.sum(out * dout), out
 
   grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -115,7 +124,8 @@ def main():
 
   if jax.process_index() == 0:
     print(f"{jax.process_count()} process(es), {jax.device_count()} x "
-          f"{jax.devices()[0].device_kind}, N={n}, pattern {pattern.segment_lengths} x "
+          f"{jax.devices()[0].device_kind} as (data={data}, seq={jax.device_count() // data}), "
+          f"N={n}, pattern {pattern.segment_lengths} x "
           f"{pattern.dilation_rates}{' causal' if args.causal else ''}")
     local = jax.local_devices()[0]
     qs, ks, vs = (jax.device_put(x, local) for x in host[:3])
