@@ -1,7 +1,8 @@
 """Linen twin of `hilbert_ring_jax.DilatedMultiHeadAttention`, for Linen codebases.
 
 Same computation and the same parameter tree (`query`, `key`, `value`, `out`, each with
-`kernel` and `bias` of the same shapes) as the NNX layer, so weights copy across as they are:
+`kernel` and `bias` of the same shapes, and `query_ln`/`key_ln` scales with `normalize_qk`) as
+the NNX layer and `flax.linen.MultiHeadDotProductAttention`, so weights copy across as they are:
 `{"params": nnx.to_pure_dict(nnx.state(nnx_layer, nnx.Param))}`.
 """
 
@@ -13,19 +14,41 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .nn import (TokenOrder, attend, check_dropout_rate, check_heads, permute,
-                 static_implementation)
+from .nn import (TokenOrder, apply_dropout, attend, check_dropout_rate, check_heads, check_options,
+                 permute, static_implementation)
 from .pattern import DilatedPattern
+
+DEFAULT_KERNEL_INIT = nn.initializers.lecun_normal()
+DEFAULT_BIAS_INIT = nn.initializers.zeros_init()
 
 
 class DilatedMultiHeadAttention(nn.Module):
   """Linen multi-head self-attention with a dilated pattern and an optional token order.
 
   Attributes are those of the NNX layer (see `hilbert_ring_jax.DilatedMultiHeadAttention`),
-  except that `in_features` is taken from the input and there is no `rngs`: parameters come
-  from the `params` collection and dropout (on the attention output, before the output
-  projection) from the `dropout` rng collection. `deterministic` follows Linen's convention:
-  give it as an attribute or a call argument (needed only when `dropout_rate > 0`).
+  with Linen's conventions, as in `flax.linen.MultiHeadDotProductAttention`: `in_features` is
+  taken from the input; there is no `rngs`: parameters come from the `params` collection and
+  dropout (on the attention output, before the output projection) from the `dropout` rng
+  collection; there are no `*_metadata` arguments: sharding annotations come with the
+  initializers (`nn.with_partitioning(init, names)`, `nn.with_logical_partitioning`).
+  `deterministic` is given as an attribute or a call argument, not both (needed only when
+  `dropout_rate > 0`).
+
+  Attributes:
+    num_heads, pattern, qkv_features, out_features, num_kv_heads, ordering, grid_shape:
+      as in the NNX layer.
+    dropout_rate: dropout on the attention output.
+    deterministic: True disables dropout; or give it to the call.
+    dtype, param_dtype: computation and parameter dtypes.
+    implementation, mesh, seq_axis, batch_axis: as in the NNX layer.
+    broadcast_dropout: share the dropout mask across the batch axis.
+    precision: `jax.lax.Precision` of the four projections.
+    kernel_init: initializer of the projection kernels (and by default the `out` kernel).
+    out_kernel_init: initializer of the `out` kernel (None: `kernel_init`).
+    bias_init: initializer of the biases.
+    out_bias_init: initializer of the `out` bias (None: `bias_init`).
+    use_bias: whether the four projections have biases.
+    normalize_qk: apply `LayerNorm` (scale only) to queries and keys per head.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -54,6 +77,15 @@ class DilatedMultiHeadAttention(nn.Module):
   mesh: Any = None
   seq_axis: str | None = None
   batch_axis: Any = None
+  # The options of nn.MultiHeadDotProductAttention, with its defaults.
+  broadcast_dropout: bool = True
+  precision: Any = None
+  kernel_init: Any = DEFAULT_KERNEL_INIT
+  out_kernel_init: Any = None
+  bias_init: Any = DEFAULT_BIAS_INIT
+  out_bias_init: Any = None
+  use_bias: bool = True
+  normalize_qk: bool = False
 
   @nn.compact
   def __call__(self, x, *, deterministic: bool | None = None):
@@ -65,20 +97,32 @@ class DilatedMultiHeadAttention(nn.Module):
     num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
     num_kv_heads, head_dim = check_heads(self.num_heads, qkv_features, num_kv_heads, self.pattern)
     rate = check_dropout_rate(self.dropout_rate)
+    check_options(broadcast_dropout=self.broadcast_dropout, deterministic=self.deterministic,
+                  use_bias=self.use_bias, normalize_qk=self.normalize_qk,
+                  kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
+                  bias_init=self.bias_init, out_bias_init=self.out_bias_init)
     perm = TokenOrder.make(self.ordering, self.grid_shape).permutation(x.shape[1], self.pattern)
     if perm is not None:
       x = permute(x, perm, mesh=self.mesh)
-    dense = functools.partial(nn.DenseGeneral, dtype=self.dtype, param_dtype=self.param_dtype)
-    q = dense((self.num_heads, head_dim), name="query")(x)
-    k = dense((num_kv_heads, head_dim), name="key")(x)
-    v = dense((num_kv_heads, head_dim), name="value")(x)
+    dense = functools.partial(nn.DenseGeneral, dtype=self.dtype, param_dtype=self.param_dtype,
+                              use_bias=self.use_bias, precision=self.precision)
+    qkv = functools.partial(dense, kernel_init=self.kernel_init, bias_init=self.bias_init)
+    q = qkv((self.num_heads, head_dim), name="query")(x)
+    k = qkv((num_kv_heads, head_dim), name="key")(x)
+    v = qkv((num_kv_heads, head_dim), name="value")(x)
+    if self.normalize_qk:
+      norm = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype,
+                               param_dtype=self.param_dtype)
+      q, k = norm(name="query_ln")(q), norm(name="key_ln")(k)
     # [B, N, H, D]
     y = attend(q, k, v, self.pattern, implementation=static_implementation(self.implementation),
                mesh=self.mesh, seq_axis=self.seq_axis, batch_axis=self.batch_axis)
     if rate > 0.0:
       deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
-      y = nn.Dropout(rate, deterministic=deterministic)(y)
+      if not deterministic:
+        y = apply_dropout(y, self.make_rng("dropout"), rate, self.broadcast_dropout)
     # [B, N, out_features]
     out_features = in_features if self.out_features is None else self.out_features
-    y = dense(out_features, axis=(-2, -1), name="out")(y)
+    y = dense(out_features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
+              bias_init=self.out_bias_init or self.bias_init, name="out")(y)
     return y if perm is None else permute(y, perm, inverse=True, mesh=self.mesh)

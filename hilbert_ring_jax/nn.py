@@ -12,6 +12,9 @@ import dataclasses
 import functools
 import hashlib
 import numbers
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,9 @@ from .ordering import hilbert_permutation, hilbert_permutation_per_segment, seri
 from .pattern import DilatedPattern
 
 ORDERINGS = ("hilbert", "hilbert_per_segment")
+# nnx.MultiHeadAttention's defaults (and linen.MultiHeadDotProductAttention's).
+DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
+DEFAULT_BIAS_INIT = nnx.initializers.zeros_init()
 
 
 @functools.lru_cache(maxsize=32)
@@ -113,6 +119,28 @@ def check_features(**features) -> None:
       raise ValueError(f"{name} must be a positive int, got {name}={val!r}")
 
 
+def check_options(**options) -> None:
+  """Flags must be bools (`deterministic` may be None), initializers callables or None."""
+  for name, val in options.items():
+    if name.endswith("_init"):
+      if not (callable(val) or (val is None and name.startswith("out_"))):
+        raise ValueError(f"{name} must be an initializer (a callable), got {name}={val!r}")
+    elif not (isinstance(val, bool) or (val is None and name == "deterministic")):
+      raise ValueError(f"{name} must be a bool, got {name}={val!r}")
+
+
+def resolve_deterministic(deterministic, default) -> bool:
+  """The call's `deterministic`, else the layer's; `ValueError` when neither says."""
+  for val in (deterministic, default):
+    if val is not None:
+      if not isinstance(val, bool):
+        raise ValueError(f"deterministic must be a bool or None, got deterministic={val!r}")
+      return val
+  raise ValueError("deterministic is needed with dropout_rate > 0: pass deterministic=True/False "
+                   "to the call or the constructor, or use model.eval() / model.train() or "
+                   "nnx.view(model, deterministic=...)")
+
+
 def static_implementation(implementation):
   """Lists become tuples, so the choice is hashable (static structure, jit cache keys)."""
   if implementation is None or isinstance(implementation, str):
@@ -131,6 +159,24 @@ def permute(x, perm, *, inverse=False, mesh=None):
   if mesh is not None and spec is not None and len(spec) > 1 and spec[1] is not None:
     x = jax.sharding.reshard(x, jax.NamedSharding(mesh, jax.P(spec[0], None, *spec[2:])))
   return unserialize(x, perm) if inverse else serialize(x, perm)
+
+
+def apply_dropout(y, key, rate: float, broadcast: bool):
+  """Dropout on the attention output `y [B, N, H, D]`; `broadcast` shares the mask over B.
+
+  The mask takes `y`'s sharding (without the batch axes when broadcast): `nnx.Dropout` would
+  give a `[1, N, H, D]` mask the batch sharding, and `nn.Dropout` none, which explicit mesh
+  axes refuse.
+  """
+  sharding = jax.typeof(y).sharding
+  spec = getattr(sharding, "spec", None)
+  shape = y.shape
+  if broadcast:
+    shape = (1,) + shape[1:]
+    if spec:
+      sharding = jax.NamedSharding(sharding.mesh, jax.P(None, *spec[1:]))
+  keep = jax.random.bernoulli(key, 1.0 - rate, shape, out_sharding=sharding)
+  return jnp.where(keep, y / (1.0 - rate), jnp.zeros_like(y))
 
 
 def attend(q, k, v, pattern, *, implementation=None, mesh=None, seq_axis=None,
@@ -160,16 +206,22 @@ class DilatedMultiHeadAttention(nnx.Module):
   """Multi-head self-attention with a LongNet dilated pattern and an optional token order.
 
   `x [B, N, in_features]` -> (serialize) -> q `[B, N, H, D]`, k, v `[B, N, Hkv, D]` ->
-  `dilated_attention` -> dropout -> output projection -> (unserialize) -> `[B, N, out_features]`.
-  With an ordering, the pattern's segments, dilation and causality act on positions in that
-  order, and outputs come back in the caller's order: a caller never sees the processing order.
+  (`normalize_qk`) -> `dilated_attention` -> dropout -> output projection -> (unserialize) ->
+  `[B, N, out_features]`. With an ordering, the pattern's segments, dilation and causality act
+  on positions in that order, and outputs come back in the caller's order: a caller never sees
+  the processing order.
+
+  A drop-in for self-attention with `flax.nnx.MultiHeadAttention`: the arguments they share mean
+  the same and default the same, and the parameters (`query`, `key`, `value`, `out`, each an
+  `nnx.LinearGeneral` with `kernel` and `bias`, and with `normalize_qk` the `LayerNorm`s
+  `query_ln` and `key_ln`) are laid out identically, so weights copy across, to the Linen twin
+  (`hilbert_ring_jax.linen.DilatedMultiHeadAttention`) too, when both were built with the same
+  heads, `num_kv_heads`, features, `use_bias` and `normalize_qk`. With the same `rngs` seed the
+  two initialize the same parameters. A call checks the parameter shapes, so weights of another
+  head layout copied in by `nnx.update` raise `ValueError` rather than fail in a reshape.
 
   Dropout is applied to the attention *output* (per head, before the output projection), not
   to the attention probabilities, which `dilated_attention` never materializes.
-
-  Parameters are `query`, `key`, `value` and `out`, each an `nnx.LinearGeneral` with `kernel`
-  and `bias` laid out exactly as in `nnx.MultiHeadAttention`, so weights can be copied between
-  the two (and to the Linen twin, `hilbert_ring_jax.linen.DilatedMultiHeadAttention`).
 
   Args:
     num_heads: query heads `H`.
@@ -183,10 +235,20 @@ class DilatedMultiHeadAttention(nnx.Module):
       inside each segment of `pattern.segment_lengths[0]` tokens, built for the `N` of the input),
       or an explicit permutation: a 1-D int array, `x_serial[:, j] = x[:, perm[j]]`.
     grid_shape: the grid for `ordering="hilbert"`; its size must be `N`.
-    dropout_rate: dropout on the attention output (see above).
-    deterministic: default for `__call__`; True disables dropout (`model.eval()` sets it).
     dtype: computation dtype (default: inferred from inputs and params).
     param_dtype: parameter dtype.
+    broadcast_dropout: share the dropout mask across the batch axis.
+    dropout_rate: dropout on the attention output (see above).
+    deterministic: default for `__call__`'s flag; True disables dropout. With `dropout_rate > 0`
+      one of the two must say (`model.eval()`/`model.train()` and `nnx.view` set this one).
+    precision: `jax.lax.Precision` of the four projections. The attention itself runs the
+      backend's kernels, which compute float32 inputs in float32.
+    kernel_init: initializer of the `query`, `key`, `value` (and by default `out`) kernels.
+    out_kernel_init: initializer of the `out` kernel (None: `kernel_init`).
+    bias_init: initializer of the biases.
+    out_bias_init: initializer of the `out` bias (None: `bias_init`).
+    use_bias: whether the four projections have biases.
+    normalize_qk: apply `LayerNorm` (scale only) to queries and keys per head, as in ViT-22B.
     implementation: backend choice passed to `dilated_attention`.
     mesh, seq_axis: shard the sequence over axis `seq_axis` of `mesh` with ring attention
       (`hilbert_ring_jax.ring.sharded_dilated_attention`); with explicit mesh axes, trace
@@ -194,7 +256,13 @@ class DilatedMultiHeadAttention(nnx.Module):
       permutations: serializing once at the model's input is cheaper.
     batch_axis: with `mesh`, the mesh axis (or axes) the batch is split over: data x
       sequence parallelism.
-    rngs: `nnx.Rngs` for parameter init (and the `dropout` stream if `dropout_rate > 0`).
+    rngs: `nnx.Rngs` for parameter init; with `dropout_rate > 0` it must have a `dropout` (or
+      `default`) stream, forked here for the calls.
+    kernel_metadata, bias_metadata: metadata of the projection `Param`s (e.g. a sharding:
+      `{"out_sharding": ("embed", "heads", None)}`; or wrap the initializers in
+      `nnx.with_partitioning`).
+    out_kernel_metadata, out_bias_metadata: the same for `out` (empty: the values above).
+    query_ln_scale_metadata, key_ln_scale_metadata: metadata of the `normalize_qk` scales.
 
   Example:
     >>> import jax.numpy as jnp
@@ -209,11 +277,19 @@ class DilatedMultiHeadAttention(nnx.Module):
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
                out_features: int | None = None, num_kv_heads: int | None = None, *,
-               pattern: DilatedPattern, ordering=None, grid_shape=None,
-               dropout_rate: float = 0.0, deterministic: bool = False, dtype=None,
-               param_dtype=jnp.float32, implementation=None, mesh=None, seq_axis=None,
-               batch_axis=None,
-               rngs: nnx.Rngs):
+               pattern: DilatedPattern, ordering=None, grid_shape=None, dtype=None,
+               param_dtype=jnp.float32, broadcast_dropout: bool = True,
+               dropout_rate: float = 0.0, deterministic: bool | None = None, precision=None,
+               kernel_init=DEFAULT_KERNEL_INIT, out_kernel_init=None,
+               bias_init=DEFAULT_BIAS_INIT, out_bias_init=None, use_bias: bool = True,
+               normalize_qk: bool = False, implementation=None, mesh=None, seq_axis=None,
+               batch_axis=None, rngs: nnx.Rngs,
+               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+               out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+               bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+               out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+               query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+               key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({})):
     check_features(in_features=in_features)
     qkv_features = in_features if qkv_features is None else qkv_features
     out_features = in_features if out_features is None else out_features
@@ -223,21 +299,106 @@ class DilatedMultiHeadAttention(nnx.Module):
     if mesh is None and (seq_axis is not None or batch_axis is not None):
       raise ValueError(f"seq_axis and batch_axis are only used with a mesh, got {seq_axis=}, "
                        f"{batch_axis=} and mesh=None")
+    check_options(broadcast_dropout=broadcast_dropout, deterministic=deterministic,
+                  use_bias=use_bias, normalize_qk=normalize_qk, kernel_init=kernel_init,
+                  out_kernel_init=out_kernel_init, bias_init=bias_init,
+                  out_bias_init=out_bias_init)
+    metadata = dict(kernel_metadata=kernel_metadata, out_kernel_metadata=out_kernel_metadata,
+                    bias_metadata=bias_metadata, out_bias_metadata=out_bias_metadata,
+                    query_ln_scale_metadata=query_ln_scale_metadata,
+                    key_ln_scale_metadata=key_ln_scale_metadata)
+    for name, val in metadata.items():
+      if not isinstance(val, Mapping):
+        raise ValueError(f"{name} must be a mapping (e.g. a dict), got {name}={val!r}")
+    if not isinstance(rngs, nnx.Rngs):
+      raise ValueError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}")
+    self.dropout_rate = check_dropout_rate(dropout_rate)
+    if self.dropout_rate and "dropout" not in rngs and "default" not in rngs:
+      # Found now rather than at the first training step.
+      raise ValueError(f"{dropout_rate=} needs a 'dropout' (or 'default') stream in rngs, got "
+                       f"streams {sorted(name for name, _ in rngs.items())}: e.g. "
+                       f"nnx.Rngs(params=0, dropout=1)")
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.in_features, self.out_features = in_features, out_features
+    self.qkv_features = qkv_features
     self.pattern = pattern
     self.order = TokenOrder.make(ordering, grid_shape)
-    self.dropout_rate = check_dropout_rate(dropout_rate)
-    self.deterministic = deterministic
+    self.broadcast_dropout, self.deterministic = broadcast_dropout, deterministic
+    self.precision, self.use_bias, self.normalize_qk = precision, use_bias, normalize_qk
     self.implementation = static_implementation(implementation)
     self.mesh, self.seq_axis, self.batch_axis = mesh, seq_axis, batch_axis
+    # Built in nnx.MultiHeadAttention's order, so one seed gives both the same parameters.
     linear = functools.partial(nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype,
-                               rngs=rngs)
-    self.query = linear(in_features, (num_heads, head_dim))
-    self.key = linear(in_features, (num_kv_heads, head_dim))
-    self.value = linear(in_features, (num_kv_heads, head_dim))
-    self.out = linear((num_heads, head_dim), out_features, axis=(-2, -1))
-    self.dropout = nnx.Dropout(self.dropout_rate, rngs=rngs if self.dropout_rate else None)
+                               use_bias=use_bias, precision=precision, rngs=rngs)
+    qkv = functools.partial(linear, in_features, kernel_init=kernel_init, bias_init=bias_init,
+                            kernel_metadata=kernel_metadata, bias_metadata=bias_metadata)
+    self.query = qkv((num_heads, head_dim))
+    self.key = qkv((num_kv_heads, head_dim))
+    self.value = qkv((num_kv_heads, head_dim))
+    if normalize_qk:
+      norm = functools.partial(nnx.LayerNorm, head_dim, use_bias=False, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs)
+      self.query_ln = norm(scale_metadata=query_ln_scale_metadata)
+      self.key_ln = norm(scale_metadata=key_ln_scale_metadata)
+    else:
+      self.query_ln = nnx.data(None)
+      self.key_ln = nnx.data(None)
+    self.out = linear((num_heads, head_dim), out_features, axis=(-2, -1),
+                      kernel_init=out_kernel_init or kernel_init,
+                      bias_init=out_bias_init or bias_init,
+                      kernel_metadata=out_kernel_metadata or kernel_metadata,
+                      bias_metadata=out_bias_metadata or bias_metadata)
+    # The dropout stream, forked as nnx.MultiHeadAttention forks it (and under the same name).
+    self.rngs = rngs["dropout"].fork() if self.dropout_rate else nnx.data(None)
+
+  def set_view(self, deterministic: bool | None = None):
+    """Used by `nnx.view(model, deterministic=...)`."""
+    if deterministic is not None:
+      self.deterministic = deterministic
+
+  def check_parameters(self) -> None:
+    """`ValueError` unless the parameters have the shapes this layer was built for.
+
+    `nnx.update` takes weights of any shape, e.g. those of an `nnx.MultiHeadAttention` with
+    other head counts; they would otherwise fail later in a reshape, or not at all.
+    """
+    h, hkv, d, f = self.num_heads, self.num_kv_heads, self.head_dim, self.in_features
+    expected = {
+        ("query", "kernel"): ((f, h, d), "(in_features, num_heads, head_dim)"),
+        ("key", "kernel"): ((f, hkv, d), "(in_features, num_kv_heads, head_dim)"),
+        ("value", "kernel"): ((f, hkv, d), "(in_features, num_kv_heads, head_dim)"),
+        ("out", "kernel"): ((h, d, self.out_features), "(num_heads, head_dim, out_features)"),
+    }
+    if self.use_bias:
+      expected[("query", "bias")] = ((h, d), "(num_heads, head_dim)")
+      for name in ("key", "value"):
+        expected[(name, "bias")] = ((hkv, d), "(num_kv_heads, head_dim)")
+      expected[("out", "bias")] = ((self.out_features,), "(out_features,)")
+    if self.normalize_qk:
+      for name in ("query_ln", "key_ln"):
+        expected[(name, "scale")] = ((d,), "(head_dim,)")
+    for (module, param), (shape, layout) in expected.items():
+      got = tuple(getattr(getattr(self, module), param).shape)
+      if got == shape:
+        continue
+      if module in ("key", "value") and param == "kernel" and len(got) == 3 and got[1] != hkv:
+        raise ValueError(f"{module} kernel has {got[1]} kv heads, the layer was built with "
+                         f"num_kv_heads={hkv}: copy weights only between layers with the same "
+                         f"head counts (its shape is {got}, expected {shape})")
+      raise ValueError(f"{module} {param} has shape {got}, the layer was built for {shape} = "
+                       f"{layout} with num_heads={h}, num_kv_heads={hkv}, "
+                       f"in_features={f}, out_features={self.out_features}")
+
+  def dropout(self, y, rngs=None):
+    """`apply_dropout` to the attention output `y`, with a key from `rngs` or the layer's."""
+    rngs = self.rngs if rngs is None else rngs
+    if isinstance(rngs, nnx.Rngs):
+      key = rngs["dropout"]()
+    elif isinstance(rngs, nnx.RngStream):
+      key = rngs()
+    else:
+      key = rngs
+    return apply_dropout(y, key, self.dropout_rate, self.broadcast_dropout)
 
   def __call__(self, x, *, deterministic: bool | None = None, rngs: nnx.Rngs | None = None):
     """`[B, N, in_features]` -> `[B, N, out_features]`, in the caller's token order.
@@ -245,19 +406,28 @@ class DilatedMultiHeadAttention(nnx.Module):
     Args:
       x: the tokens, in the caller's order (row-major grid cells for `ordering="hilbert"`).
       deterministic: overrides the constructor's flag; True disables dropout.
-      rngs: optional `nnx.Rngs` for dropout, instead of the stream given at construction.
+      rngs: optional `nnx.Rngs` (or stream, or key) for dropout, instead of the stream forked
+        at construction.
     """
     if jnp.ndim(x) != 3 or x.shape[-1] != self.in_features:
       raise ValueError(f"x must be [B, N, in_features={self.in_features}], got {x.shape=}")
+    self.check_parameters()
+    if self.dropout_rate > 0.0:
+      # As nnx.MultiHeadAttention: the flag matters (and must be given) only with dropout.
+      deterministic = resolve_deterministic(deterministic, self.deterministic)
+    else:
+      deterministic = True
     perm = self.order.permutation(x.shape[1], self.pattern)
     if perm is not None:
       x = permute(x, perm, mesh=self.mesh)
     q, k, v = self.query(x), self.key(x), self.value(x)
+    if self.normalize_qk:
+      q, k = self.query_ln(q), self.key_ln(k)
     # [B, N, H, D]
     y = attend(q, k, v, self.pattern, implementation=self.implementation, mesh=self.mesh,
                seq_axis=self.seq_axis, batch_axis=self.batch_axis)
-    deterministic = self.deterministic if deterministic is None else deterministic
-    y = self.dropout(y, deterministic=deterministic, rngs=rngs)
+    if not deterministic:
+      y = self.dropout(y, rngs)
     # [B, N, out_features]
     y = self.out(y)
     return y if perm is None else permute(y, perm, inverse=True, mesh=self.mesh)

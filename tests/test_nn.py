@@ -1,5 +1,7 @@
 """Flax layers: the NNX module, `dilated_attention_fn` and the Linen twin."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,9 +35,10 @@ def _full_precision():
     yield
 
 
-def make_layer(pattern=PATTERN, seed=0, **kwargs):
+def make_layer(pattern=PATTERN, seed=0, rngs=None, **kwargs):
   kwargs = dict(dict(num_heads=H, in_features=F, num_kv_heads=HKV), **kwargs)
-  return DilatedMultiHeadAttention(pattern=pattern, rngs=nnx.Rngs(seed), **kwargs)
+  rngs = nnx.Rngs(seed) if rngs is None else rngs
+  return DilatedMultiHeadAttention(pattern=pattern, rngs=rngs, **kwargs)
 
 
 def inputs(seed=1, n=N):
@@ -110,7 +113,7 @@ def test_jit_and_grad_match_dense_reference():
 def test_dropout():
   x = inputs()
   plain = make_layer()
-  layer = make_layer(dropout_rate=0.5)
+  layer = make_layer(dropout_rate=0.5, deterministic=False)
   nnx.update(layer, nnx.state(plain, nnx.Param))
   expected = plain(x)
   np.testing.assert_array_equal(layer(x, deterministic=True), expected)
@@ -119,6 +122,9 @@ def test_dropout():
   c = layer(x, rngs=nnx.Rngs(dropout=2))
   np.testing.assert_array_equal(a, b)
   assert not np.allclose(a, c) and not np.allclose(a, expected)
+  # A stream or a key in place of the Rngs, as nnx.Dropout takes them.
+  np.testing.assert_array_equal(layer(x, rngs=nnx.Rngs(dropout=1).dropout), a)
+  np.testing.assert_array_equal(layer(x, rngs=nnx.Rngs(dropout=1).dropout()), a)
   # The layer's own stream advances between calls.
   assert not np.allclose(layer(x), layer(x))
   # Constructor default, per-call override, and model.eval().
@@ -128,6 +134,9 @@ def test_dropout():
   assert not np.allclose(eval_layer(x, deterministic=False), expected)
   layer.eval()
   np.testing.assert_array_equal(layer(x), expected)
+  layer.train()
+  assert not np.allclose(layer(x), expected)
+  np.testing.assert_array_equal(nnx.view(layer, deterministic=True)(x), expected)
 
 
 @pytest.mark.parametrize("ordering", ["hilbert", "per_segment", "explicit"])
@@ -247,6 +256,12 @@ def test_checkpoint_roundtrip(tmp_path):
     (dict(ordering="hilbert_per_segment", grid_shape=(4, 4)), "grid_shape"),
     (dict(dropout_rate=1.0), "dropout_rate"),
     (dict(seq_axis="seq"), "seq_axis"),
+    (dict(use_bias=1), "use_bias=1"),
+    (dict(normalize_qk="yes"), "normalize_qk='yes'"),
+    (dict(broadcast_dropout=None), "broadcast_dropout=None"),
+    (dict(deterministic="no"), "deterministic='no'"),
+    (dict(kernel_init=None), "kernel_init=None"),
+    (dict(out_bias_init=0.0), "out_bias_init=0.0"),
 ])
 def test_bad_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -274,6 +289,8 @@ def test_size_mismatch_at_call(kwargs, match):
     (dict(in_features=0), "in_features=0"),
     (dict(out_features=0), "out_features=0"),
     (dict(dropout_rate="0.1"), "dropout_rate='0.1'"),
+    (dict(kernel_metadata=("data",)), "kernel_metadata"),
+    (dict(key_ln_scale_metadata=None), "key_ln_scale_metadata"),
 ])
 def test_layer_argument_types(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -303,3 +320,235 @@ def test_layers_with_data_and_sequence_axes():
                              rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="batch_axis"):
     make_layer(batch_axis="data")
+
+
+FULL = DilatedPattern((N,), (1,))  # one segment of all N tokens at rate 1: full attention
+CUSTOM_INITS = dict(kernel_init=nnx.initializers.normal(0.5),
+                    bias_init=nnx.initializers.normal(0.2),
+                    out_kernel_init=nnx.initializers.normal(0.1),
+                    out_bias_init=nnx.initializers.constant(0.3))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(normalize_qk=True),
+    dict(use_bias=False),
+    CUSTOM_INITS,
+    dict(kernel_init=nnx.initializers.normal(0.5), bias_init=nnx.initializers.normal(0.2)),
+    dict(precision=jax.lax.Precision.HIGHEST, normalize_qk=True, use_bias=False,
+         qkv_features=24, out_features=12),
+], ids=["defaults", "normalize_qk", "no_bias", "inits", "qkv_inits", "mixed"])
+def test_matches_nnx_multi_head_attention(kwargs):
+  """Same options and seed as nnx.MultiHeadAttention: same parameters, same outputs."""
+  kwargs = dict(num_heads=H, in_features=F, num_kv_heads=HKV, **kwargs)
+  layer = DilatedMultiHeadAttention(pattern=FULL, rngs=nnx.Rngs(0), **kwargs)
+  mha = nnx.MultiHeadAttention(decode=False, rngs=nnx.Rngs(0), **kwargs)
+  p, mha_p = params(layer), params(mha)
+  assert jax.tree.structure(p) == jax.tree.structure(mha_p)
+  for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(mha_p)):
+    np.testing.assert_array_equal(a, b)
+  for name in ("query", "key", "value", "out"):
+    sub, mha_sub = getattr(layer, name), getattr(mha, name)
+    assert (sub.precision, sub.use_bias) == (mha_sub.precision, mha_sub.use_bias)
+  x = inputs()
+  np.testing.assert_allclose(layer(x), mha(x), rtol=1e-5, atol=1e-6)
+  # Each option has an effect: on the parameter tree, the parameters or the outputs.
+  if kwargs.keys() - {"num_heads", "in_features", "num_kv_heads", "precision"}:
+    default = DilatedMultiHeadAttention(pattern=FULL, rngs=nnx.Rngs(0), num_heads=H,
+                                        in_features=F, num_kv_heads=HKV,
+                                        qkv_features=kwargs.get("qkv_features"),
+                                        out_features=kwargs.get("out_features"))
+    same_tree = jax.tree.structure(params(default)) == jax.tree.structure(p)
+    assert not same_tree or not np.allclose(default(x), layer(x), atol=1e-3)
+
+
+def test_option_effects():
+  """What each option does to the parameter tree, the initial values and the outputs."""
+  x = inputs()
+  layer = make_layer(FULL, normalize_qk=True, use_bias=False)
+  p = params(layer)
+  assert set(p) == {"query", "key", "value", "out", "query_ln", "key_ln"}
+  assert all(set(p[n]) == {"kernel"} for n in ("query", "key", "value", "out"))
+  assert p["query_ln"]["scale"].shape == p["key_ln"]["scale"].shape == (F // H,)
+  # The norm acts per head on q and k: scaling the q/k projections changes nothing.
+  scaled = make_layer(FULL, normalize_qk=True, use_bias=False)
+  nnx.update(scaled, nnx.state(layer, nnx.Param))
+  scaled.query.kernel[...] = 3.0 * scaled.query.kernel[...]
+  scaled.key.kernel[...] = 0.5 * scaled.key.kernel[...]
+  np.testing.assert_allclose(scaled(x), layer(x), rtol=1e-3, atol=1e-3)  # up to the eps
+  # Custom initializers: `out_*` override the others for `out` only.
+  inits = params(make_layer(FULL, **CUSTOM_INITS))
+  assert 0.4 < float(jnp.std(inits["query"]["kernel"])) < 0.6
+  assert 0.05 < float(jnp.std(inits["out"]["kernel"])) < 0.15
+  assert 0.1 < float(jnp.std(inits["value"]["bias"])) < 0.3
+  np.testing.assert_array_equal(inits["out"]["bias"], np.float32(0.3))
+  inherited = params(make_layer(FULL, kernel_init=nnx.initializers.zeros_init(),
+                                bias_init=nnx.initializers.ones_init()))
+  np.testing.assert_array_equal(inherited["out"]["kernel"], 0.0)
+  np.testing.assert_array_equal(inherited["out"]["bias"], 1.0)
+  # Linen twin: the same options give the same parameter tree and outputs.
+  module = linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=FULL,
+                                           normalize_qk=True, use_bias=False)
+  shapes = lambda tree: jax.tree.map(jnp.shape, tree)
+  assert shapes(dict(module.init(jax.random.PRNGKey(0), x)["params"])) == shapes(p)
+  np.testing.assert_allclose(module.apply({"params": p}, x), layer(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(normalize_qk=True, use_bias=False, qkv_features=24, out_features=12),
+    dict(kernel_init=jax.nn.initializers.normal(0.5), bias_init=jax.nn.initializers.normal(0.2),
+         out_kernel_init=jax.nn.initializers.normal(0.1),
+         out_bias_init=jax.nn.initializers.constant(0.3), precision="highest"),
+], ids=["defaults", "normalize_qk", "inits"])
+def test_linen_matches_multi_head_dot_product_attention(kwargs):
+  """Same attributes and key as flax.linen.MultiHeadDotProductAttention: same variables, outputs."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  x = inputs()
+  module = linen.DilatedMultiHeadAttention(num_heads=H, pattern=FULL, **kwargs)
+  flax_module = nn.MultiHeadDotProductAttention(num_heads=H, **kwargs)
+  variables = module.init(jax.random.PRNGKey(3), x)
+  flax_variables = flax_module.init(jax.random.PRNGKey(3), x)
+  for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(flax_variables), strict=True):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(module.apply(variables, x), flax_module.apply(variables, x),
+                             rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("axis_type", [None, "Explicit"])
+def test_broadcast_dropout(axis_type):
+  """The mask is shared across the batch by default (as in nnx), drawn per example if not;
+  on a (data, seq) mesh too, where the mask must not be sharded like the batch."""
+  mesh = None if axis_type is None else jax.make_mesh(
+      (2, 4), ("data", "seq"), axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
+  axes = dict(mesh=mesh, seq_axis="seq", batch_axis="data") if mesh else {}
+  x = jnp.broadcast_to(inputs()[:1], (B, N, F))  # identical examples
+  expected = make_layer()(x)
+  for broadcast in (True, False):
+    layer = make_layer(dropout_rate=0.5, deterministic=False, broadcast_dropout=broadcast, **axes)
+    module = linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=PATTERN,
+                                             dropout_rate=0.5, broadcast_dropout=broadcast,
+                                             **axes)
+    apply = lambda x, det: module.apply({"params": params(layer)}, x, deterministic=det,
+                                        rngs={"dropout": jax.random.PRNGKey(0)})
+    with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
+      if mesh:
+        x = jax.device_put(x, jax.P("data", "seq"))
+      ys = layer(x), apply(x, False)
+      np.testing.assert_allclose(apply(x, True), expected, rtol=1e-5, atol=1e-5)
+    for y in map(np.asarray, ys):
+      assert np.array_equal(y[0], y[1]) == broadcast
+      assert not np.allclose(y, expected, atol=1e-3)
+
+
+def test_deterministic_none():
+  """As nnx.MultiHeadAttention: None by default, and needed only with dropout."""
+  x = inputs()
+  assert make_layer().deterministic is None
+  make_layer()(x)  # no dropout: nothing to decide
+  layer = make_layer(dropout_rate=0.5)
+  mha = nnx.MultiHeadAttention(H, F, dropout_rate=0.5, decode=False, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="deterministic"):
+    layer(x)
+  with pytest.raises(ValueError, match="deterministic"):
+    mha(x)
+  expected = make_layer()(x)
+  np.testing.assert_array_equal(layer(x, deterministic=True), expected)
+  assert not np.allclose(layer(x, deterministic=False), expected)
+  # The call's flag wins over the constructor's.
+  np.testing.assert_array_equal(make_layer(dropout_rate=0.5, deterministic=False)(
+      x, deterministic=True), expected)
+  layer.eval()
+  assert layer.deterministic is True
+  np.testing.assert_array_equal(layer(x), expected)
+  np.testing.assert_array_equal(
+      nnx.view(make_layer(dropout_rate=0.5), deterministic=True)(x), expected)
+  # Linen: an attribute or a call argument, as flax.linen.MultiHeadDotProductAttention.
+  module = linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=PATTERN,
+                                           dropout_rate=0.5)
+  variables = {"params": params(layer)}
+  with pytest.raises(ValueError, match="deterministic"):
+    module.apply(variables, x, rngs={"dropout": jax.random.PRNGKey(0)})
+  np.testing.assert_array_equal(module.apply(variables, x, deterministic=True), expected)
+
+
+def test_dropout_stream_checked_at_construction():
+  with pytest.raises(ValueError, match="dropout_rate=0.1 needs a 'dropout'.*'params'"):
+    make_layer(dropout_rate=0.1, rngs=nnx.Rngs(params=0))
+  # With no dropout, no stream is needed; a `dropout` or `default` stream will do.
+  make_layer(rngs=nnx.Rngs(params=0))
+  x = inputs()
+  for rngs in (nnx.Rngs(params=0, dropout=1), nnx.Rngs(0)):
+    layer = make_layer(dropout_rate=0.1, deterministic=False, rngs=rngs)
+    assert not np.allclose(layer(x), layer(x))
+  with pytest.raises(ValueError, match="rngs must be an nnx.Rngs"):
+    make_layer(rngs=0)
+
+
+def test_weights_of_another_head_layout():
+  """nnx.update takes any shapes; the call names the mismatch instead of failing in a reshape."""
+  x = inputs()
+  layer = make_layer()  # num_kv_heads=2
+  nnx.update(layer, nnx.state(nnx.MultiHeadAttention(H, F, decode=False, rngs=nnx.Rngs(0)),
+                              nnx.Param))
+  assert layer.key.kernel.shape == (F, H, F // H)
+  with pytest.raises(ValueError, match="key kernel has 4 kv heads, the layer was built with "
+                                       "num_kv_heads=2"):
+    layer(x)
+  layer = make_layer()
+  nnx.update(layer, nnx.state(nnx.MultiHeadAttention(H, F, qkv_features=8, num_kv_heads=HKV,
+                                                     decode=False, rngs=nnx.Rngs(0)), nnx.Param))
+  with pytest.raises(ValueError, match=r"query kernel has shape \(16, 4, 2\), the layer was "
+                                       r"built for \(16, 4, 4\)"):
+    layer(x)
+  # Matching head counts copy across and give the same outputs (as README says).
+  layer = make_layer(FULL)
+  mha = nnx.MultiHeadAttention(H, F, num_kv_heads=HKV, decode=False, rngs=nnx.Rngs(5))
+  nnx.update(layer, nnx.state(mha, nnx.Param))
+  np.testing.assert_allclose(layer(x), mha(x), rtol=1e-5, atol=1e-6)
+
+
+def test_partition_annotations():
+  """`nnx.with_partitioning` and the metadata arguments annotate (and shard) the parameters."""
+  mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  init = nnx.initializers.lecun_normal()
+  kwargs = dict(num_heads=H, in_features=F, num_kv_heads=HKV, normalize_qk=True,
+                kernel_init=nnx.with_partitioning(init, ("fsdp", "tp", None)),
+                out_kernel_init=nnx.with_partitioning(init, ("tp", None, "fsdp")),
+                bias_metadata={"out_sharding": ("tp", None)},
+                out_bias_metadata={"out_sharding": ("fsdp",)},
+                query_ln_scale_metadata={"out_sharding": ("tp",)},
+                key_ln_scale_metadata={"out_sharding": (None,)})
+  with jax.set_mesh(mesh):
+    layer = DilatedMultiHeadAttention(pattern=PATTERN, rngs=nnx.Rngs(0), **kwargs)
+    mha = nnx.MultiHeadAttention(decode=False, rngs=nnx.Rngs(0), **kwargs)
+  specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(layer)))
+  assert specs == nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(mha)))
+  P = jax.sharding.PartitionSpec
+  assert specs["query"] == specs["key"] == specs["value"] == {
+      "kernel": P("fsdp", "tp", None), "bias": P("tp", None)}
+  assert specs["out"] == {"kernel": P("tp", None, "fsdp"), "bias": P("fsdp")}
+  assert specs["query_ln"] == {"scale": P("tp")} and specs["key_ln"] == {"scale": P(None)}
+  # The parameters are placed as annotated, and the layer computes the same as unsharded.
+  assert layer.query.kernel[...].sharding.spec == P("fsdp", "tp", None)
+  assert layer.out.bias[...].sharding.spec == P("fsdp")
+  plain = DilatedMultiHeadAttention(pattern=PATTERN, rngs=nnx.Rngs(1),
+                                    **dict(kwargs, kernel_init=init, out_kernel_init=None,
+                                           bias_metadata={}, out_bias_metadata={},
+                                           query_ln_scale_metadata={}, key_ln_scale_metadata={}))
+  nnx.update(plain, jax.device_get(nnx.state(layer, nnx.Param)))
+  x = inputs()
+  with jax.set_mesh(mesh):
+    y = nnx.jit(lambda m, x: m(x))(layer, x)
+  np.testing.assert_allclose(y, plain(x), rtol=1e-5, atol=1e-6)
+  # Linen: the annotations travel with the initializers, as in MultiHeadDotProductAttention.
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  linen_kwargs = dict(num_heads=H, normalize_qk=True,
+                      kernel_init=nn.with_partitioning(init, ("fsdp", "tp", None)),
+                      out_kernel_init=nn.with_partitioning(init, ("tp", None, "fsdp")))
+  module = linen.DilatedMultiHeadAttention(pattern=PATTERN, **linen_kwargs)
+  abstract = jax.eval_shape(module.init, jax.random.PRNGKey(0), x)
+  flax_abstract = jax.eval_shape(nn.MultiHeadDotProductAttention(**linen_kwargs).init,
+                                 jax.random.PRNGKey(0), x)
+  assert nn.get_partition_spec(abstract) == nn.get_partition_spec(flax_abstract)
+  assert nn.get_partition_spec(abstract)["params"]["out"]["kernel"] == P("tp", None, "fsdp")
