@@ -2,8 +2,8 @@
 (Triton kernels on CUDA GPUs). `base.py` says what a backend implements and how one is chosen.
 """
 
-from .base import (NAMES, YES, Backend, Kernel, Name, NoBackendError, Problem, Support,
-                   attention, candidates, check_config, config_for, load, no, resolve)
+from .base import (NAMES, Backend, Kernel, Name, NoBackendError, Problem, Support, attention,
+                   candidates, check_config, config_for, load, resolve)
 
-__all__ = ["NAMES", "YES", "Backend", "Kernel", "Name", "NoBackendError", "Problem", "Support",
-           "attention", "candidates", "check_config", "config_for", "load", "no", "resolve"]
+__all__ = ["NAMES", "Backend", "Kernel", "Name", "NoBackendError", "Problem", "Support",
+           "attention", "candidates", "check_config", "config_for", "load", "resolve"]
