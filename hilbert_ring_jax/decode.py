@@ -1,0 +1,304 @@
+"""Causal decoding with a compressed per-branch key/value cache.
+
+For a causal pattern, branch `(w, r)` lets query `t` see only keys of its own segment of `w`
+tokens, of its residue `(t % w) % r`. So each branch keeps just the current segment, and only
+the residue classes that some query head of a kv head reads: the cache size is fixed by the
+pattern, not by the sequence length. Branch `b` holds `k[b], v[b]` of shape
+`[B, Hkv, R_b, rows_b, D]` (`rows_b = ceil(w_b / r_b)`, `R_b` the most residues one kv head
+needs); position `p` lives at row `(p % w) // r` of the slot that `(kv head, (p % w) % r)` maps
+to. Rows left over from earlier segments need no clearing: each query masks cached rows by
+position (`< length`, in its own segment), computed from its own segment start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .api import check_inputs, check_scale, dilated_attention
+from .merge import merge
+from .pattern import DilatedPattern, heads_per_kv
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("length", "k", "v"),
+                   meta_fields=("num_heads",))
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """The decoding state of `dilated_attention_step`: a pytree of fixed-shape arrays.
+
+  Attributes:
+    length: int32 scalar, the number of tokens seen so far.
+    k, v: one `[B, Hkv, R_b, rows_b, D]` array per branch, in the input dtype.
+    num_heads: the number of query heads it was built for (static).
+  """
+
+  length: jnp.ndarray
+  k: tuple
+  v: tuple
+  num_heads: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _BranchTable:
+  w: int
+  r: int
+  rows: int
+  slots: int              # R_b
+  slot: np.ndarray        # [Hkv, r]: slot of (kv head, residue), -1 where not needed
+  residue: np.ndarray     # [Hkv, R_b]: residue held by each slot, -1 for unused slots
+  takes_part: np.ndarray  # [H, r] bool: query head h reads residue c in this branch
+
+
+@functools.lru_cache(maxsize=256)
+def _tables(pattern: DilatedPattern, num_heads: int, num_kv_heads: int):
+  """Per-branch slot tables of (pattern, H, Hkv), on the host."""
+  group = heads_per_kv(num_heads, num_kv_heads)
+  # Causal: min(w_b, N) gives the same visibility as w_b at every position < N, so use w_b.
+  out = []
+  for br in pattern.layout(max(pattern.segment_lengths), num_heads):
+    takes_part = np.zeros((num_heads, br.r), bool)
+    for h in br.heads:
+      takes_part[h, list(br.residues(h))] = True
+    needed = takes_part.reshape(num_kv_heads, group, br.r).any(axis=1)  # [Hkv, r]
+    slots = max(int(needed.sum(axis=1).max()), 1)
+    slot = np.full((num_kv_heads, br.r), -1, np.int32)
+    residue = np.full((num_kv_heads, slots), -1, np.int32)
+    for g in range(num_kv_heads):
+      for s, c in enumerate(np.flatnonzero(needed[g])):
+        slot[g, c], residue[g, s] = s, c
+    out.append(_BranchTable(br.w, br.r, br.rows, slots, slot, residue, takes_part))
+  return tuple(out)
+
+
+def _check_pattern(pattern) -> None:
+  if not isinstance(pattern, DilatedPattern):
+    raise ValueError(f"pattern must be a DilatedPattern, got {type(pattern).__name__}")
+  if not pattern.causal:
+    raise ValueError(f"pattern must be causal for decoding, got {pattern=}")
+
+
+def init_kv_cache(pattern: DilatedPattern, *, batch: int, num_heads: int, num_kv_heads: int,
+                  head_dim: int, dtype=jnp.float32) -> KVCache:
+  """An empty decoding cache (length 0) for a causal `pattern`.
+
+  Its size depends only on the pattern and the head layout, never on a maximum length.
+
+  Example:
+    >>> p = DilatedPattern((8, 16), (1, 4), causal=True)
+    >>> cache = init_kv_cache(p, batch=1, num_heads=4, num_kv_heads=2, head_dim=16,
+    ...                       dtype=jnp.float32)
+    >>> [x.shape for x in cache.k]  # [B, Hkv, R_b, ceil(w_b / r_b), D]
+    [(1, 2, 1, 8, 16), (1, 2, 2, 4, 16)]
+  """
+  _check_pattern(pattern)
+  for name, x in (("batch", batch), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                  ("head_dim", head_dim)):
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1:
+      raise ValueError(f"{name} must be an int >= 1, got {name}={x!r}")
+  if num_heads % num_kv_heads:
+    raise ValueError(f"num_kv_heads must divide num_heads, got {num_kv_heads=}, {num_heads=}")
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError as e:
+    raise ValueError(f"dtype must be a floating dtype, got {dtype=!r}") from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"dtype must be a floating dtype, got {dtype=!r}")
+  pattern.head_ranges(num_heads)  # head_groups needs H >= number of branches
+  shapes = [(batch, num_kv_heads, t.slots, t.rows, head_dim)
+            for t in _tables(pattern, int(num_heads), int(num_kv_heads))]
+  zeros = tuple(jnp.zeros(s, dtype) for s in shapes)
+  return KVCache(jnp.zeros((), jnp.int32), zeros, tuple(jnp.zeros(s, dtype) for s in shapes),
+                 int(num_heads))
+
+
+def _check_cache(cache, q, k, pattern) -> tuple:
+  """`ValueError` naming `cache` unless it was built for these inputs; returns the tables."""
+  if not isinstance(cache, KVCache):
+    raise ValueError(f"cache must be a KVCache (from init_kv_cache), got "
+                     f"{type(cache).__name__}")
+  batch, _, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  if cache.num_heads != num_heads:
+    raise ValueError(f"cache was built for {cache.num_heads} query heads, q has {num_heads} "
+                     f"({q.shape=})")
+  if len(cache.k) != pattern.num_branches or len(cache.v) != pattern.num_branches:
+    raise ValueError(f"cache holds {len(cache.k)} branches, pattern has "
+                     f"{pattern.num_branches}")
+  tables = _tables(pattern, num_heads, num_kv_heads)
+  for b, (t, kb, vb) in enumerate(zip(tables, cache.k, cache.v)):
+    want = (batch, num_kv_heads, t.slots, t.rows, head_dim)
+    for name, x in (("k", kb), ("v", vb)):
+      if tuple(x.shape) != want:
+        raise ValueError(
+            f"cache.{name}[{b}] has shape {tuple(x.shape)}, but q {q.shape} and k {k.shape} "
+            f"with this pattern need [B, Hkv, R, rows, D] = {want} (batch, heads or head_dim "
+            f"differ from the cache's)")
+      if x.dtype != q.dtype:
+        raise ValueError(f"cache.{name}[{b}] has dtype {x.dtype}, inputs are {q.dtype}")
+  if jnp.shape(cache.length) != () or not jnp.issubdtype(cache.length.dtype, jnp.integer):
+    raise ValueError(f"cache.length must be an integer scalar, got {cache.length!r}")
+  return tables
+
+
+def _write(kb, vb, k_new, v_new, pos, keep, table: _BranchTable):
+  """Stores the tokens of `k_new, v_new [B, T, Hkv, D]` at positions `pos [T]` where `keep`.
+
+  Skipped tokens get slot `R` (out of range) and are dropped by the scatter, so the kept
+  tokens, all of one segment, never share an index.
+  """
+  c = (pos % table.w) % table.r
+  row = (pos % table.w) // table.r
+  num_kv_heads = kb.shape[1]
+  slot = jnp.asarray(table.slot)[:, c].T  # [T, Hkv]
+  slot = jnp.where(keep[:, None] & (slot >= 0), slot, table.slots)
+  g = jnp.broadcast_to(jnp.arange(num_kv_heads)[None, :], slot.shape)
+  row = jnp.broadcast_to(row[:, None], slot.shape)
+  kb = kb.at[:, g, slot, row].set(k_new.astype(kb.dtype), mode="drop")
+  vb = vb.at[:, g, slot, row].set(v_new.astype(vb.dtype), mode="drop")
+  return kb, vb
+
+
+def _branch_partial(qg, k_new, v_new, kb, vb, length, table: _BranchTable, scale):
+  """One branch's `(o [B, Hkv, G, T, D], lse [B, Hkv, G, T])` for the new queries.
+
+  Cached rows and the chunk's own keys form one key set (they are disjoint), softmaxed once.
+  """
+  batch, num_kv_heads, group, steps, head_dim = qg.shape
+  w, r = table.w, table.r
+  t = length + jnp.arange(steps)                        # query positions [T]
+  c_t, seg_t = (t % w) % r, t // w
+  takes_part = jnp.asarray(table.takes_part)[:, c_t]    # [H, T]
+  takes_part = takes_part.reshape(num_kv_heads, group, steps)
+  # Cached rows: slot s, row j is position seg_start(t) + j r + residue[g, s].
+  res = np.repeat(table.residue, table.rows, axis=1)     # [Hkv, R rows]
+  offset = np.tile(np.arange(table.rows) * r, table.slots)[None, :] + res
+  static_ok = jnp.asarray((res >= 0) & (offset < w))
+  pos = (seg_t * w)[None, :, None] + jnp.asarray(offset)[:, None, :]  # [Hkv, T, R rows]
+  mask_c = (static_ok[:, None, :] & (jnp.asarray(res)[:, None, :] == c_t[None, :, None])
+            & (pos < length))
+  mask_n = ((seg_t[:, None] == seg_t[None, :]) & (c_t[:, None] == c_t[None, :])
+            & (t[None, :] <= t[:, None]))                # [T, T]
+  mask_n = jnp.broadcast_to(mask_n, (num_kv_heads, steps, steps))
+  mask = jnp.concatenate([mask_c, mask_n], axis=-1)[:, None] & takes_part[..., None]
+  keys = jnp.concatenate([kb.reshape(batch, num_kv_heads, -1, head_dim),
+                          k_new.transpose(0, 2, 1, 3)], axis=2).astype(jnp.float32)
+  values = jnp.concatenate([vb.reshape(batch, num_kv_heads, -1, head_dim),
+                            v_new.transpose(0, 2, 1, 3)], axis=2).astype(jnp.float32)
+  s = scale * jnp.einsum("bhgtd,bhkd->bhgtk", qg, keys)
+  s = jnp.where(mask[None], s, -jnp.inf)
+  s_max = s.max(axis=-1)
+  seen = s_max > -jnp.inf
+  shift = jnp.where(seen, s_max, 0.0)
+  p = jnp.exp(s - shift[..., None])  # exactly 0 on masked keys
+  den = p.sum(axis=-1)
+  safe_den = jnp.where(seen, den, 1.0)
+  o = jnp.einsum("bhgtk,bhkd->bhgtd", p, values) / safe_den[..., None]
+  lse = jnp.where(seen, shift + jnp.log(safe_den), -jnp.inf)
+  return o, lse
+
+
+def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
+                           scale: float | None = None, return_lse: bool = False):
+  """Attention of `T` new tokens to everything seen so far, and the updated cache.
+
+  The new tokens sit at positions `cache.length .. cache.length + T - 1`; `out` equals those
+  rows of `dilated_attention` over the whole sequence so far (float32 rounding). `T = 1` is
+  token-by-token decoding; larger chunks may cross segment boundaries. Works under `jax.jit`
+  with `pattern` static; the cache can be donated.
+
+  Args:
+    q: `[B, T, H, D]` new queries.
+    k, v: `[B, T, Hkv, D]` new keys and values.
+    cache: a `KVCache` from `init_kv_cache` or a previous step, for the same head layout,
+      head dim and dtype.
+    pattern: a causal `DilatedPattern`.
+    scale: score scale, default `D ** -0.5`.
+    return_lse: also return the float32 `[B, T, H]` log-denominators.
+
+  Returns:
+    `(out, cache)` (or `(out, lse, cache)`), `out` in q's dtype, `cache.length` grown by T.
+
+  Example:
+    >>> p = DilatedPattern((4, 8), (1, 2), causal=True)
+    >>> cache = init_kv_cache(p, batch=1, num_heads=2, num_kv_heads=1, head_dim=8,
+    ...                       dtype=jnp.float32)
+    >>> step = jax.jit(dilated_attention_step, static_argnums=4, donate_argnums=3)
+    >>> q, kv = jnp.ones((1, 1, 2, 8)), jnp.ones((1, 1, 1, 8))
+    >>> out, cache = step(q, kv, kv, cache, p)
+    >>> out.shape, int(cache.length)
+    ((1, 1, 2, 8), 1)
+  """
+  _check_pattern(pattern)
+  check_inputs(q, k, v, pattern)
+  scale = check_scale(scale, q.shape[-1])
+  tables = _check_cache(cache, q, k, pattern)
+  batch, steps, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  group = heads_per_kv(num_heads, num_kv_heads)
+  length = cache.length.astype(jnp.int32)
+  qg = q.astype(jnp.float32).reshape(batch, steps, num_kv_heads, group, head_dim)
+  qg = qg.transpose(0, 2, 3, 1, 4)                       # [B, Hkv, G, T, D]
+  outs, lses, new_k, new_v = [], [], [], []
+  pos = length + jnp.arange(steps)
+  for table, kb, vb in zip(tables, cache.k, cache.v):
+    o, lse = _branch_partial(qg, k, v, kb, vb, length, table, scale)
+    outs.append(o.transpose(0, 3, 1, 2, 4).reshape(batch, steps, num_heads, head_dim))
+    lses.append(lse.transpose(0, 3, 1, 2).reshape(batch, steps, num_heads))
+    # Only the last new token's segment stays readable; earlier segments are over.
+    keep = pos // table.w == (length + steps - 1) // table.w
+    kb, vb = _write(kb, vb, k, v, pos, keep, table)
+    new_k.append(kb)
+    new_v.append(vb)
+  out, lse = merge(outs, lses)
+  cache = KVCache(length + steps, tuple(new_k), tuple(new_v), num_heads)
+  out = out.astype(q.dtype)
+  return (out, lse, cache) if return_lse else (out, cache)
+
+
+def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, scale: float | None = None,
+                              cache: KVCache | None = None, return_lse: bool = False):
+  """Attention over a prompt at positions `0 .. T-1`, and the cache that continues from it.
+
+  `out` comes from `dilated_attention` (the regular kernels); the cache then holds the last
+  segment of each branch, with length `T`. A given `cache` (of the right layout) only lends
+  its buffers: whatever it held is ignored, as if it were empty.
+
+  Args:
+    q: `[B, T, H, D]` prompt queries; k, v: `[B, T, Hkv, D]`.
+    pattern: a causal `DilatedPattern`.
+    scale: score scale, default `D ** -0.5`.
+    cache: None (allocate one) or a `KVCache` to reuse (e.g. donated under jit).
+    return_lse: also return the float32 `[B, T, H]` log-denominators.
+
+  Returns:
+    `(out, cache)` (or `(out, lse, cache)`).
+
+  Example:
+    >>> p = DilatedPattern((4, 8), (1, 2), causal=True)
+    >>> q, kv = jnp.ones((1, 6, 2, 8)), jnp.ones((1, 6, 1, 8))
+    >>> out, cache = dilated_attention_prefill(q, kv, kv, p)
+    >>> out.shape, int(cache.length)
+    ((1, 6, 2, 8), 6)
+  """
+  _check_pattern(pattern)
+  check_inputs(q, k, v, pattern)
+  scale = check_scale(scale, q.shape[-1])
+  batch, steps, num_heads, head_dim = q.shape
+  if cache is None:
+    cache = init_kv_cache(pattern, batch=batch, num_heads=num_heads, num_kv_heads=k.shape[2],
+                          head_dim=head_dim, dtype=q.dtype)
+  tables = _check_cache(cache, q, k, pattern)
+  out, lse = dilated_attention(q, k, v, pattern, scale=scale, return_lse=True)
+  new_k, new_v = [], []
+  for table, kb, vb in zip(tables, cache.k, cache.v):
+    start = (steps - 1) // table.w * table.w  # the last segment, static
+    pos = jnp.arange(start, steps)
+    kb, vb = _write(kb, vb, k[:, start:], v[:, start:], pos, jnp.ones(pos.shape, bool), table)
+    new_k.append(kb)
+    new_v.append(vb)
+  cache = KVCache(jnp.asarray(steps, jnp.int32), tuple(new_k), tuple(new_v), num_heads)
+  return (out, lse, cache) if return_lse else (out, cache)

@@ -1,0 +1,172 @@
+"""Decoding with the compressed KV cache reproduces the causal rows of the full attention."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import TOL, Case, check_lse, random_inputs, reference, rel_err
+from hilbert_ring_jax import DilatedPattern
+from hilbert_ring_jax.decode import (KVCache, dilated_attention_prefill, dilated_attention_step,
+                                     init_kv_cache)
+
+# Chunk sizes cycled through: single tokens and chunks that cross several segment boundaries.
+CHUNKS = (1, 3, 1, 7, 2)
+
+# Compiled once per (pattern, head layout, chunk size) for the whole module.
+_step = jax.jit(dilated_attention_step, static_argnums=4, static_argnames="return_lse")
+_prefill = jax.jit(dilated_attention_prefill, static_argnums=3, static_argnames="return_lse")
+
+
+def _shapes(cache):
+  return [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(cache)]
+
+
+def _run(case, dtype, prefill, seed=0):
+  """Prefill `prefill` tokens (0: start from an empty cache), then steps; checks each cache."""
+  q, k, v, dout, dlse = random_inputs(case, dtype, seed)
+  pattern = case.pattern(True)
+  empty = init_kv_cache(pattern, batch=case.batch, num_heads=case.heads,
+                        num_kv_heads=case.kv_heads, head_dim=case.head_dim, dtype=dtype)
+  outs, lses = [], []
+  if prefill:
+    out, lse, cache = _prefill(q[:, :prefill], k[:, :prefill], v[:, :prefill], pattern,
+                               return_lse=True)
+    outs.append(out)
+    lses.append(lse)
+  else:
+    cache = empty
+  i = prefill
+  for t in itertools.cycle(CHUNKS):
+    if i >= case.n:
+      break
+    j = min(i + t, case.n)
+    out, lse, cache = _step(q[:, i:j], k[:, i:j], v[:, i:j], cache, pattern, return_lse=True)
+    assert out.dtype == dtype and out.shape == q[:, i:j].shape
+    assert _shapes(cache) == _shapes(empty)  # fixed size: set by the pattern alone
+    assert int(cache.length) == j
+    outs.append(out)
+    lses.append(lse)
+    i = j
+  ref_out, ref_lse, _ = reference(case, True, q, k, v, dout, dlse)
+  out, lse = jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
+  tol = TOL[dtype]
+  assert rel_err(out, ref_out) < tol, rel_err(out, ref_out)
+  if dtype == jnp.float32:
+    check_lse(lse, ref_lse, tol)
+
+
+@pytest.mark.parametrize("case,prefill", [
+    (Case(29, 4, 2, (8, 6), (3, 4)), 0),                     # r does not divide w
+    (Case(33, 4, 2, (8, 6), (3, 4), offsets="all"), 5),
+    (Case(31, 4, 1, (4, 10, 7), (1, 4, 2), head_groups=True), 9),  # MQA, head groups
+    (Case(27, 4, 4, (5, 12), (2, 5), batch=2), 0),          # H < r: residues no head reads
+    (Case(25, 3, 3, (6, 9), (2, 3), offsets="all", head_groups=True), 0),
+])
+def test_steps_match_reference(case, prefill):
+  _run(case, jnp.float32, prefill)
+
+
+def test_steps_bfloat16():
+  _run(Case(23, 4, 2, (8, 6), (3, 2)), jnp.bfloat16, 0)
+
+
+def test_cache_shapes_follow_the_pattern():
+  p = DilatedPattern((8, 16), (3, 4), causal=True)
+  cache = init_kv_cache(p, batch=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        dtype=jnp.bfloat16)
+  # Branch 0 (r=3): kv head 0 reads residues {0, 1}, kv head 1 {2, 0} -> 2 slots of 3 rows.
+  # Branch 1 (r=4): {0, 1} and {2, 3} -> 2 slots of 4 rows.
+  assert [x.shape for x in cache.k] == [(2, 2, 2, 3, 16), (2, 2, 2, 4, 16)]
+  assert all(x.dtype == jnp.bfloat16 for x in cache.k + cache.v)
+  all_offsets = DilatedPattern((8, 16), (3, 4), causal=True, offsets="all")
+  cache = init_kv_cache(all_offsets, batch=1, num_heads=4, num_kv_heads=1, head_dim=8,
+                        dtype=jnp.float32)
+  assert [x.shape for x in cache.v] == [(1, 1, 3, 3, 8), (1, 1, 4, 4, 8)]
+  # The prefill of any prompt length gives the same shapes and bytes (traced, not compiled).
+  sizes = set()
+  for n in (3, 17, 40):
+    kv = jax.ShapeDtypeStruct((1, n, 1, 8), jnp.float32)
+    q = jax.ShapeDtypeStruct((1, n, 4, 8), jnp.float32)
+    _, c = jax.eval_shape(lambda q, k, v: dilated_attention_prefill(q, k, v, all_offsets),
+                          q, kv, kv)
+    sizes.add((tuple(_shapes(c)), sum(x.size * x.dtype.itemsize
+                                      for x in jax.tree_util.tree_leaves(c))))
+  assert len(sizes) == 1
+
+
+def test_jit_with_donation():
+  case = Case(20, 2, 1, (4, 8), (1, 2))
+  q, k, v, dout, dlse = random_inputs(case, jnp.float32, 1)
+  pattern = case.pattern(True)
+  step = jax.jit(dilated_attention_step, static_argnums=4, donate_argnums=3)
+  prefill = jax.jit(dilated_attention_prefill, static_argnums=3, donate_argnames="cache")
+  cache = init_kv_cache(pattern, batch=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                        dtype=jnp.float32)
+  out, cache = prefill(q[:, :6], k[:, :6], v[:, :6], pattern, cache=cache)
+  outs = [out]
+  for i in range(6, case.n):
+    out, cache = step(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], cache, pattern)
+    outs.append(out)
+  ref_out = reference(case, True, q, k, v, dout, dlse)[0]
+  assert rel_err(jnp.concatenate(outs, axis=1), ref_out) < TOL[jnp.float32]
+  assert isinstance(cache, KVCache) and int(cache.length) == case.n
+
+
+P = DilatedPattern((8, 16), (1, 2), causal=True)
+
+
+def _cache(**kwargs):
+  args = dict(batch=1, num_heads=4, num_kv_heads=2, head_dim=8, dtype=jnp.float32)
+  return init_kv_cache(P, **{**args, **kwargs})
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(batch=0), "batch"),
+    (dict(num_heads=2.0), "num_heads"),
+    (dict(num_kv_heads=3), "num_kv_heads"),
+    (dict(head_dim=-1), "head_dim"),
+    (dict(dtype=jnp.int32), "dtype"),
+])
+def test_bad_init(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    _cache(**kwargs)
+
+
+def test_bad_pattern():
+  loose = DilatedPattern((8, 16), (1, 2))
+  x, kv = jnp.ones((1, 2, 4, 8)), jnp.ones((1, 2, 2, 8))
+  with pytest.raises(ValueError, match="pattern"):
+    init_kv_cache(loose, batch=1, num_heads=4, num_kv_heads=2, head_dim=8, dtype=jnp.float32)
+  with pytest.raises(ValueError, match="pattern"):
+    dilated_attention_step(x, kv, kv, _cache(), loose)
+  with pytest.raises(ValueError, match="pattern"):
+    dilated_attention_prefill(x, kv, kv, loose)
+
+
+@pytest.mark.parametrize("q_shape,kv_shape,dtype,kwargs", [
+    ((1, 1, 4, 8), (1, 1, 2, 8), jnp.float32, dict(head_dim=16)),
+    ((1, 1, 4, 8), (1, 1, 2, 8), jnp.float32, dict(num_kv_heads=1)),
+    ((1, 1, 4, 8), (1, 1, 2, 8), jnp.float32, dict(num_heads=2)),
+    ((1, 1, 4, 8), (1, 1, 2, 8), jnp.float32, dict(batch=2)),
+    ((1, 1, 4, 8), (1, 1, 2, 8), jnp.bfloat16, dict()),
+])
+def test_cache_mismatch(q_shape, kv_shape, dtype, kwargs):
+  q, kv = jnp.ones(q_shape, dtype), jnp.ones(kv_shape, dtype)
+  with pytest.raises(ValueError, match="cache"):
+    dilated_attention_step(q, kv, kv, _cache(**kwargs), P)
+  with pytest.raises(ValueError, match="cache"):
+    dilated_attention_prefill(q, kv, kv, P, cache=_cache(**kwargs))
+
+
+def test_bad_step_inputs():
+  q, kv = jnp.ones((1, 1, 4, 8)), jnp.ones((1, 1, 2, 8))
+  with pytest.raises(ValueError, match="cache"):
+    dilated_attention_step(q, kv, kv, {"length": 0}, P)
+  with pytest.raises(ValueError, match="k and v"):
+    dilated_attention_step(q, kv, jnp.ones((1, 1, 2, 4)), _cache(), P)
+  with pytest.raises(ValueError, match="scale"):
+    dilated_attention_step(q, kv, kv, _cache(), P, scale="big")
+  np.testing.assert_array_equal(_step(q, kv, kv, _cache(), P)[0], 1.0)  # all-ones values
