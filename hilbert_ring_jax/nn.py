@@ -22,7 +22,8 @@ import numpy as np
 from flax import nnx
 
 from .api import dilated_attention
-from .ordering import hilbert_permutation, hilbert_permutation_per_segment, serialize, unserialize
+from .ordering import (check_perm, hilbert_permutation, hilbert_permutation_per_segment,
+                       serialize, unserialize)
 from .pattern import DilatedPattern
 
 ORDERINGS = ("hilbert", "hilbert_per_segment")
@@ -69,12 +70,7 @@ class TokenOrder:
     if grid_shape is not None:
       raise ValueError(f'grid_shape is only used with ordering="hilbert", got {grid_shape=} '
                        f"with an explicit permutation")
-    perm = np.asarray(ordering)
-    if perm.ndim != 1 or not np.issubdtype(perm.dtype, np.integer) or not np.array_equal(
-        np.sort(perm), np.arange(len(perm))):
-      raise ValueError(f"ordering must be a 1-D integer permutation of 0..N-1, got an array of "
-                       f"dtype {perm.dtype} and shape {perm.shape} that is not one")
-    perm = perm.astype(np.int64)
+    perm = check_perm(ordering, name="ordering").astype(np.int64)
     perm.flags.writeable = False
     return cls("explicit", (len(perm), hashlib.sha1(perm.tobytes()).hexdigest()), perm)
 
@@ -94,10 +90,7 @@ def check_heads(num_heads, qkv_features, num_kv_heads, pattern) -> tuple[int, in
   """Validates the head layout; returns `(num_kv_heads, head_dim)`."""
   if not isinstance(pattern, DilatedPattern):
     raise ValueError(f"pattern must be a DilatedPattern, got {type(pattern).__name__}")
-  for name, val in (("num_heads", num_heads), ("qkv_features", qkv_features),
-                    ("num_kv_heads", num_kv_heads)):
-    if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 1:
-      raise ValueError(f"{name} must be a positive int, got {name}={val!r}")
+  check_features(num_heads=num_heads, qkv_features=qkv_features, num_kv_heads=num_kv_heads)
   if qkv_features % num_heads:
     raise ValueError(f"{qkv_features=} must be divisible by {num_heads=}")
   if num_heads % num_kv_heads:
@@ -476,14 +469,12 @@ def dilated_attention_fn(pattern: DilatedPattern, *, scale: float | None = None,
     # [B, N, H, D] with the batch dims flattened (none gives B = 1)
     q, k, v = (jnp.asarray(x, dtype).reshape((-1,) + x.shape[-3:]) for x in (query, key, value))
     out = dilated_attention(q, k, v, pattern, scale=scale, implementation=implementation)
-    out = out.reshape(batch + out.shape[1:])
     if dropout_rate > 0.0 and not deterministic:
       if dropout_rng is None:
         raise ValueError(f"{dropout_rate=} with deterministic=False needs a dropout_rng")
-      shape = (1,) * len(batch) + out.shape[len(batch):] if broadcast_dropout else out.shape
-      keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
-      out = jnp.where(keep, out / (1.0 - dropout_rate), 0).astype(out.dtype)
-    return out
+      # On the flattened batch: broadcasting over it is broadcasting over every batch dim.
+      out = apply_dropout(out, dropout_rng, dropout_rate, broadcast_dropout)
+    return out.reshape(batch + out.shape[1:])
 
   return attention_fn
 

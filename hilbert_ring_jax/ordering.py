@@ -185,9 +185,10 @@ def _not_a_permutation(arr: np.ndarray, name: str) -> str:
           f"{name}[{np.flatnonzero(arr == arr[repeat])[0]}]")
 
 
-def _check_perm(perm, n: int | None = None, name: str = "perm", *,
+def check_perm(perm, n: int | None = None, name: str = "perm", *,
                 validate: bool = True) -> np.ndarray | jax.Array:
-  """`perm` as a NumPy array, checked; a traced `perm` only with `validate=False`, unchecked."""
+  """`perm` as a NumPy array, checked (`ValueError` naming `name`); a traced `perm` only with
+  `validate=False`, unchecked. The one permutation check: the layers' orderings use it too."""
   if isinstance(perm, jax.core.Tracer):
     if validate:
       # Its values are unknown while tracing, and a gather with a bad index fails silently.
@@ -229,7 +230,7 @@ def inverse_permutation(perm, *, validate: bool = True) -> np.ndarray | jax.Arra
     >>> jax.jit(lambda p: inverse_permutation(p, validate=False))(jnp.array([2, 0, 1])).tolist()
     [1, 2, 0]
   """
-  perm = _check_perm(perm, validate=validate)
+  perm = check_perm(perm, validate=validate)
   if isinstance(perm, jax.core.Tracer):
     # A scatter, O(N), rather than an argsort; the caller promised the indices are unique.
     return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype),
@@ -256,7 +257,7 @@ def serialize(x, perm, *, validate: bool = True):
   """
   if jnp.ndim(x) < 2:
     raise ValueError(f"x must have a sequence axis 1, got shape {jnp.shape(x)}")
-  return jnp.take(x, _check_perm(perm, x.shape[1], validate=validate), axis=1)
+  return jnp.take(x, check_perm(perm, x.shape[1], validate=validate), axis=1)
 
 
 def unserialize(x, perm, *, validate: bool = True):
@@ -276,5 +277,5 @@ def unserialize(x, perm, *, validate: bool = True):
   if jnp.ndim(x) < 2:
     raise ValueError(f"x must have a sequence axis 1, got shape {jnp.shape(x)}")
   # Checked once here; the inversion need not check again.
-  perm = _check_perm(perm, x.shape[1], validate=validate)
+  perm = check_perm(perm, x.shape[1], validate=validate)
   return jnp.take(x, inverse_permutation(perm, validate=False), axis=1)

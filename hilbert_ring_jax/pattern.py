@@ -175,9 +175,10 @@ class Branch:
       return ()
     return (h % self.r,) if self.per_head else tuple(range(self.r))
 
-  def covered(self, num_heads: int) -> np.ndarray:
-    """`[n, H]` bool: the (token, head) rows this branch computes."""
-    pos, head = np.arange(self.n)[:, None], np.arange(num_heads)[None, :]
+  def covered(self, num_heads: int, xp=np):
+    """`[n, H]` bool: the (token, head) rows this branch computes. `xp=jax.numpy` builds it
+    in the traced program (from iotas) instead of as an `n x H` host constant."""
+    pos, head = xp.arange(self.n)[:, None], xp.arange(num_heads)[None, :]
     inside = (head >= self.heads.start) & (head < self.heads.stop)
     return inside & ((pos % self.w) % self.r == head % self.r) if self.per_head else inside
 

@@ -104,7 +104,7 @@ class _RingBranch:
   """
 
   def __init__(self, plan, pattern, scale, names, config, q, k):
-    self.plan, self.scale, self.config = plan, scale, config
+    self.plan, self.scale = plan, scale
     br = plan.branch
     self.per_kv = heads_per_kv(q.shape[2], k.shape[2])
     if plan.kind == "ring" and plan.compact:
@@ -152,7 +152,8 @@ class _RingBranch:
 
     A shard starts at a multiple of `n`, which `r` divides, so a local position has its
     global position's residue: the branch laid over one shard covers the same rows."""
-    return dataclasses.replace(self.plan.branch, n=self.plan.n, w=self.plan.n).covered(num_heads)
+    local = dataclasses.replace(self.plan.branch, n=self.plan.n, w=self.plan.n)
+    return local.covered(num_heads, jnp)
 
   def forward(self, q, k, v, causal):
     pattern = self.pattern(causal, q.shape[1])
@@ -418,8 +419,9 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, scale
   shard of the output of `dilated_attention` on the whole sequence, with exact gradients.
   Keys and values travel only for branches whose segments span shards (see the module
   docstring); queries and outputs stay on their device, except that a causal zigzag branch
-  trades half-shards once each way and the gather fallback all-gathers its inputs. Each branch's steps use the backend
-  `dilated_attention` would pick for them (`implementation` and `config` as there).
+  trades half-shards once each way and the gather fallback all-gathers its inputs. Each
+  branch's steps use the backend `dilated_attention` would pick for them (`implementation`
+  and `config` as there).
 
   Example:
     >>> mesh = jax.make_mesh((4,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))

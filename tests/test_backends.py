@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import helpers
+import reference_np
 from hilbert_ring_jax import DilatedPattern, backends, dilated_attention, sharded_dilated_attention
 from hilbert_ring_jax.backends import pallas, xla
 
@@ -22,11 +23,18 @@ def test_partials_are_float32(name, dtype):
   backend = backends.load(name)
   case = helpers.Case(32, 4, 2, (8, 16), (1, 2))
   q, k, v, dout, _ = helpers.random_inputs(case, dtype, 0)
+  pattern = case.pattern(causal=True)
   for branches in (None, (1,)):
-    pattern = case.pattern(causal=True)
     assert backend.supports(backends.Problem.of(q, k, pattern, branches))
     out, lse = backend.forward(q, k, v, pattern, 0.25, branches=branches)
     assert out.dtype == lse.dtype == jnp.float32
+    # The partial is the attention over the branches' keys (the float64 reference of them).
+    picked = [pattern.branches[b] for b in (branches or range(pattern.num_branches))]
+    m = reference_np.multiplicity(case.n, case.heads, *zip(*picked), True)
+    ref_out, ref_lse = reference_np.attention(*(np.asarray(x, np.float64) for x in (q, k, v)),
+                                              m, 0.25)
+    assert helpers.rel_err(out, ref_out) < helpers.TOL[dtype]
+    helpers.check_lse(lse, ref_lse, helpers.TOL[dtype])
     final, _ = backend.forward(q, k, v, pattern, 0.25, branches=branches, out_dtype=dtype)
     assert final.dtype == dtype
     np.testing.assert_allclose(np.asarray(final, np.float32), out,
@@ -106,6 +114,10 @@ def test_configs_are_validated_keyword_only_and_routed():
   assert "scan" in str(jax.make_jaxpr(lambda q: run(small))(q))
   assert "scan" not in str(jax.make_jaxpr(lambda q: run(None))(q))
   base = run(None)
+  ref_out = reference_np.attention(*(np.asarray(x, np.float64) for x in (q, q, q)),
+                                   reference_np.multiplicity(40, 2, (20, 40), (1, 2), True),
+                                   8 ** -0.5)[0]
+  assert helpers.rel_err(base, ref_out) < helpers.TOL[jnp.float32]
   np.testing.assert_allclose(run(small), base, rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(run(pallas.Config(block_q=32)), base)
 

@@ -592,10 +592,11 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg):
   if kv_mode != "fresh":
     args += [br.split(dk), br.split(dv)]
     in_specs += [k_spec, k_spec]
+  residues = (br.geo.r,) if br.geo.r > 1 else ()  # every residue is a grid axis here
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, br=br, d=d, scale=scale, per_kv=per_kv, g0=g0,
                         accumulate=kv_mode == "merge"),
-      grid=(br.m_pad // bk_dkv, bsz, g1 - g0, br.geo.segments) + ((br.geo.r,) if br.geo.r > 1 else ()),
+      grid=(br.m_pad // bk_dkv, bsz, g1 - g0, br.geo.segments) + residues,
       in_specs=in_specs,
       out_specs=[k_spec, k_spec],
       out_shape=[jax.ShapeDtypeStruct(ks.shape, jnp.float32),

@@ -205,7 +205,7 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
     outs.append(transpose(fold.query, o, q))
     # Padding rows may hold -inf; a covered row sees at least itself, so its lse is finite.
     lse = transpose(fold.query, jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None], q[..., :1])
-    lses.append(jnp.where(fold.branch.covered(h), lse[..., 0], -jnp.inf))
+    lses.append(jnp.where(fold.branch.covered(h, jnp), lse[..., 0], -jnp.inf))
   out, lse = merge(outs, lses)
   return out.astype(out_dtype or out.dtype), lse
 
@@ -242,7 +242,8 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
 
     dqf, (dkb, dvb) = _scan(step, jnp.zeros(qf.shape, acc), blocks)
     # [nb, B, Z, K, bk, D] -> [B, Z, K, M, D]
-    dkb, dvb = (jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], -1, x.shape[-1])[..., :fold.branch.rows, :]
+    rows = fold.branch.rows
+    dkb, dvb = (jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], -1, x.shape[-1])[..., :rows, :]
                 for x in (dkb, dvb))
     dq = dq + transpose(fold.query, dqf, q)
     dk = dk + transpose(fold.key, dkb, k)
