@@ -177,6 +177,26 @@ def _loaded(name):
     return None
 
 
+def batched(fn):
+  """`fn(*arrays)` that `vmap` maps by folding the mapped axis into the batch axis 0.
+
+  Kernel calls (`triton_call`, Mosaic GPU kernels) have no batching rule; all arrays here
+  lead with the batch axis, so a mapped axis (moved to the front) merges with it and splits
+  off again afterwards.
+  """
+  wrapped = jax.custom_batching.custom_vmap(fn)
+
+  @wrapped.def_vmap
+  def rule(axis_size, in_batched, *args):
+    args = [x if mapped else jnp.broadcast_to(x, (axis_size,) + x.shape)
+            for x, mapped in zip(args, in_batched)]
+    outs = wrapped(*(x.reshape((-1,) + x.shape[2:]) for x in args))
+    outs = jax.tree.map(lambda y: y.reshape((axis_size, -1) + y.shape[1:]), outs)
+    return outs, jax.tree.map(lambda _: True, outs)
+
+  return wrapped
+
+
 class Kernel(Protocol):
   """The two halves `attention` differentiates: any computation following the contract."""
 

@@ -28,7 +28,7 @@ from ..merge import merge
 from ..pattern import DilatedPattern
 from . import _triton_kernels as kernels
 from . import schedule
-from .base import YES, Problem, Support, no
+from .base import YES, Problem, Support, batched, no
 
 # jax-triton 0.4 renamed `out_shape=` to `out_type=` (the old name warns); 0.3 knows only the
 # former. Aliasing is avoided altogether: the two versions disagree on whether an aliased
@@ -196,32 +196,13 @@ def _call(kernel, args, out, tiles, grid, config, **consts):
                         compute_capability=config.compute_capability, **consts)
 
 
-def _batched(fn):
-  """`fn(*arrays)` that `vmap` maps by folding the mapped axis into the batch axis 0.
-
-  `triton_call` has no batching rule; all arrays here lead with the batch axis, so a mapped
-  axis (moved to the front) merges with it and splits off again afterwards.
-  """
-  wrapped = jax.custom_batching.custom_vmap(fn)
-
-  @wrapped.def_vmap
-  def rule(axis_size, in_batched, *args):
-    args = [x if mapped else jnp.broadcast_to(x, (axis_size,) + x.shape)
-            for x, mapped in zip(args, in_batched)]
-    outs = wrapped(*(x.reshape((-1,) + x.shape[2:]) for x in args))
-    outs = jax.tree.map(lambda y: y.reshape((axis_size, -1) + y.shape[1:]), outs)
-    return outs, jax.tree.map(lambda _: True, outs)
-
-  return wrapped
-
-
 def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
             out_dtype=None):
   """`(out, lse)` of `branches` (all if None): float32 partials, or `out` in `out_dtype` when
   given (written by the kernel when one launch covers the branches)."""
   config = config or Config()
   fn = lambda q, k, v: _forward(q, k, v, pattern, scale, branches, config, out_dtype)
-  return _batched(fn)(q, k, v)
+  return batched(fn)(q, k, v)
 
 
 def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
@@ -244,7 +225,7 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
   """float32 `(dq, dk, dv)` of `branches` from the global `lse` and `delta`."""
   config = config or Config()
   fn = lambda *a: _backward(*a, pattern, scale, branches, config)
-  return _batched(fn)(q, k, v, dout, lse, delta)
+  return batched(fn)(q, k, v, dout, lse, delta)
 
 
 def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config):
