@@ -5,8 +5,9 @@ For each N and implementation: forward and forward+backward, device-synchronized
 forward+backward 3.5x), tokens/s, and the compiled program's device memory (XLA's memory
 analysis: arguments + outputs + temporaries). Peers: cuDNN full attention
 (`jax.nn.dot_product_attention`), "folded cuDNN" LongNet (segments folded into the batch, cuDNN
-per branch and residue, merged by LSE: SPEC's function), JAX's Pallas-Triton `mha`, and the
-dense masked XLA reference at small N. Writes JSON and a PNG plot of TFLOP/s against N.
+per branch and residue, merged by LSE: SPEC's function), tokamax's Pallas Mosaic GPU
+attention ("tokamax", when importable), JAX's Pallas-Triton `mha`, and the dense masked XLA
+reference at small N. Writes JSON and a PNG plot of TFLOP/s against N.
 
   python benchmarks/bench_attention.py --pattern longnet --seq-len 32768,131072 \
       --impl triton,pallas,folded_cudnn --json out/longnet.json --plot out/longnet.png
@@ -25,7 +26,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from bench_pallas import cudnn_full, cudnn_full_causal, folded_cudnn, jax_mha
+from bench_pallas import cudnn_full, cudnn_full_causal, folded_cudnn, jax_mha, tokamax_mosaic
 from common import median_ms
 from hilbert_ring_jax import DilatedPattern, dilated_attention, dilated_attention_reference
 
@@ -43,10 +44,10 @@ def make_pattern(name, n, causal):
 
 
 def impl_fn(name, pattern):
-  if name in ("triton", "pallas", "xla"):
+  if name in ("mosaic", "triton", "pallas", "xla"):
     return lambda q, k, v, s: dilated_attention(q, k, v, pattern, scale=s, implementation=name)
   peers = {"cudnn": cudnn_full_causal if pattern.causal else cudnn_full,
-           "folded_cudnn": folded_cudnn, "jax_mha": jax_mha,
+           "folded_cudnn": folded_cudnn, "jax_mha": jax_mha, "tokamax": tokamax_mosaic,
            "dense_xla": lambda q, k, v, p, s: dilated_attention_reference(q, k, v, p, scale=s)}
   return lambda q, k, v, s: peers[name](q, k, v, pattern, s)
 
@@ -54,7 +55,7 @@ def impl_fn(name, pattern):
 def applicable(name, pattern, n):
   full = pattern.num_branches == 1 and pattern.dilation_rates == (1,) and \
       pattern.segment_lengths[0] >= n
-  if name in ("cudnn", "jax_mha"):
+  if name in ("cudnn", "jax_mha", "tokamax"):
     return full
   if name == "dense_xla":
     return n <= 8192

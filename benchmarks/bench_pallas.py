@@ -174,6 +174,26 @@ def jax_mha(q, k, v, pattern, scale):
   return attention.mha(q, k, v, None, sm_scale=scale, causal=pattern.causal)
 
 
+def _tokamax():
+  """tokamax (optional; Python >= 3.12, JAX >= 0.11.1). Its benchmarking module imports
+  `xprof.cli.tools`, which its attention op does not use: a stub stands in when xprof is
+  missing."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  if importlib.util.find_spec("xprof") is None and "xprof.cli.tools" not in sys.modules:
+    for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
+      sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None
+  import tokamax  # pylint: disable=g-import-not-at-top
+  return tokamax
+
+
+def tokamax_mosaic(q, k, v, pattern, scale):
+  """tokamax's Pallas Mosaic GPU attention (full attention only)."""
+  return _tokamax().dot_product_attention(q, k, v, scale=scale, is_causal=pattern.causal,
+                                          implementation="mosaic")
+
+
 def ours(name):
   def fn(q, k, v, pattern, scale):
     return dilated_attention(q, k, v, pattern, scale=scale, implementation=name)

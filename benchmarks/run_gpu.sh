@@ -7,9 +7,11 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 WHL=${WHL:-.whl}; SITE=${SITE:-/tmp/site}
-if ls "$WHL"/*.whl >/dev/null 2>&1; then
+# WHL_EXTRA (e.g. .whl_tk: tokamax and the wheels it needs) is installed alongside.
+WHEELS=$(ls "$WHL"/*.whl ${WHL_EXTRA:+"$WHL_EXTRA"/*.whl} 2>/dev/null)
+if [ -n "$WHEELS" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$SITE" "$WHL"/*.whl && export PYTHONPATH=$SITE:${PYTHONPATH:-}
+      --target "$SITE" $WHEELS && export PYTHONPATH=$SITE:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -26,6 +28,12 @@ for stage in "$@"; do
                     tests/test_attention.py -k "triton and (overflow or huge)" 2>&1 | tail -15 ;;
     checks-triton) timeout 240 python3 benchmarks/tune_triton.py --kinds none --patterns longnet \
                     2>&1 | grep -v '^{' | tail -25 ;;
+    tests-mosaic) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_mosaic.py \
+                    2>&1 | tail -25 ;;
+    tune-mosaic) timeout 420 python3 benchmarks/tune_mosaic.py --json "$OUT/mosaic.json" \
+                   2>&1 | tee "$OUT/mosaic.log" | grep -v '^{' | tail -40 ;;
+    tune-mosaic-checks) timeout 200 python3 benchmarks/tune_mosaic.py --skip-timings \
+                   --json "$OUT/mosaic_checks.json" 2>&1 | tail -30 ;;
     tests-pallas) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention.py \
                     -k "pallas and (float32 or low_precision)" 2>&1 | tail -25 ;;
     tune-triton) timeout 360 python3 benchmarks/tune_triton.py --json "$OUT/tune_triton.json" \

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from ..pattern import DilatedPattern
 
-Name = Literal["triton", "pallas", "xla"]
+Name = Literal["mosaic", "triton", "pallas", "xla"]
 NAMES: tuple[Name, ...] = typing.get_args(Name)
 
 

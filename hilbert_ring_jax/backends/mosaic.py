@@ -48,7 +48,7 @@ from .base import YES, Problem, Support, batched, no
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-_SMEM_BYTES = 227 * 1024  # Hopper's shared memory per block
+_SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
 _MAX_GRID_Y = 65535
 
 
@@ -77,19 +77,27 @@ class Config:
     if not isinstance(self.interpret, bool):
       raise ValueError(f"interpret must be a bool, got interpret={self.interpret!r}")
 
-  def resolved(self, head_dim: int) -> Config:
-    """This config with the tuned defaults filled in."""
-    return dataclasses.replace(
-        self, block_q=self.block_q or 64,
-        block_k=self.block_k or (128 if head_dim <= 128 else 64),
-        stages=self.stages or 2)
+  def resolved(self, head_dim: int, itemsize: int = 2, out_itemsize: int = 2) -> Config:
+    """This config with the tuned defaults filled in: the first of the preferred tiles whose
+    buffers fit in shared memory (float32 outputs take a tile of their own). `ValueError`
+    if the chosen tiles do not fit."""
+    preferred = [(64, 128 if head_dim <= 128 else 64, 2), (64, 64, 3), (64, 64, 2)]
+    for bq, bk, stages in preferred:
+      config = dataclasses.replace(self, block_q=self.block_q or bq, block_k=self.block_k or bk,
+                                   stages=self.stages or stages)
+      if _smem_bytes(config, head_dim, itemsize, out_itemsize) <= _SMEM_BYTES:
+        return config
+    raise ValueError(
+        f"block_q={config.block_q}, block_k={config.block_k}, stages={config.stages} need "
+        f"{_smem_bytes(config, head_dim, itemsize, out_itemsize)} bytes of shared memory at "
+        f"head dim {head_dim} ({_SMEM_BYTES} available): choose smaller blocks or fewer stages")
 
 
 def _smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int) -> int:
   q = 2 * config.block_q * head_dim * itemsize
   kv = 2 * config.stages * config.block_k * head_dim * itemsize
   out = 0 if out_itemsize == itemsize else 2 * config.block_q * head_dim * out_itemsize
-  return q + kv + out + 2 * config.block_q * 4 + 1024
+  return q + kv + out + 2 * config.block_q * 4 + 3072  # + lse tiles, barriers, alignment
 
 
 def _is_hopper() -> bool:
@@ -113,7 +121,8 @@ def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_hea
 
 
 def supports(problem: Problem) -> Support:
-  """Hopper GPUs (sm_90); bf16 and f16; head dims 64, 128, 256; rows of whole blocks."""
+  """Hopper GPUs (sm_90); bf16 and f16; head dims 64, 128 (and 256 where the output is final);
+  rows of whole blocks."""
   if problem.platform != "gpu" or not _is_hopper():
     return no("the mosaic backend runs on Hopper GPUs (sm_90) only")
   if not any(problem.dtype == t for t in (jnp.bfloat16, jnp.float16)):
@@ -122,10 +131,14 @@ def supports(problem: Problem) -> Support:
   if d not in (64, 128, 256):
     return no(f"the mosaic backend needs a head dim of 64, 128 or 256; got {d}")
   b, n, h, _ = problem.q_shape
+  launches = schedule.launches(problem.pattern, n, h, problem.branches)
+  if d == 256 and (problem.varying or len(launches) > 1):
+    return no("the mosaic backend writes float32 partials (ring steps, branch-by-branch "
+              "launches) only up to head dim 128: at 256 their tiles exceed shared memory")
   if why := geometry_problem(problem.pattern, n, h, problem.kv_shape[2], problem.branches,
                              Config().resolved(d)):
     return no(why)
-  for fused in schedule.launches(problem.pattern, n, h, problem.branches):
+  for fused in launches:
     periods = schedule.build(problem.pattern, n, h, problem.kv_shape[2], fused, False).periods
     if periods * b > _MAX_GRID_Y:
       return no(f"the mosaic backend launches at most {_MAX_GRID_Y} batch x period "
@@ -155,6 +168,13 @@ def _accumulate(acc, a, b_ref, interpret: bool):
 def _cut(first, count, stride, base, n):
   """`count` positions `first, first + stride, ...` of the period at `base`, cut at n."""
   return jnp.minimum(count, lax.div(jnp.maximum(n - base - first + stride - 1, 0), stride))
+
+
+def _aligned(row):
+  """`row` marked as a multiple of 8 (the tiles' rows), which TMA into tiled shared memory
+  needs: rows and pieces start at interval starts, multiples of `w0 / L >= 128` rows (the
+  geometry `supports` checks), and blocks at multiples of the block."""
+  return pl.multiple_of(row, 8)
 
 
 def _swizzled(dtype):
@@ -216,17 +236,17 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
       def load(src4, src5, dst, bar, kf, ks, n0):
         at = base + kf
         if L == 1:
-          plgpu.copy_gmem_to_smem(src4.at[b, pl.ds(at + n0, bk), kv_head], dst, bar)
+          plgpu.copy_gmem_to_smem(src4.at[b, pl.ds(_aligned(at + n0), bk), kv_head], dst, bar)
           return
 
         @pl.when(ks == 1)
         def _():
-          plgpu.copy_gmem_to_smem(src4.at[b, pl.ds(at + n0, bk), kv_head], dst, bar)
+          plgpu.copy_gmem_to_smem(src4.at[b, pl.ds(_aligned(at + n0), bk), kv_head], dst, bar)
 
         @pl.when(ks != 1)
         def _():
-          plgpu.copy_gmem_to_smem(
-              src5.at[b, pl.ds(lax.div(at, L) + n0, bk), lax.rem(at, L), kv_head], dst, bar)
+          plgpu.copy_gmem_to_smem(src5.at[b, pl.ds(_aligned(lax.div(at, L) + n0), bk),
+                                          lax.rem(at, L), kv_head], dst, bar)
 
       def per_piece(p, step):
         kf, ks, _, _, blocks = piece(p)
@@ -264,8 +284,8 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
       plgpu.set_max_registers(232, action="increase")
       q_tile = q_smem.at[wg]
       q_start = start + wg * bq
-      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0 + q_start, bq), cls, head], q_tile,
-                              q_bar.at[wg])
+      q_rows = pl.ds(_aligned(row0 + q_start), bq)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, q_rows, cls, head], q_tile, q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
       rows_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
@@ -316,9 +336,8 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
       o_tile[...] = (acc / rows_of(l_safe, acc.shape)).astype(o_tile.dtype)
       lse_smem.at[wg][...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, pl.ds(row0 + q_start, bq), cls, head])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg],
-                              lse_ref.at[b, head, cls, pl.ds(row0 + q_start, bq)])
+      plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, q_rows, cls, head])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, cls, q_rows])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(start < nrows)
@@ -380,7 +399,9 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
             out_dtype=None):
   """`(out, lse)` of `branches` (all if None): float32 partials, or `out` in `out_dtype` when
   given (written by the kernel when one launch covers the branches)."""
-  config = (config or Config()).resolved(q.shape[-1])
+  multi = len(schedule.launches(pattern, q.shape[1], q.shape[2], branches)) > 1
+  out_itemsize = 4 if out_dtype is None or multi else jnp.dtype(out_dtype).itemsize
+  config = (config or Config()).resolved(q.shape[-1], q.dtype.itemsize, out_itemsize)
   fn = lambda q, k, v: _forward(q, k, v, pattern, scale, branches, config, out_dtype)
   return batched(fn)(q, k, v)
 

@@ -1,0 +1,157 @@
+"""The "mosaic" backend on a Hopper GPU: checks, then launch variants timed next to peers.
+
+Checks: `dilated_attention(implementation="mosaic")` (forward: the Mosaic GPU kernel; backward:
+the contract's other passes) against "xla" at float32 "highest" precision, outputs and
+gradients, relative L2 errors. Timings: forward of each `mosaic.Config` variant, and forward
+and forward+backward of the default next to "triton", cuDNN (full attention), tokamax's
+Mosaic GPU attention (full attention, when importable) and folded cuDNN (LongNet), all in one
+run; medians over `--runs`. JSON lines on stdout, a table at the end, `--json` for all.
+
+  python benchmarks/tune_mosaic.py --json out/mosaic.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench_attention import impl_fn
+from bench_pallas import outputs_and_grads, rel_l2
+from common import median_ms
+from hilbert_ring_jax import DilatedPattern, dilated_attention
+from hilbert_ring_jax.backends import mosaic
+
+LONGNET = ((2048, 4096, 8192), (1, 2, 4))
+VARIANTS = {"q64k128s2": dict(block_q=64, block_k=128, stages=2),
+            "q64k64s3": dict(block_q=64, block_k=64, stages=3),
+            "q64k64s4": dict(block_q=64, block_k=64, stages=4),
+            "q128k64s2": dict(block_q=128, block_k=64, stages=2),
+            "q128k128s2": dict(block_q=128, block_k=128, stages=2)}
+
+
+def ours(name, config=None):
+  return lambda q, k, v, pattern, s: dilated_attention(q, k, v, pattern, scale=s,
+                                                       implementation=name, config=config)
+
+
+def checks():
+  rows = []
+  shapes = [(4096, 4, 4, 128, LONGNET, {}), (8192, 4, 2, 128, ((8192,), (1,)), {}),
+            (4096, 4, 1, 64, ((1024, 2048, 4096), (1, 2, 4)), {"offsets": "all"}),
+            (4099, 4, 4, 128, ((1024, 2048), (1, 2)), {}),   # N % L != 0: padded copy
+            (2048, 4, 4, 256, ((512, 2048), (1, 4)), {}),
+            (4096, 6, 6, 128, ((512, 1024, 2048), (1, 2, 4)), {"head_groups": True})]
+  for n, h, hkv, d, (segs, rates), extra in shapes:
+    for causal in (False, True):
+      for dtype in (jnp.bfloat16, jnp.float16):
+        pattern = DilatedPattern(segs, rates, causal=causal, **extra)
+        rng = np.random.default_rng(0)
+        q, dout = (jnp.asarray(rng.standard_normal((1, n, h, d)), dtype) for _ in range(2))
+        k, v = (jnp.asarray(rng.standard_normal((1, n, hkv, d)), dtype) for _ in range(2))
+        s = d ** -0.5
+        row = dict(n=n, heads=h, kv_heads=hkv, head_dim=d, segments=segs, rates=rates,
+                   causal=causal, dtype=jnp.dtype(dtype).name, **extra)
+        try:
+          with jax.default_matmul_precision("highest"):
+            ref = outputs_and_grads(ours("xla"), q, k, v, dout, pattern, s)
+            lse_ref = dilated_attention(q, k, v, pattern, return_lse=True,
+                                        implementation="xla")[1]
+          got = outputs_and_grads(ours("mosaic"), q, k, v, dout, pattern, s)
+          lse = dilated_attention(q, k, v, pattern, return_lse=True, implementation="mosaic")[1]
+          row.update({f"err_{t}": rel_l2(g, r) for t, g, r in
+                      zip(("out", "dq", "dk", "dv", "lse"), (*got, lse), (*ref, lse_ref))})
+        except Exception as e:  # reported, and the run goes on
+          row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+          traceback.print_exc(limit=3)
+        rows.append(row)
+        print(json.dumps({"check": row}), flush=True)
+  return rows
+
+
+def timings(runs):
+  plan = []
+  for causal in (False, True):
+    for n in (32768, 131072):
+      plan.append(("full", n, 128, DilatedPattern((n,), (1,), causal=causal),
+                   ["cudnn", "tokamax"]))
+      plan.append(("longnet", n, 128, DilatedPattern(*LONGNET, causal=causal),
+                   ["folded_cudnn"]))
+  plan.append(("longnet", 131072, 64, DilatedPattern(*LONGNET), ["folded_cudnn"]))
+  rows = []
+  for kind, n, d, pattern, peers in plan:
+    rng = np.random.default_rng(1)
+    q, k, v, dout = (jnp.asarray(rng.standard_normal((1, n, 16, d)), jnp.bfloat16)
+                     for _ in range(4))
+    s = d ** -0.5
+    flops = 4 * d * pattern.visible_pairs(n, 16)
+    impls = [(name, mosaic.Config(**cfg), False) for name, cfg in VARIANTS.items()]
+    impls += [("mosaic", None, True), ("triton", None, True)]
+    impls += [(p, None, True) for p in peers]
+    for name, config, backward in impls:
+      row = dict(pattern=kind, n=n, head_dim=d, causal=pattern.causal, impl=name)
+      try:
+        if name in VARIANTS or name == "mosaic":
+          fn = ours("mosaic", config)
+        else:
+          peer = impl_fn(name, pattern)
+          fn = lambda q, k, v, _p, s, peer=peer: peer(q, k, v, s)
+        fwd = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, pattern, s))
+        row["fwd_ms"] = median_ms(fwd, (q, k, v), runs)
+        row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+        if backward:
+          fb = jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(
+              lambda *a: fn(*a, pattern, s), q, k, v)[1](do))
+          row["fwdbwd_ms"] = median_ms(fb, (q, k, v, dout), runs)
+          row["fwdbwd_tflops"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
+      except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        traceback.print_exc(limit=2)
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+  return rows
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--runs", type=int, default=5)
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--skip-checks", action="store_true")
+  ap.add_argument("--skip-timings", action="store_true")
+  args = ap.parse_args()
+  dev = jax.devices()[0]
+  meta = dict(device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__,
+              date=time.strftime("%Y-%m-%d %H:%M:%S"), runs=args.runs, batch=1, heads=16,
+              dtype="bfloat16")
+  print(json.dumps(meta), flush=True)
+  out = dict(meta=meta, checks=[] if args.skip_checks else checks(),
+             timings=[] if args.skip_timings else timings(args.runs))
+  print(f"\n{'pattern':8s} {'causal':6s} {'N':>7s} {'D':>4s} {'impl':12s} {'fwd ms':>8s} "
+        f"{'TFLOP/s':>8s} {'fwd+bwd':>8s} {'TFLOP/s':>8s}")
+  for r in out["timings"]:
+    if "error" in r:
+      print(f"{r['pattern']:8s} {r['causal']!s:6s} {r['n']:7d} {r['head_dim']:4d} "
+            f"{r['impl']:12s} error: {r['error'][:80]}")
+      continue
+    fb = f"{r['fwdbwd_ms']:8.2f} {r['fwdbwd_tflops']:8.1f}" if "fwdbwd_ms" in r else ""
+    print(f"{r['pattern']:8s} {r['causal']!s:6s} {r['n']:7d} {r['head_dim']:4d} "
+          f"{r['impl']:12s} {r['fwd_ms']:8.2f} {r['fwd_tflops']:8.1f} {fb}")
+  if args.json:
+    with open(args.json, "w") as fh:
+      json.dump(out, fh, indent=1, default=str)
+  limit = {"bfloat16": 3e-2, "float16": 1e-2}
+  bad = [c for c in out["checks"] if "error" in c or
+         max(v for key, v in c.items() if key.startswith("err_")) > limit[c["dtype"]]]
+  if bad:
+    print(f"FAILED checks: {json.dumps(bad)}")
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  main()

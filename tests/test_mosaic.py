@@ -1,0 +1,119 @@
+"""The "mosaic" backend (Pallas Mosaic GPU, Hopper) against the float64 reference.
+
+On CPU the forward kernel runs in Mosaic GPU interpret mode (JAX >= 0.11: 0.10's interpreter
+lacks primitives the kernel uses), one launch per program: the very kernel the H100 compiles.
+On a Hopper GPU (gpu marker) the shared checks run through `dilated_attention` on random
+block-aligned configurations, and a cross-pass test pairs this forward with the "xla"
+backward and the reverse, so a failure points at one pass.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import helpers
+from helpers import Case
+from hilbert_ring_jax import backends
+from hilbert_ring_jax.backends import base, mosaic, xla
+
+INTERPRET = pytest.mark.skipif(
+    jax.__version_info__ < (0, 11),
+    reason="Mosaic GPU interpret mode needs JAX >= 0.11 (0.10 lacks run_state, layout_cast)")
+
+
+def _forward_vs_reference(case, causal, dtype, out_dtype, config):
+  q, k, v, *_ = helpers.random_inputs(case, dtype, 0)
+  pattern = case.pattern(causal)
+  out, lse = mosaic.forward(q, k, v, pattern, case.head_dim ** -0.5, config=config,
+                            out_dtype=out_dtype)
+  ref_out, ref_lse, _ = helpers.reference(case, causal, q, k, v, *helpers.random_inputs(
+      case, dtype, 0)[3:])
+  assert out.dtype == (out_dtype or jnp.float32) and out.shape == q.shape
+  assert helpers.rel_err(out, ref_out) < helpers.TOL[dtype]
+  helpers.check_lse(lse, ref_lse, helpers.TOL[dtype])
+
+
+@INTERPRET
+def test_interpret_nested_gqa_float16():
+  """Two nested branches in one launch (strided rows and pieces), two query heads on one
+  key/value head, four programs; bf16 output written by the kernel."""
+  case = Case(512, 2, 1, (256, 512), (1, 2), head_dim=64)
+  _forward_vs_reference(case, False, jnp.float16, jnp.float16, mosaic.Config(interpret=True))
+
+
+@INTERPRET
+def test_interpret_causal_partial_float32_partials():
+  """Causal, offsets="all", a partial last segment (N = 640, w = 512), head dim 128, float32
+  partials (the output tile in its own shared-memory buffer), blocks of 64 keys, 3 stages."""
+  case = Case(640, 2, 2, (256, 512), (1, 2), offsets="all", head_dim=128)
+  _forward_vs_reference(case, True, jnp.bfloat16, None,
+                        mosaic.Config(interpret=True, block_k=64, stages=3))
+
+
+def test_declines_off_hopper_and_on_unaligned_rows():
+  q = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
+  pattern = Case(1024, 2, 2, (256, 512), (1, 2)).pattern(False)
+  support = mosaic.supports(base.Problem.of(q, q, pattern))
+  if jax.default_backend() != "gpu":
+    assert not support and "Hopper" in support.reason
+  why = mosaic.geometry_problem(Case(96, 2, 2, (32,), (1,)).pattern(False), 96, 2, 2, None,
+                                mosaic.Config().resolved(64))
+  assert why and "whole blocks of 128" in why
+  with pytest.raises(ValueError, match="block_k"):
+    mosaic.Config(block_k=32)
+
+
+def _aligned_case(data):
+  """A random configuration whose strided rows come in whole blocks of 128 positions."""
+  rates = sorted(data.draw(st.sets(st.sampled_from([1, 2, 4]), min_size=1, max_size=3), "r"))
+  lcm = math.lcm(*rates)
+  segs = tuple(128 * lcm * 2 ** i for i in range(len(rates)))
+  kv = data.draw(st.sampled_from([1, 2]), "kv_heads")
+  heads = kv * data.draw(st.integers(1, 2), "group")
+  n = segs[-1] + data.draw(st.sampled_from([0, 128 * lcm, 3]), "extra")  # 3: padded copy
+  groups = heads >= len(rates) and data.draw(st.booleans(), "head_groups")
+  return Case(n, heads, kv, segs, tuple(rates), data.draw(st.sampled_from(["head", "all"])),
+              groups, head_dim=data.draw(st.sampled_from([64, 128, 256]), "d"))
+
+
+@pytest.mark.gpu
+def test_random_configurations_gpu():
+  @settings(max_examples=10)
+  @given(data=st.data())
+  def check(data):
+    case = _aligned_case(data)
+    dtype = data.draw(st.sampled_from([jnp.bfloat16, jnp.float16]), "dtype")
+    helpers.check_case(case, data.draw(st.booleans(), "causal"), dtype, "mosaic")
+
+  check()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cross:
+  """The forward of one backend with the backward of another (the kernel contract)."""
+
+  fwd: str
+  bwd: str
+  pattern: object
+  scale: float
+
+  def forward(self, q, k, v):
+    return backends.load(self.fwd).forward(q, k, v, self.pattern, self.scale, out_dtype=q.dtype)
+
+  def backward(self, q, k, v, dout, lse, delta):
+    return backends.load(self.bwd).backward(q, k, v, dout, lse, delta, self.pattern, self.scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fwd,bwd", [("mosaic", "xla"), ("xla", "mosaic")])
+def test_cross_pass_gpu(fwd, bwd):
+  case = Case(2048, 4, 2, (512, 1024, 2048), (1, 2, 4), head_dim=128)
+  pattern = case.pattern(True)
+  kernel = _Cross(fwd, bwd, pattern, case.head_dim ** -0.5)
+  helpers.check_case(case, True, jnp.bfloat16, None,
+                     fn=lambda q, k, v: base.attention(q, k, v, kernel))
