@@ -29,11 +29,9 @@ for stage in "$@"; do
     checks-triton) timeout 240 python3 benchmarks/tune_triton.py --kinds none --patterns longnet \
                     2>&1 | grep -v '^{' | tail -25 ;;
     tests-mosaic) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_mosaic.py \
-                    2>&1 | tail -25 ;;
+                    2>&1 | tee "$OUT/tests_mosaic.log" | tail -25 ;;
     tune-mosaic) timeout 420 python3 benchmarks/tune_mosaic.py --json "$OUT/mosaic.json" \
-                   2>&1 | tee "$OUT/mosaic.log" | grep -v '^{' | tail -40 ;;
-    tune-mosaic-checks) timeout 200 python3 benchmarks/tune_mosaic.py --skip-timings \
-                   --json "$OUT/mosaic_checks.json" 2>&1 | tail -30 ;;
+                   2>&1 | tee "$OUT/mosaic.log" | grep -v '^{\|^  \|^Traceback' | tail -50 ;;
     tests-pallas) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention.py \
                     -k "pallas and (float32 or low_precision)" 2>&1 | tail -25 ;;
     tune-triton) timeout 360 python3 benchmarks/tune_triton.py --json "$OUT/tune_triton.json" \

@@ -20,7 +20,8 @@ The output goes back through shared memory with TMA stores; lse is written as
 Boxes past the end of the array read zeros and are not written, which is what makes the last,
 partial period work; the kernel masks keys past each piece's end. Rows must come in whole
 program blocks (`2 * block_q` positions per row and period), else `supports` declines; a
-length that `L` does not divide is zero-padded (a copy, only then).
+length that `8 * L` does not divide is zero-padded (a copy, only then: the views' row axes
+must be whole tiles of 8).
 
 The backward is the "triton" backend's (the kernel contract makes passes interchangeable);
 a Mosaic backward is future work. `Config(interpret=True)` runs the forward in Mosaic GPU
@@ -415,7 +416,8 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
   parts = []
   for fused in launches:
     sched = schedule.build(pattern, n, num_heads, k.shape[2], fused, False)
-    n_pad = -(-n // sched.stride) * sched.stride
+    # TMA into tiled shared memory needs the row axes of the views in multiples of 8.
+    n_pad = -(-n // (8 * sched.stride)) * 8 * sched.stride
     pad = lambda x: jnp.pad(x, ((0, 0), (0, n_pad - n), (0, 0), (0, 0))) if n_pad > n else x
     out, lse = _forward_launch(pad(q), pad(k), pad(v), sched.arrays(), sched, n,
                                pattern.causal, scale, dtype, config)
