@@ -317,7 +317,8 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
 
 
 def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, scale: float | None = None,
-                              cache: KVCache | None = None, return_lse: bool = False):
+                              cache: KVCache | None = None, return_lse: bool = False,
+                              implementation=None):
   """Attention over a prompt at positions `0 .. T-1`, and the cache that continues from it.
 
   `out` comes from `dilated_attention` (the regular kernels); the cache then holds the last
@@ -330,6 +331,7 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, scale: float 
     scale: score scale, default `D ** -0.5`.
     cache: None (allocate one) or a `KVCache` to reuse (e.g. donated under jit).
     return_lse: also return the float32 `[B, T, H]` log-denominators.
+    implementation: the backend choice passed to `dilated_attention`.
 
   Returns:
     `(out, cache)` (or `(out, lse, cache)`).
@@ -349,7 +351,8 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, scale: float 
     cache = init_kv_cache(pattern, batch=batch, num_heads=num_heads, num_kv_heads=k.shape[2],
                           head_dim=head_dim, dtype=q.dtype)
   tables = _check_cache(cache, q, k, pattern)
-  out, lse = dilated_attention(q, k, v, pattern, scale=scale, return_lse=True)
+  out, lse = dilated_attention(q, k, v, pattern, scale=scale, return_lse=True,
+                               implementation=implementation)
   new_k, new_v = [], []
   for table, kb, vb in zip(tables, cache.k, cache.v):
     start = (steps - 1) // table.w * table.w  # the last segment, static
