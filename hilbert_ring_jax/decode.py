@@ -175,7 +175,9 @@ def _softmax_parts(parts, scale):
   """Softmax over the union of key sets: `parts` is `[(scores, mask, values, spec)]`.
 
   `scores [B, Hkv, G, T, K_i]` are unscaled float32 dot products, `mask` broadcasts against
-  them, and `jnp.einsum(spec, p, values)` gives that part's `[B, Hkv, G, T, D]` output.
+  them, and `jnp.einsum(spec, p, values)` gives that part's `[B, Hkv, G, T, D]` output; with
+  `spec=None`, `values [B, Hkv, T, K_i, D]` are summed against `p` directly (a fused
+  reduction: no transposed copy of the values, which a matrix-vector product can cost).
   Returns `(o, lse)`, with `o = 0`, `lse = -inf` where a query sees no key.
   """
   scores = [jnp.where(mask, scale * s, -jnp.inf) for s, mask, _, _ in parts]
@@ -186,9 +188,11 @@ def _softmax_parts(parts, scale):
   for s, (_, _, values, spec) in zip(scores, parts):
     p = jnp.exp(s - shift[..., None])  # exactly 0 on masked keys
     den = den + p.sum(axis=-1)
-    # As the kernels do: p in the values' dtype, float32 accumulation.
-    o = o + jnp.einsum(spec, p.astype(values.dtype), values,
-                       preferred_element_type=jnp.float32)
+    if spec is None:
+      o = o + (p[..., None] * values[:, :, None].astype(jnp.float32)).sum(axis=-2)
+    else:  # as the kernels do: p in the values' dtype, float32 accumulation
+      o = o + jnp.einsum(spec, p.astype(values.dtype), values,
+                         preferred_element_type=jnp.float32)
   safe_den = jnp.where(seen, den, 1.0)
   lse = jnp.where(seen, shift + jnp.log(safe_den), -jnp.inf)
   return o / safe_den[..., None], lse
@@ -204,9 +208,13 @@ def _cached_slots(kb, vb, c_t, table: _BranchTable):
   """
   if table.slots == 1:
     return kb[:, :, :1], vb[:, :, :1]
+  if table.uniform is not None and c_t.shape[0] == 1:
+    slot = jnp.asarray(table.uniform)[c_t[0]]
+    return (jax.lax.dynamic_slice_in_dim(kb, slot, 1, axis=2),
+            jax.lax.dynamic_slice_in_dim(vb, slot, 1, axis=2))
   if table.uniform is not None:
     slot = jnp.asarray(table.uniform)[c_t]                      # [T]
-    return jnp.take(kb, slot, axis=2), jnp.take(vb, slot, axis=2)
+    return jnp.take(kb, slot, axis=2, mode="clip"), jnp.take(vb, slot, axis=2, mode="clip")
   slot = jnp.maximum(jnp.asarray(table.slot)[:, c_t], 0)       # [Hkv, T]
   idx = slot[None, :, :, None, None]
   return (jnp.take_along_axis(kb, idx, axis=2, mode="clip"),
@@ -236,7 +244,7 @@ def _branch_partial(qg, k_new, v_new, kb, vb, length, table: _BranchTable, scale
     offset = rows[None, :] + c_t[:, None]               # [T, rows]
     mask_c = (offset < w) & ((seg_t * w)[:, None] + offset < length)
     s_c = jnp.einsum("bhgtd,bhtkd->bhgtk", qg, kc, **f32)
-    cached = (s_c, mask_c[None, None, None] & takes_part, vc, "bhgtk,bhtkd->bhgtd")
+    cached = (s_c, mask_c[None, None, None] & takes_part, vc, None)
   else:
     res = np.repeat(table.residue, table.rows, axis=1)   # [Hkv, R rows]
     offset = np.tile(rows, table.slots)[None, :] + res
@@ -302,12 +310,20 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
   outs, lses, new_k, new_v = [], [], [], []
   pos = length + jnp.arange(steps)
   for table, kb, vb in zip(tables, cache.k, cache.v):
-    o, lse = _branch_partial(qg, k, v, kb, vb, length, table, scale)
-    outs.append(o.transpose(0, 3, 1, 2, 4).reshape(batch, steps, num_heads, head_dim))
-    lses.append(lse.transpose(0, 3, 1, 2).reshape(batch, steps, num_heads))
     # Only the last new token's segment stays readable; earlier segments are over.
     keep = pos // table.w == (length + steps - 1) // table.w
-    kb, vb = _write(kb, vb, k, v, pos, keep, table)
+    if steps == 1:
+      # Write, then read: the cache is updated in place (reading the old buffer after an
+      # in-place write would make XLA copy it). The new row sits at position `length`,
+      # outside the cached rows a query reads (`< length`); it enters as the chunk's key.
+      kb, vb = _write(kb, vb, k, v, pos, keep, table)
+      o, lse = _branch_partial(qg, k, v, kb, vb, length, table, scale)
+    else:
+      # A chunk's tokens of a later segment overwrite rows its earlier tokens still read.
+      o, lse = _branch_partial(qg, k, v, kb, vb, length, table, scale)
+      kb, vb = _write(kb, vb, k, v, pos, keep, table)
+    outs.append(o.transpose(0, 3, 1, 2, 4).reshape(batch, steps, num_heads, head_dim))
+    lses.append(lse.transpose(0, 3, 1, 2).reshape(batch, steps, num_heads))
     new_k.append(kb)
     new_v.append(vb)
   out, lse = merge(outs, lses)
