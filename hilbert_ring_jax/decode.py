@@ -300,9 +300,17 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
   _check_pattern(pattern)
   check_inputs(q, k, v, pattern)
   scale = check_scale(scale, q.shape[-1])
-  tables = _check_cache(cache, q, k, pattern)
+  _check_cache(cache, q, k, pattern)
+  return _step(q, k, v, cache, pattern, scale, bool(return_lse))
+
+
+# Jitted inside, so that calls outside jit compile once rather than op by op; under an outer
+# jit (with the cache donated there) this one is inlined.
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _step(q, k, v, cache: KVCache, pattern: DilatedPattern, scale: float, return_lse: bool):
   batch, steps, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
+  tables = _tables(pattern, num_heads, num_kv_heads)
   group = heads_per_kv(num_heads, num_kv_heads)
   length = cache.length.astype(jnp.int32)
   qg = q.reshape(batch, steps, num_kv_heads, group, head_dim)
@@ -366,15 +374,22 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, scale: float 
   if cache is None:
     cache = init_kv_cache(pattern, batch=batch, num_heads=num_heads, num_kv_heads=k.shape[2],
                           head_dim=head_dim, dtype=q.dtype)
-  tables = _check_cache(cache, q, k, pattern)
+  _check_cache(cache, q, k, pattern)
   out, lse = dilated_attention(q, k, v, pattern, scale=scale, return_lse=True,
                                implementation=implementation)
+  cache = _fill(k, v, cache, pattern, num_heads)
+  return (out, lse, cache) if return_lse else (out, cache)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _fill(k, v, cache: KVCache, pattern: DilatedPattern, num_heads: int) -> KVCache:
+  """The cache after a prompt `k, v [B, T, Hkv, D]`: each branch's last segment written in."""
+  steps = k.shape[1]
   new_k, new_v = [], []
-  for table, kb, vb in zip(tables, cache.k, cache.v):
+  for table, kb, vb in zip(_tables(pattern, num_heads, k.shape[2]), cache.k, cache.v):
     start = (steps - 1) // table.w * table.w  # the last segment, static
     pos = jnp.arange(start, steps)
     kb, vb = _write(kb, vb, k[:, start:], v[:, start:], pos, jnp.ones(pos.shape, bool), table)
     new_k.append(kb)
     new_v.append(vb)
-  cache = KVCache(jnp.asarray(steps, jnp.int32), tuple(new_k), tuple(new_v), num_heads)
-  return (out, lse, cache) if return_lse else (out, cache)
+  return KVCache(jnp.asarray(steps, jnp.int32), tuple(new_k), tuple(new_v), num_heads)

@@ -24,7 +24,7 @@ def test_formula_rows():
 def test_quick_run(tmp_path):
   out = tmp_path / "decode.json"
   result = bench_decode.main(["--quick", "--batch", "1", "--kv-heads", "2", "--prompts", "40",
-                              "--pattern", "8,16/1,2", "--prefill", "32", "--runs", "1",
+                              "--pattern", "16/2", "--prefill", "32", "--runs", "1",
                               "--inner", "2", "--loops", "1", "--json", str(out)])
   assert out.exists()
   check, step, prefill = result["rows"]
