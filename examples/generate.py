@@ -133,7 +133,8 @@ def main():
   loss_fn = lambda model, batch: common.masked_xent(model(batch[0]), batch[1], batch[2])
   history = common.train(
       model, loss_fn, lambda step: task.batch(np.random.default_rng([args.seed, step]), args.batch),
-      steps=args.steps, lr=args.lr, eval_batch=task.batch(np.random.default_rng(1 << 30), 32),
+      steps=args.steps, lr=args.lr,
+      eval_batch=task.batch(np.random.default_rng(1 << 30), 2 * args.batch),
       eval_every=args.steps, ckpt_dir=None, desc="train")
 
   # 2. Generate: prompts are the starts of new sequences.
