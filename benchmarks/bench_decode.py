@@ -41,7 +41,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from common import median_ms
 from hilbert_ring_jax import (DilatedPattern, dilated_attention, dilated_attention_prefill,

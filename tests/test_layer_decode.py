@@ -1,4 +1,4 @@
-"""Decoding through the Flax layers: chunked calls equal the non-decoding layer on the whole input."""
+"""Decoding through the Flax layers: chunks of calls equal the non-decoding layer."""
 
 import itertools
 
