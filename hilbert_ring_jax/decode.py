@@ -11,8 +11,9 @@ position (`< length`, in its own segment), computed from its own segment start.
 
 A step of `T <= R_b` tokens (decoding: `T = 1`) reads, per branch and kv head, only the slot
 of each query's residue: `rows_b` rows, whatever the sequence length. Scores and outputs are
-accumulated in float32 from inputs in their own dtype (probabilities cast to the values' dtype
-for the second product, as the attention kernels do).
+accumulated in float32 from inputs in their own dtype: the cached values are weighted by the
+float32 probabilities, the chunk's own values (and all values of long chunks) by probabilities
+cast to their dtype, as the attention kernels do.
 """
 
 from __future__ import annotations
