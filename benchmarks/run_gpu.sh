@@ -59,6 +59,10 @@ for stage in "$@"; do
                   --heads 8 --impl triton --json "$OUT/longest.json" 2>&1 | \
                   python3 -c "import sys, json; [print(l.strip()[:300]) for l in sys.stdin]" | \
                   sed 's/"fwd_bytes.*fwdbwd_ms/ ... "fwdbwd_ms/' | tail -6 ;;
+    bench-decode) XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout 580 \
+                  python3 benchmarks/bench_decode.py --json "$OUT/decode.json" 2>&1 | \
+                  grep -v "^W1\|^I1\|bfc_allocator\|^\*" ;;
+    generate) timeout 580 python3 examples/generate.py --preset gpu 2>&1 | tail -3 ;;
     ring) timeout 420 python3 benchmarks/ring_scaling.py --devices 1,$(nvidia-smi -L | wc -l) \
               --per-gpu 8192,32768 --strong 65536 --runs 3 --longest --longest-start 4194304 \
               --json "$OUT/ring.json" 2>&1 | grep -v "^W1\|^I1\|bfc_allocator\|^\*" ;;

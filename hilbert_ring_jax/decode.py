@@ -8,6 +8,12 @@ pattern, not by the sequence length. Branch `b` holds `k[b], v[b]` of shape
 needs); position `p` lives at row `(p % w) // r` of the slot that `(kv head, (p % w) % r)` maps
 to. Rows left over from earlier segments need no clearing: each query masks cached rows by
 position (`< length`, in its own segment), computed from its own segment start.
+
+A step of `T <= R_b` tokens (decoding: `T = 1`) reads, per branch and kv head, only the slot
+of each query's residue: `rows_b` rows, whatever the sequence length. Scores and outputs are
+accumulated in float32 from inputs in their own dtype: the cached values are weighted by the
+float32 probabilities, the chunk's own values (and all values of long chunks) by probabilities
+cast to their dtype, as the attention kernels do.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class _BranchTable:
   slot: np.ndarray        # [Hkv, r]: slot of (kv head, residue), -1 where not needed
   residue: np.ndarray     # [Hkv, R_b]: residue held by each slot, -1 for unused slots
   takes_part: np.ndarray  # [H, r] bool: query head h reads residue c in this branch
+  uniform: np.ndarray | None  # [r]: the slot of residue c when all kv heads agree, else None
 
 
 @functools.lru_cache(maxsize=256)
@@ -70,7 +77,10 @@ def _tables(pattern: DilatedPattern, num_heads: int, num_kv_heads: int):
     for g in range(num_kv_heads):
       for s, c in enumerate(np.flatnonzero(needed[g])):
         slot[g, c], residue[g, s] = s, c
-    out.append(_BranchTable(br.w, br.r, br.rows, slots, slot, residue, takes_part))
+    agree = [set(slot[needed[:, c], c]) for c in range(br.r)]
+    uniform = (np.array([min(a, default=0) for a in agree], np.int32)
+               if all(len(a) <= 1 for a in agree) else None)
+    out.append(_BranchTable(br.w, br.r, br.rows, slots, slot, residue, takes_part, uniform))
   return tuple(out)
 
 
@@ -162,43 +172,97 @@ def _write(kb, vb, k_new, v_new, pos, keep, table: _BranchTable):
   return kb, vb
 
 
+def _softmax_parts(parts, scale):
+  """Softmax over the union of key sets: `parts` is `[(scores, mask, values, spec)]`.
+
+  `scores [B, Hkv, G, T, K_i]` are unscaled float32 dot products, `mask` broadcasts against
+  them, and `jnp.einsum(spec, p, values)` gives that part's `[B, Hkv, G, T, D]` output; with
+  `spec=None`, `values [B, Hkv, T, K_i, D]` are summed against `p` directly (a fused
+  reduction: no transposed copy of the values, which a matrix-vector product can cost).
+  Returns `(o, lse)`, with `o = 0`, `lse = -inf` where a query sees no key.
+  """
+  scores = [jnp.where(mask, scale * s, -jnp.inf) for s, mask, _, _ in parts]
+  s_max = functools.reduce(jnp.maximum, [s.max(axis=-1) for s in scores])
+  seen = s_max > -jnp.inf
+  shift = jnp.where(seen, s_max, 0.0)
+  den, o = 0.0, 0.0
+  for s, (_, _, values, spec) in zip(scores, parts):
+    p = jnp.exp(s - shift[..., None])  # exactly 0 on masked keys
+    den = den + p.sum(axis=-1)
+    if spec is None:
+      o = o + (p[..., None] * values[:, :, None].astype(jnp.float32)).sum(axis=-2)
+    else:  # as the kernels do: p in the values' dtype, float32 accumulation
+      o = o + jnp.einsum(spec, p.astype(values.dtype), values,
+                         preferred_element_type=jnp.float32)
+  safe_den = jnp.where(seen, den, 1.0)
+  lse = jnp.where(seen, shift + jnp.log(safe_den), -jnp.inf)
+  return o / safe_den[..., None], lse
+
+
+def _cached_slots(kb, vb, c_t, table: _BranchTable):
+  """The cache slot each query reads, `[B, Hkv, T, rows, D]`, for `T <= R_b` queries.
+
+  A query of residue `c` reads only keys of residue `c`, so of the `R_b` slots of a kv head
+  it needs the one holding `c` (where none does, no query head of that kv head takes part).
+  One slot per branch needs no copy; a slot shared by all kv heads is a dynamic slice; else a
+  gather.
+  """
+  if table.slots == 1:
+    return kb[:, :, :1], vb[:, :, :1]
+  if table.uniform is not None and c_t.shape[0] == 1:
+    slot = jnp.asarray(table.uniform)[c_t[0]]
+    return (jax.lax.dynamic_slice_in_dim(kb, slot, 1, axis=2),
+            jax.lax.dynamic_slice_in_dim(vb, slot, 1, axis=2))
+  if table.uniform is not None:
+    slot = jnp.asarray(table.uniform)[c_t]                      # [T]
+    return jnp.take(kb, slot, axis=2, mode="clip"), jnp.take(vb, slot, axis=2, mode="clip")
+  slot = jnp.maximum(jnp.asarray(table.slot)[:, c_t], 0)       # [Hkv, T]
+  idx = slot[None, :, :, None, None]
+  return (jnp.take_along_axis(kb, idx, axis=2, mode="clip"),
+          jnp.take_along_axis(vb, idx, axis=2, mode="clip"))
+
+
 def _branch_partial(qg, k_new, v_new, kb, vb, length, table: _BranchTable, scale):
   """One branch's `(o [B, Hkv, G, T, D], lse [B, Hkv, G, T])` for the new queries.
 
   Cached rows and the chunk's own keys form one key set (they are disjoint), softmaxed once.
+  With `T <= R_b` new tokens (decoding: `T = 1`) each query reads only the cache slot of its
+  residue, `rows_b` rows per kv head; longer chunks read all `R_b` slots once.
   """
   batch, num_kv_heads, group, steps, head_dim = qg.shape
   w, r = table.w, table.r
+  f32 = dict(preferred_element_type=jnp.float32)
   t = length + jnp.arange(steps)                        # query positions [T]
   c_t, seg_t = (t % w) % r, t // w
   takes_part = jnp.asarray(table.takes_part)[:, c_t]    # [H, T]
-  takes_part = takes_part.reshape(num_kv_heads, group, steps)
-  # Cached rows: slot s, row j is position seg_start(t) + j r + residue[g, s].
-  res = np.repeat(table.residue, table.rows, axis=1)     # [Hkv, R rows]
-  offset = np.tile(np.arange(table.rows) * r, table.slots)[None, :] + res
-  static_ok = jnp.asarray((res >= 0) & (offset < w))
-  pos = (seg_t * w)[None, :, None] + jnp.asarray(offset)[:, None, :]  # [Hkv, T, R rows]
-  mask_c = (static_ok[:, None, :] & (jnp.asarray(res)[:, None, :] == c_t[None, :, None])
-            & (pos < length))
+  takes_part = takes_part.reshape(num_kv_heads, group, steps)[None, :, :, :, None]
+  # Cached row j of the slot holding residue c is position seg_start(t) + j r + c.
+  rows = np.arange(table.rows) * r
+  if steps <= table.slots:
+    kc, vc = _cached_slots(kb, vb, c_t, table)          # [B, Hkv, T or 1, rows, D]
+    kc = jnp.broadcast_to(kc, (batch, num_kv_heads, steps) + kc.shape[3:])
+    vc = jnp.broadcast_to(vc, kc.shape)
+    offset = rows[None, :] + c_t[:, None]               # [T, rows]
+    mask_c = (offset < w) & ((seg_t * w)[:, None] + offset < length)
+    s_c = jnp.einsum("bhgtd,bhtkd->bhgtk", qg, kc, **f32)
+    cached = (s_c, mask_c[None, None, None] & takes_part, vc, None)
+  else:
+    res = np.repeat(table.residue, table.rows, axis=1)   # [Hkv, R rows]
+    offset = np.tile(rows, table.slots)[None, :] + res
+    static_ok = jnp.asarray((res >= 0) & (offset < w))
+    pos = (seg_t * w)[None, :, None] + jnp.asarray(offset)[:, None, :]  # [Hkv, T, R rows]
+    mask_c = (static_ok[:, None, :] & (jnp.asarray(res)[:, None, :] == c_t[None, :, None])
+              & (pos < length))
+    kc = kb.reshape(batch, num_kv_heads, -1, head_dim)
+    vc = vb.reshape(batch, num_kv_heads, -1, head_dim)
+    s_c = jnp.einsum("bhgtd,bhkd->bhgtk", qg, kc, **f32)
+    cached = (s_c, mask_c[None, :, None] & takes_part, vc, "bhgtk,bhkd->bhgtd")
   mask_n = ((seg_t[:, None] == seg_t[None, :]) & (c_t[:, None] == c_t[None, :])
             & (t[None, :] <= t[:, None]))                # [T, T]
-  mask_n = jnp.broadcast_to(mask_n, (num_kv_heads, steps, steps))
-  mask = jnp.concatenate([mask_c, mask_n], axis=-1)[:, None] & takes_part[..., None]
-  keys = jnp.concatenate([kb.reshape(batch, num_kv_heads, -1, head_dim),
-                          k_new.transpose(0, 2, 1, 3)], axis=2).astype(jnp.float32)
-  values = jnp.concatenate([vb.reshape(batch, num_kv_heads, -1, head_dim),
-                            v_new.transpose(0, 2, 1, 3)], axis=2).astype(jnp.float32)
-  s = scale * jnp.einsum("bhgtd,bhkd->bhgtk", qg, keys)
-  s = jnp.where(mask[None], s, -jnp.inf)
-  s_max = s.max(axis=-1)
-  seen = s_max > -jnp.inf
-  shift = jnp.where(seen, s_max, 0.0)
-  p = jnp.exp(s - shift[..., None])  # exactly 0 on masked keys
-  den = p.sum(axis=-1)
-  safe_den = jnp.where(seen, den, 1.0)
-  o = jnp.einsum("bhgtk,bhkd->bhgtd", p, values) / safe_den[..., None]
-  lse = jnp.where(seen, shift + jnp.log(safe_den), -jnp.inf)
-  return o, lse
+  k_new, v_new = k_new.transpose(0, 2, 1, 3), v_new.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+  s_n = jnp.einsum("bhgtd,bhkd->bhgtk", qg, k_new, **f32)
+  new = (s_n, mask_n[None, None, None] & takes_part, v_new, "bhgtk,bhkd->bhgtd")
+  return _softmax_parts([cached, new], scale)
 
 
 def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
@@ -207,7 +271,9 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
 
   The new tokens sit at positions `cache.length .. cache.length + T - 1`; `out` equals those
   rows of `dilated_attention` over the whole sequence so far (float32 rounding). `T = 1` is
-  token-by-token decoding; larger chunks may cross segment boundaries. Works under `jax.jit`
+  token-by-token decoding; larger chunks may cross segment boundaries (a chunk costs
+  `O(T^2)` memory per branch: for long prompts use `dilated_attention_prefill`). A token step
+  reads `rows_b = ceil(w_b / r_b)` cached rows per branch and kv head. Works under `jax.jit`
   with `pattern` static; the cache can be donated.
 
   Args:
@@ -235,22 +301,38 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
   _check_pattern(pattern)
   check_inputs(q, k, v, pattern)
   scale = check_scale(scale, q.shape[-1])
-  tables = _check_cache(cache, q, k, pattern)
+  _check_cache(cache, q, k, pattern)
+  return _step(q, k, v, cache, pattern, scale, bool(return_lse))
+
+
+# Jitted inside, so that calls outside jit compile once rather than op by op; under an outer
+# jit (with the cache donated there) this one is inlined.
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _step(q, k, v, cache: KVCache, pattern: DilatedPattern, scale: float, return_lse: bool):
   batch, steps, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
+  tables = _tables(pattern, num_heads, num_kv_heads)
   group = heads_per_kv(num_heads, num_kv_heads)
   length = cache.length.astype(jnp.int32)
-  qg = q.astype(jnp.float32).reshape(batch, steps, num_kv_heads, group, head_dim)
+  qg = q.reshape(batch, steps, num_kv_heads, group, head_dim)
   qg = qg.transpose(0, 2, 3, 1, 4)                       # [B, Hkv, G, T, D]
   outs, lses, new_k, new_v = [], [], [], []
   pos = length + jnp.arange(steps)
   for table, kb, vb in zip(tables, cache.k, cache.v):
-    o, lse = _branch_partial(qg, k, v, kb, vb, length, table, scale)
-    outs.append(o.transpose(0, 3, 1, 2, 4).reshape(batch, steps, num_heads, head_dim))
-    lses.append(lse.transpose(0, 3, 1, 2).reshape(batch, steps, num_heads))
     # Only the last new token's segment stays readable; earlier segments are over.
     keep = pos // table.w == (length + steps - 1) // table.w
-    kb, vb = _write(kb, vb, k, v, pos, keep, table)
+    if steps == 1:
+      # Write, then read: the cache is updated in place (reading the old buffer after an
+      # in-place write would make XLA copy it). The new row sits at position `length`,
+      # outside the cached rows a query reads (`< length`); it enters as the chunk's key.
+      kb, vb = _write(kb, vb, k, v, pos, keep, table)
+      o, lse = _branch_partial(qg, k, v, kb, vb, length, table, scale)
+    else:
+      # A chunk's tokens of a later segment overwrite rows its earlier tokens still read.
+      o, lse = _branch_partial(qg, k, v, kb, vb, length, table, scale)
+      kb, vb = _write(kb, vb, k, v, pos, keep, table)
+    outs.append(o.transpose(0, 3, 1, 2, 4).reshape(batch, steps, num_heads, head_dim))
+    lses.append(lse.transpose(0, 3, 1, 2).reshape(batch, steps, num_heads))
     new_k.append(kb)
     new_v.append(vb)
   out, lse = merge(outs, lses)
@@ -260,7 +342,8 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
 
 
 def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, scale: float | None = None,
-                              cache: KVCache | None = None, return_lse: bool = False):
+                              cache: KVCache | None = None, return_lse: bool = False,
+                              implementation=None):
   """Attention over a prompt at positions `0 .. T-1`, and the cache that continues from it.
 
   `out` comes from `dilated_attention` (the regular kernels); the cache then holds the last
@@ -273,6 +356,7 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, scale: float 
     scale: score scale, default `D ** -0.5`.
     cache: None (allocate one) or a `KVCache` to reuse (e.g. donated under jit).
     return_lse: also return the float32 `[B, T, H]` log-denominators.
+    implementation: the backend choice passed to `dilated_attention`.
 
   Returns:
     `(out, cache)` (or `(out, lse, cache)`).
@@ -291,14 +375,22 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, scale: float 
   if cache is None:
     cache = init_kv_cache(pattern, batch=batch, num_heads=num_heads, num_kv_heads=k.shape[2],
                           head_dim=head_dim, dtype=q.dtype)
-  tables = _check_cache(cache, q, k, pattern)
-  out, lse = dilated_attention(q, k, v, pattern, scale=scale, return_lse=True)
+  _check_cache(cache, q, k, pattern)
+  out, lse = dilated_attention(q, k, v, pattern, scale=scale, return_lse=True,
+                               implementation=implementation)
+  cache = _fill(k, v, cache, pattern, num_heads)
+  return (out, lse, cache) if return_lse else (out, cache)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _fill(k, v, cache: KVCache, pattern: DilatedPattern, num_heads: int) -> KVCache:
+  """The cache after a prompt `k, v [B, T, Hkv, D]`: each branch's last segment written in."""
+  steps = k.shape[1]
   new_k, new_v = [], []
-  for table, kb, vb in zip(tables, cache.k, cache.v):
+  for table, kb, vb in zip(_tables(pattern, num_heads, k.shape[2]), cache.k, cache.v):
     start = (steps - 1) // table.w * table.w  # the last segment, static
     pos = jnp.arange(start, steps)
     kb, vb = _write(kb, vb, k[:, start:], v[:, start:], pos, jnp.ones(pos.shape, bool), table)
     new_k.append(kb)
     new_v.append(vb)
-  cache = KVCache(jnp.asarray(steps, jnp.int32), tuple(new_k), tuple(new_v), num_heads)
-  return (out, lse, cache) if return_lse else (out, cache)
+  return KVCache(jnp.asarray(steps, jnp.int32), tuple(new_k), tuple(new_v), num_heads)

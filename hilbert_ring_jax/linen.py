@@ -14,8 +14,9 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .nn import (TokenOrder, apply_dropout, attend, check_dropout_rate, check_heads, check_options,
-                 permute, static_implementation)
+from .decode import KVCache, init_kv_cache
+from .nn import (TokenOrder, apply_dropout, attend, check_decodable, check_dropout_rate, check_flag,
+                 check_heads, check_options, decode_attend, permute, static_implementation)
 from .pattern import DilatedPattern
 
 DEFAULT_KERNEL_INIT = nn.initializers.lecun_normal()
@@ -34,6 +35,15 @@ class DilatedMultiHeadAttention(nn.Module):
   `deterministic` is given as an attribute or a call argument, not both (needed only when
   `dropout_rate > 0`).
 
+  Decoding the Linen way, as `nn.MultiHeadDotProductAttention(decode=True)`: `init` with
+  `decode=True` makes the `cache` collection (`cached_key`, `cached_value`: a tuple of one
+  array per branch, of the compressed cache of `init_kv_cache`; `cache_index`: the tokens
+  seen), whose size depends on the batch of the `init` input only; `apply` with that
+  collection and `mutable=["cache"]` then takes the next `T >= 1` tokens and returns what the
+  non-decoding module returns at those positions. `prefill=True` at the call takes a prompt at
+  position 0 through the regular kernels and refills the cache. Needs a causal pattern,
+  `ordering=None` and no `mesh`.
+
   Attributes:
     num_heads, pattern, qkv_features, out_features, num_kv_heads, ordering, grid_shape:
       as in the NNX layer.
@@ -49,6 +59,7 @@ class DilatedMultiHeadAttention(nn.Module):
     out_bias_init: initializer of the `out` bias (None: `bias_init`).
     use_bias: whether the four projections have biases.
     normalize_qk: apply `LayerNorm` (scale only) to queries and keys per head.
+    decode: keep and use the `cache` collection (see above).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -60,6 +71,16 @@ class DilatedMultiHeadAttention(nn.Module):
     >>> variables = layer.init(jax.random.PRNGKey(0), x)
     >>> layer.apply(variables, x).shape
     (2, 64, 32)
+
+  Decoding:
+    >>> causal = linen.DilatedMultiHeadAttention(
+    ...     num_heads=4, pattern=DilatedPattern((16, 64), (1, 4), causal=True), decode=True)
+    >>> variables = causal.init(jax.random.PRNGKey(0), x)  # params and an empty cache
+    >>> y, mutated = causal.apply(variables, x[:, :7], prefill=True, mutable=["cache"])
+    >>> variables = {**variables, **mutated}
+    >>> y, mutated = causal.apply(variables, x[:, 7:8], mutable=["cache"])
+    >>> int(mutated["cache"]["cache_index"])
+    8
   """
 
   num_heads: int
@@ -86,10 +107,17 @@ class DilatedMultiHeadAttention(nn.Module):
   out_bias_init: Any = None
   use_bias: bool = True
   normalize_qk: bool = False
+  decode: bool = False
 
   @nn.compact
-  def __call__(self, x, *, deterministic: bool | None = None):
-    """`[B, N, F]` -> `[B, N, out_features or F]`, in the caller's token order."""
+  def __call__(self, x, *, deterministic: bool | None = None, prefill: bool = False):
+    """`[B, N, F]` -> `[B, N, out_features or F]`, in the caller's token order.
+
+    With `decode`, `x` holds the next tokens after those in the `cache` collection (a prompt
+    at position 0 with `prefill=True`); the `init` call only makes the empty cache.
+    """
+    if check_flag("prefill", prefill) and not check_flag("decode", self.decode):
+      raise ValueError("prefill=True fills the decoding cache: it needs decode=True")
     if x.ndim != 3:
       raise ValueError(f"x must be [B, N, in_features], got {x.shape=}")
     in_features = x.shape[-1]
@@ -101,7 +129,10 @@ class DilatedMultiHeadAttention(nn.Module):
                   use_bias=self.use_bias, normalize_qk=self.normalize_qk,
                   kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
                   bias_init=self.bias_init, out_bias_init=self.out_bias_init)
-    perm = TokenOrder.make(self.ordering, self.grid_shape).permutation(x.shape[1], self.pattern)
+    order = TokenOrder.make(self.ordering, self.grid_shape)
+    if check_flag("decode", self.decode):
+      check_decodable(order, self.pattern, self.mesh)
+    perm = order.permutation(x.shape[1], self.pattern)
     if perm is not None:
       x = permute(x, perm, mesh=self.mesh)
     dense = functools.partial(nn.DenseGeneral, dtype=self.dtype, param_dtype=self.param_dtype,
@@ -114,9 +145,26 @@ class DilatedMultiHeadAttention(nn.Module):
       norm = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype,
                                param_dtype=self.param_dtype)
       q, k = norm(name="query_ln")(q), norm(name="key_ln")(k)
+    implementation = static_implementation(self.implementation)
     # [B, N, H, D]
-    y = attend(q, k, v, self.pattern, implementation=static_implementation(self.implementation),
-               mesh=self.mesh, seq_axis=self.seq_axis, batch_axis=self.batch_axis)
+    if self.decode and self.has_variable("cache", "cache_index"):
+      cached_key = self.variable("cache", "cached_key")
+      cached_value = self.variable("cache", "cached_value")
+      cache_index = self.variable("cache", "cache_index")
+      cache = KVCache(cache_index.value, tuple(cached_key.value), tuple(cached_value.value),
+                      self.num_heads)
+      y, cache = decode_attend(q, k, v, cache, self.pattern, prefill=prefill,
+                               implementation=implementation)
+      cached_key.value, cached_value.value, cache_index.value = cache.k, cache.v, cache.length
+    else:
+      if self.decode:  # initializing: an empty cache; the call runs as without decode
+        empty = init_kv_cache(self.pattern, batch=x.shape[0], num_heads=self.num_heads,
+                              num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=k.dtype)
+        self.variable("cache", "cached_key", lambda: empty.k)
+        self.variable("cache", "cached_value", lambda: empty.v)
+        self.variable("cache", "cache_index", lambda: empty.length)
+      y = attend(q, k, v, self.pattern, implementation=implementation, mesh=self.mesh,
+                 seq_axis=self.seq_axis, batch_axis=self.batch_axis)
     if rate > 0.0:
       deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
       if not deterministic:

@@ -2,8 +2,10 @@
 
 `DilatedMultiHeadAttention` projects tokens to queries, keys and values, optionally puts them
 in a Hilbert (or any other) order, runs `dilated_attention` (or the ring version over a mesh)
-and brings the result back to the caller's order. `dilated_attention_fn` plugs the same
-function into Flax's own `nnx.MultiHeadAttention`. The Linen twin is in `linen.py`.
+and brings the result back to the caller's order; with `decode` it keeps the compressed key/value
+cache of `decode.py` and attends new tokens to everything seen so far. `dilated_attention_fn`
+plugs the same function into Flax's own `nnx.MultiHeadAttention`. The Linen twin is in
+`linen.py`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from .api import dilated_attention
+from .decode import KVCache, dilated_attention_prefill, dilated_attention_step, init_kv_cache
 from .ordering import (check_perm, hilbert_permutation, hilbert_permutation_per_segment,
                        serialize, unserialize)
 from .pattern import DilatedPattern
@@ -134,6 +137,54 @@ def resolve_deterministic(deterministic, default) -> bool:
                    "nnx.view(model, deterministic=...)")
 
 
+def check_decodable(order: TokenOrder, pattern: DilatedPattern, mesh) -> None:
+  """`ValueError` naming the argument that rules out cached decoding in a layer."""
+  if order.kind is not None:
+    what = "an explicit permutation" if order.kind == "explicit" else repr(order.kind)
+    raise ValueError(f"decode needs ordering=None, got ordering={what}: a token order "
+                     f"permutes the whole sequence, and decoding sees it one token at a time")
+  if not pattern.causal:
+    raise ValueError(f"decode needs a causal pattern, got {pattern=}")
+  if mesh is not None:
+    raise ValueError("decode runs on one device's view of the sequence: build the decoding "
+                     f"layer with mesh=None (the weights copy across), got {mesh=}")
+
+
+def check_flag(name, val) -> bool:
+  if not isinstance(val, bool):
+    raise ValueError(f"{name} must be a bool, got {name}={val!r}")
+  return val
+
+
+def decode_attend(q, k, v, cache: KVCache, pattern, *, prefill: bool, implementation=None):
+  """One decoding call of a layer: `(y, cache)` for new tokens `q, k, v`.
+
+  `prefill`: the tokens are a prompt at position 0 (the regular kernels, the cache refilled);
+  else a step of `T >= 1` tokens after the cached ones. q, k, v are cast to the cache's dtype
+  (`init_cache`'s `dtype`); `y` comes back in q's dtype.
+  """
+  dtype = cache.k[0].dtype
+  q_dtype = q.dtype
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
+  if prefill:
+    y, cache = dilated_attention_prefill(q, k, v, pattern, cache=cache,
+                                         implementation=implementation)
+  else:
+    y, cache = dilated_attention_step(q, k, v, cache, pattern)
+  return y.astype(q_dtype), cache
+
+
+def check_input_shape(input_shape, in_features) -> int:
+  """The batch size of `init_cache`'s `input_shape` `(B, N, in_features)` (N is unused)."""
+  shape = tuple(input_shape) if isinstance(input_shape, (tuple, list)) else None
+  if shape is None or len(shape) != 3 or any(
+      isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in shape) \
+      or shape[-1] != in_features:
+    raise ValueError(f"input_shape must be (batch, length, in_features={in_features}) of "
+                     f"positive ints, got {input_shape=!r}")
+  return int(shape[0])
+
+
 def static_implementation(implementation):
   """Lists become tuples, so the choice is hashable (static structure, jit cache keys)."""
   if implementation is None or isinstance(implementation, str):
@@ -216,6 +267,15 @@ class DilatedMultiHeadAttention(nnx.Module):
   Dropout is applied to the attention *output* (per head, before the output projection), not
   to the attention probabilities, which `dilated_attention` never materializes.
 
+  Decoding follows `nnx.MultiHeadAttention`: with `decode=True` (here or at the call) and a cache
+  from `init_cache`, each call takes the next `T >= 1` tokens and returns exactly what the
+  non-decoding layer returns at those positions of the whole sequence, attending to the
+  compressed cache of `init_kv_cache` (fixed size, set by the pattern; kept in `nnx.Cache`
+  variables `cached_key`, `cached_value` (one array per branch) and `cache_index`, the tokens
+  seen). `prefill=True` at the call takes a prompt at position 0 through the regular kernels and
+  refills the cache. Decoding needs a causal pattern, `ordering=None` and no `mesh`; dropout
+  and `normalize_qk` act as in the non-decoding layer.
+
   Args:
     num_heads: query heads `H`.
     in_features: input features.
@@ -256,6 +316,7 @@ class DilatedMultiHeadAttention(nnx.Module):
       `nnx.with_partitioning`).
     out_kernel_metadata, out_bias_metadata: the same for `out` (empty: the values above).
     query_ln_scale_metadata, key_ln_scale_metadata: metadata of the `normalize_qk` scales.
+    decode: default for `__call__`'s flag: use and update the cache (None: False).
 
   Example:
     >>> import jax.numpy as jnp
@@ -266,6 +327,17 @@ class DilatedMultiHeadAttention(nnx.Module):
     ...     ordering="hilbert", grid_shape=(8, 8), rngs=nnx.Rngs(0))
     >>> layer(jnp.ones((2, 64, 32))).shape
     (2, 64, 32)
+
+  Decoding, as with `nnx.MultiHeadAttention`:
+    >>> causal = DilatedMultiHeadAttention(
+    ...     num_heads=4, in_features=32, num_kv_heads=2,
+    ...     pattern=DilatedPattern((16, 64), (1, 4), causal=True), rngs=nnx.Rngs(0))
+    >>> x = jnp.ones((2, 10, 32))
+    >>> causal.init_cache(x.shape)                     # length: any, the cache does not grow
+    >>> y = causal(x[:, :7], decode=True, prefill=True)  # the prompt
+    >>> y = causal(x[:, 7:8], decode=True)               # then token by token
+    >>> int(causal.cache_index[...])
+    8
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -282,7 +354,8 @@ class DilatedMultiHeadAttention(nnx.Module):
                bias_metadata: Mapping[str, Any] = MappingProxyType({}),
                out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
                query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
-               key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({})):
+               key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+               decode: bool | None = None):
     check_features(in_features=in_features)
     qkv_features = in_features if qkv_features is None else qkv_features
     out_features = in_features if out_features is None else out_features
@@ -316,6 +389,9 @@ class DilatedMultiHeadAttention(nnx.Module):
     self.qkv_features = qkv_features
     self.pattern = pattern
     self.order = TokenOrder.make(ordering, grid_shape)
+    if decode is not None and check_flag("decode", decode):
+      check_decodable(self.order, pattern, mesh)
+    self.decode = decode
     self.broadcast_dropout, self.deterministic = broadcast_dropout, deterministic
     self.precision, self.use_bias, self.normalize_qk = precision, use_bias, normalize_qk
     self.implementation = static_implementation(implementation)
@@ -343,11 +419,52 @@ class DilatedMultiHeadAttention(nnx.Module):
                       bias_metadata=out_bias_metadata or bias_metadata)
     # The dropout stream, forked as nnx.MultiHeadAttention forks it (and under the same name).
     self.rngs = rngs["dropout"].fork() if self.dropout_rate else nnx.data(None)
+    # The decoding cache, as in nnx.MultiHeadAttention: set by init_cache.
+    self.cached_key = nnx.data(None)
+    self.cached_value = nnx.data(None)
+    self.cache_index = nnx.data(None)
 
-  def set_view(self, deterministic: bool | None = None):
-    """Used by `nnx.view(model, deterministic=...)`."""
+  def set_view(self, deterministic: bool | None = None, decode: bool | None = None):
+    """Used by `nnx.view(model, deterministic=..., decode=...)`."""
     if deterministic is not None:
       self.deterministic = deterministic
+    if decode is not None:
+      if check_flag("decode", decode):
+        check_decodable(self.order, self.pattern, self.mesh)
+      self.decode = decode
+
+  def init_cache(self, input_shape, dtype=jnp.float32) -> None:
+    """Makes an empty decoding cache (`cache_index` 0) for inputs of `input_shape`.
+
+    As in `nnx.MultiHeadAttention`, `input_shape` is that of the inputs, `(B, N, in_features)`;
+    only `B` matters: the cache holds each branch's current segment, whatever `N`. Keys and
+    values are stored in `dtype` (q, k, v are cast to it for the attention). Calling it again
+    empties the cache.
+
+    Example:
+      >>> from flax import nnx
+      >>> from hilbert_ring_jax import DilatedMultiHeadAttention, DilatedPattern
+      >>> layer = DilatedMultiHeadAttention(
+      ...     num_heads=2, in_features=8, pattern=DilatedPattern((4, 8), (1, 2), causal=True),
+      ...     decode=True, rngs=nnx.Rngs(0))
+      >>> layer.init_cache((1, 100, 8))
+      >>> [x.shape for x in layer.cached_key]  # [B, Hkv, R_b, ceil(w_b / r_b), head_dim]
+      [(1, 2, 1, 4, 4), (1, 2, 1, 4, 4)]
+    """
+    check_decodable(self.order, self.pattern, self.mesh)
+    batch = check_input_shape(input_shape, self.in_features)
+    cache = init_kv_cache(self.pattern, batch=batch, num_heads=self.num_heads,
+                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
+    self.cached_key = nnx.List([nnx.Cache(x) for x in cache.k])
+    self.cached_value = nnx.List([nnx.Cache(x) for x in cache.v])
+    self.cache_index = nnx.Cache(cache.length)
+
+  def kv_cache(self) -> KVCache:
+    """The decoding state as a `KVCache` (`ValueError` before `init_cache`)."""
+    if self.cache_index is None:
+      raise ValueError("decoding needs a cache: call layer.init_cache(input_shape) first")
+    return KVCache(self.cache_index[...], tuple(x[...] for x in self.cached_key),
+                   tuple(x[...] for x in self.cached_value), self.num_heads)
 
   def check_parameters(self) -> None:
     """`ValueError` unless the parameters have the shapes this layer was built for.
@@ -393,17 +510,31 @@ class DilatedMultiHeadAttention(nnx.Module):
       key = rngs
     return apply_dropout(y, key, self.dropout_rate, self.broadcast_dropout)
 
-  def __call__(self, x, *, deterministic: bool | None = None, rngs: nnx.Rngs | None = None):
+  def __call__(self, x, *, deterministic: bool | None = None, rngs: nnx.Rngs | None = None,
+               decode: bool | None = None, prefill: bool = False):
     """`[B, N, in_features]` -> `[B, N, out_features]`, in the caller's token order.
 
     Args:
-      x: the tokens, in the caller's order (row-major grid cells for `ordering="hilbert"`).
+      x: the tokens, in the caller's order (row-major grid cells for `ordering="hilbert"`);
+        when decoding, the next `N` tokens after those in the cache.
       deterministic: overrides the constructor's flag; True disables dropout.
       rngs: optional `nnx.Rngs` (or stream, or key) for dropout, instead of the stream forked
         at construction.
+      decode: overrides the constructor's flag: attend to the cache of `init_cache` and add
+        the tokens to it.
+      prefill: with `decode`, `x` is a prompt at position 0: the regular kernels run on it and
+        the cache is refilled from it, whatever it held (fast for long prompts).
     """
     if jnp.ndim(x) != 3 or x.shape[-1] != self.in_features:
       raise ValueError(f"x must be [B, N, in_features={self.in_features}], got {x.shape=}")
+    if decode is None:
+      decode = bool(self.decode)  # None: not decoding
+    check_flag("decode", decode)
+    if check_flag("prefill", prefill) and not decode:
+      raise ValueError("prefill=True fills the decoding cache: it needs decode=True (at the "
+                       "call or the constructor)")
+    if decode:
+      check_decodable(self.order, self.pattern, self.mesh)
     self.check_parameters()
     if self.dropout_rate > 0.0:
       # As nnx.MultiHeadAttention: the flag matters (and must be given) only with dropout.
@@ -417,8 +548,15 @@ class DilatedMultiHeadAttention(nnx.Module):
     if self.normalize_qk:
       q, k = self.query_ln(q), self.key_ln(k)
     # [B, N, H, D]
-    y = attend(q, k, v, self.pattern, implementation=self.implementation, mesh=self.mesh,
-               seq_axis=self.seq_axis, batch_axis=self.batch_axis)
+    if decode:
+      y, cache = decode_attend(q, k, v, self.kv_cache(), self.pattern, prefill=prefill,
+                               implementation=self.implementation)
+      for var, val in zip((*self.cached_key, *self.cached_value), (*cache.k, *cache.v)):
+        var[...] = val
+      self.cache_index[...] = cache.length
+    else:
+      y = attend(q, k, v, self.pattern, implementation=self.implementation, mesh=self.mesh,
+                 seq_axis=self.seq_axis, batch_axis=self.batch_axis)
     if not deterministic:
       y = self.dropout(y, rngs)
     # [B, N, out_features]

@@ -9,8 +9,8 @@ import pytest
 
 from helpers import TOL, Case, check_lse, random_inputs, reference, rel_err
 from hilbert_ring_jax import DilatedPattern
-from hilbert_ring_jax.decode import (KVCache, dilated_attention_prefill, dilated_attention_step,
-                                     init_kv_cache)
+from hilbert_ring_jax.decode import (KVCache, _tables, dilated_attention_prefill,
+                                     dilated_attention_step, init_kv_cache)
 
 # Chunk sizes cycled through: single tokens and chunks that cross several segment boundaries.
 CHUNKS = (1, 3, 1, 7, 2)
@@ -64,9 +64,21 @@ def _run(case, dtype, prefill, seed=0):
     (Case(31, 4, 1, (4, 10, 7), (1, 4, 2), head_groups=True), 9),  # MQA, head groups
     (Case(27, 4, 4, (5, 12), (2, 5), batch=2), 0),          # H < r: residues no head reads
     (Case(25, 3, 3, (6, 9), (2, 3), offsets="all", head_groups=True), 0),
+    # r=3 over kv heads {0,1}, {2,0}, {1,2}: residue 1 sits in different slots (a gather).
+    (Case(26, 6, 3, (9, 4), (3, 2)), 0),
 ])
 def test_steps_match_reference(case, prefill):
   _run(case, jnp.float32, prefill)
+
+
+def test_slot_tables():
+  """Which slot a query reads: shared by all kv heads (a slice) or per kv head (a gather)."""
+  t3, t2 = _tables(DilatedPattern((9, 4), (3, 2), causal=True), 6, 3)
+  np.testing.assert_array_equal(t3.slot, [[0, 1, -1], [0, -1, 1], [-1, 0, 1]])
+  assert t3.slots == 2 and t3.uniform is None
+  np.testing.assert_array_equal(t2.uniform, [0, 1])
+  (t,) = _tables(DilatedPattern((8,), (4,), causal=True, offsets="all"), 2, 1)
+  np.testing.assert_array_equal(t.uniform, [0, 1, 2, 3])
 
 
 def test_steps_bfloat16():

@@ -1,0 +1,36 @@
+"""benchmarks/bench_decode.py runs end to end at a tiny size (the GPU figures use the same code)."""
+
+import pathlib
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+import bench_decode  # noqa: E402  pylint: disable=wrong-import-position
+from hilbert_ring_jax import DilatedPattern  # noqa: E402
+
+
+def test_formula_rows():
+  # The issue's count: 11,606 rows per head for H = Hkv = 16 over its LongNet pattern.
+  p = bench_decode.parse_pattern("2048,4096,8192,16384,32768/1,2,4,6,12")
+  assert bench_decode.formula_rows(p, 16, 16) == 16 * 11606
+  # GQA 16/4: a kv head holds the residues of its 4 query heads (r=6: {4,5,0,1} for heads 4-7).
+  assert bench_decode.formula_rows(p, 16, 4) == 4 * (2048 + 2 * 2048 + 4 * 2048 + 8 * 2731)
+  every = DilatedPattern((8, 12), (2, 5), causal=True, offsets="all")
+  assert bench_decode.formula_rows(every, 2, 1) == 2 * 4 + 5 * 3
+
+
+def test_quick_run(tmp_path):
+  out = tmp_path / "decode.json"
+  result = bench_decode.main(["--quick", "--batch", "1", "--kv-heads", "2", "--prompts", "40",
+                              "--pattern", "16/2", "--prefill", "32", "--runs", "1",
+                              "--inner", "2", "--loops", "1", "--json", str(out)])
+  assert out.exists()
+  check, step, prefill = result["rows"]
+  assert check["max_abs_diff"] < 1e-5  # the timed step computes the right numbers
+  assert step["cache_vs_formula"] == pytest.approx(1.0, abs=1e-3)
+  assert step["length_after"] == 40 + 1 + 3 + 2 * 2  # threaded through every timed call
+  assert step["peer_status"] == "ok" and step["peer_step_ms"] > 0
+  assert prefill["prefill_ms"] > 0 and prefill["forward_ms"] > 0
+  assert jnp.dtype(result["meta"]["dtype"]) == jnp.float32
