@@ -178,11 +178,15 @@ def _tokamax():
   """tokamax (optional; Python >= 3.12, JAX >= 0.11.1). Its benchmarking module imports
   `xprof.cli.tools`, which its attention op does not use: a stub stands in when xprof is
   missing."""
+  import importlib.machinery  # pylint: disable=g-import-not-at-top
   import importlib.util  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
-  if importlib.util.find_spec("xprof") is None and "xprof.cli.tools" not in sys.modules:
+  if "xprof" not in sys.modules and importlib.util.find_spec("xprof") is None:
     for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
-      sys.modules.setdefault(name, types.ModuleType(name))
+      module = types.ModuleType(name)
+      module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+      module.__path__ = []
+      sys.modules[name] = module
     sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None
   import tokamax  # pylint: disable=g-import-not-at-top
   return tokamax

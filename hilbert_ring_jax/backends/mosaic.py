@@ -203,7 +203,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
              lse_ref, smem, bars, free):
     q_smem, k_smem, v_smem, o_smem, lse_smem = smem
     q_bar, k_bar, v_bar = bars
-    k_free, v_free = free
+    (k_free, v_free), turn = free
     wg = lax.axis_index("wg")
     pid = lax.axis_index("row") + origin_ref[0]
     bp = lax.axis_index("bp") + origin_ref[1]
@@ -290,47 +290,73 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
       plgpu.barrier_wait(q_bar.at[wg])
       rows_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-      qpos = first + L * (q_start + rows_iota)
+      q_first = first + L * q_start  # this warpgroup's first query (in the period)
+      qpos = q_first + L * rows_iota
       row_stat = plgpu.Layout.WGMMA.reduce(1)
       acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
       m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_stat)
       l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_stat)
       rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
 
-      def per_piece(p, carry):
-        kf, ks, count, bias, blocks = piece(p)
+      def take_turn():  # the two consumers take turns on the tensor cores (see below)
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
 
-        def per_block(j, carry):
-          acc, m_i, l_i, step = carry
-          slot = lax.rem(step, stages)
-          plgpu.barrier_wait(k_bar.at[slot])
+      def step(carry, kf, ks, count, bias, j, masked: bool):
+        """One key block: scores, online softmax (base 2; `m` includes the piece's
+        `log2 m` bias, so p is one fused multiply-add and an exp2 per score), P @ V.
+        Unmasked blocks (all keys exist and precede every query) skip the mask."""
+        acc, m_i, l_i, step = carry
+        slot = lax.rem(step, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
 
-          def scores(acc_ref):
-            plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].T)
-            return acc_ref[...]
+        def scores(acc_ref):
+          plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].T)
+          take_turn()  # let the other consumer issue its wgmma while this one waits
+          return acc_ref[...]
 
-          s = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
-          plgpu.barrier_arrive(k_free.at[slot])
-          s = s * qk_scale + bias
+        s = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        if masked:
           key = j * bk + cols_iota
           visible = key < count
           if causal:
             visible = visible & (kf + ks * key <= qpos)
           s = jnp.where(visible, s, -jnp.inf)
-          m_new = jnp.maximum(m_i, s.max(axis=1))
-          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen nothing
-          alpha = jnp.exp2(m_i - m_use)
-          p_ = jnp.exp2(s - rows_of(m_use, s.shape))
-          l_i = l_i * alpha + p_.sum(axis=1)
-          acc = acc * rows_of(alpha, acc.shape)
-          plgpu.barrier_wait(v_bar.at[slot])
-          acc = _accumulate(acc, p_.astype(dtype), v_smem.at[slot], interpret)
-          plgpu.barrier_arrive(v_free.at[slot])
-          return acc, m_new, l_i, step + 1
+        m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale + bias)
+        # Rows that have seen nothing yet (masked blocks only) subtract 0, not -inf.
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m_i - m_use)
+        p_ = jnp.exp2(s * qk_scale - rows_of(m_use - bias, s.shape))
+        acc = acc * rows_of(alpha, acc.shape)
+        l_i = l_i * alpha + p_.sum(axis=1)
+        p16 = p_.astype(dtype)
+        plgpu.barrier_arrive(turn)  # softmax done: the other consumer may go on
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_wait(turn)  # the tensor cores are ours again
+        acc = _accumulate(acc, p16, v_smem.at[slot], interpret)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l_i, step + 1
 
-        return lax.fori_loop(0, blocks, per_block, carry)
+      def per_piece(p, carry):
+        kf, ks, count, bias, blocks = piece(p)
+        # Blocks [0, unmasked): every key exists and (causal) precedes this warpgroup's
+        # first query; the rest up to `blocks` (the program's) are masked.
+        seen_by_all = count
+        if causal:
+          seen_by_all = jnp.where(q_first >= kf,
+                                  jnp.minimum(count, lax.div(q_first - kf, ks) + 1), 0)
+        unmasked = jnp.minimum(lax.div(seen_by_all, bk), blocks)
+        carry = lax.fori_loop(
+            0, unmasked, lambda j, c: step(c, kf, ks, count, bias, j, False), carry)
+        return lax.fori_loop(
+            unmasked, blocks, lambda j, c: step(c, kf, ks, count, bias, j, True), carry)
 
+      # Ping-pong: consumer 1 starts one turn behind, consumer 0 ends with an extra turn,
+      # so while one runs its softmax the other's wgmma runs.
+      pl.when(wg == 1)(take_turn)
       acc, m_i, l_i, _ = lax.fori_loop(p0, p1, per_piece, (acc, m_i, l_i, jnp.int32(0)))
+      pl.when(wg == 0)(take_turn)
       seen = l_i > 0
       l_safe = jnp.where(seen, l_i, 1.0)
       o_tile = o_smem.at[wg]
@@ -369,7 +395,8 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         scoped, smem,
         (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=stages)),
-        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+        ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+         plgpu.Barrier(num_arrivals=2)),
         collective_axes="wg")
 
   grid = (len(sched.rows) * row_blocks, batch * periods)
