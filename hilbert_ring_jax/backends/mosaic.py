@@ -17,9 +17,9 @@ shared key/value head. What changes is the engine, built from Hopper's own parts
 
 The output goes back through shared memory with TMA stores; lse is written as
 `[B, H, L, N/L]` (contiguous per row, so TMA can store it) and transposed outside.
-Boxes past the end of the array read zeros and are not written, which is what makes the last,
-partial period work; the kernel masks keys past each piece's end. Rows must come in whole
-program blocks (`2 * block_q` positions per row and period), else `supports` declines; a
+Boxes past the end of an input read zeros (the kernel masks keys past each piece's end);
+outputs are allocated in whole periods, so that no store runs past their end, and sliced.
+Rows must come in whole program blocks (`2 * block_q` positions per row and period), else `supports` declines; a
 length that `8 * L` does not divide is zero-padded (a copy, only then: the views' row axes
 must be whole tiles of 8).
 
@@ -185,8 +185,8 @@ def _swizzled(dtype):
 
 def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
                     scale: float, out_dtype, config: Config):
-  """One launch over the padded `q, k, v [B, Np, H(kv), D]`: (out [B, Np, H, D], lse
-  [B, Np, H])."""
+  """One launch over the padded `q, k, v [B, Np, H(kv), D]`: (out [B, No, H, D], lse
+  [B, No, H]), `No >= Np` (whole periods)."""
   batch, n_pad, num_heads, d = q.shape
   num_kv = k.shape[2]
   dtype = q.dtype
@@ -400,8 +400,12 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         collective_axes="wg")
 
   grid = (len(sched.rows) * row_blocks, batch * periods)
-  out_type = (jax.ShapeDtypeStruct((batch, n_pad // L, L, num_heads, d), out_dtype),
-              jax.ShapeDtypeStruct((batch, num_heads, L, n_pad // L), jnp.float32))
+  # Outputs cover whole periods (every program's boxes lie inside them): TMA stores that
+  # run past the end of an array are not clipped reliably on the GPU (measured: rows of
+  # the last, partial period landed at the start), so none is issued.
+  n_out = max(n_pad, -(-periods * period // (8 * L)) * 8 * L)
+  out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_heads, d), out_dtype),
+              jax.ShapeDtypeStruct((batch, num_heads, L, n_out // L), jnp.float32))
   rows, pieces, bias = tables
   view = lambda x: x.reshape(batch, n_pad // L, L, *x.shape[2:])
   args = (rows.reshape(-1), pieces.reshape(-1), bias, view(q), k, view(k), v, view(v))
@@ -419,8 +423,8 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
     for origin in np.ndindex(*grid):
       o, l = call(jnp.asarray(origin, jnp.int32), *args)
       out, lse = out + o, lse + l
-  lse = lse.transpose(0, 3, 2, 1).reshape(batch, n_pad, num_heads)
-  return out.reshape(batch, n_pad, num_heads, d), lse
+  lse = lse.transpose(0, 3, 2, 1).reshape(batch, n_out, num_heads)
+  return out.reshape(batch, n_out, num_heads, d), lse
 
 
 def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
