@@ -103,9 +103,9 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, scale: float | None =
     scale: score scale, default `D ** -0.5`.
     return_lse: also return the float32 `[B, N, H]` log of the softmax denominator
       (`-inf` where a query sees no key).
-    implementation: None (the fastest for the platform), a backend name ("triton",
-      "pallas", "xla") or a sequence: the first that supports the configuration runs, forward
-      and backward. "xla" supports every valid configuration.
+    implementation: None (the fastest for the platform), a backend name ("mosaic",
+      "triton", "pallas", "xla") or a sequence: the first that supports the configuration
+      runs, forward and backward. "xla" supports every valid configuration.
     config: a backend's `Config` (e.g. `hilbert_ring_jax.backends.triton.Config(...)`) to
       run that backend with instead of its tuned defaults; other backends ignore it.
 

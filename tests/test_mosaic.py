@@ -22,8 +22,9 @@ from hilbert_ring_jax import backends
 from hilbert_ring_jax.backends import base, mosaic, xla
 
 INTERPRET = pytest.mark.skipif(
-    jax.__version_info__ < (0, 11),
-    reason="Mosaic GPU interpret mode needs JAX >= 0.11 (0.10 lacks run_state, layout_cast)")
+    jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",
+    reason="Mosaic GPU interpret mode: CPU only (on a GPU the kernel itself runs), and JAX "
+           ">= 0.11 (0.10's interpreter lacks run_state and layout_cast)")
 
 
 def _forward_vs_reference(case, causal, dtype, out_dtype, config):

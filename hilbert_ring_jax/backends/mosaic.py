@@ -126,6 +126,15 @@ def supports(problem: Problem) -> Support:
   rows of whole blocks."""
   if problem.platform != "gpu" or not _is_hopper():
     return no("the mosaic backend runs on Hopper GPUs (sm_90) only")
+  if jax.__version_info__ < (0, 11):
+    return no(f"the mosaic backend needs JAX >= 0.11 (its kernel lowers with 0.11's Mosaic "
+              f"GPU); this is {jax.__version__}")
+  try:  # the backward is triton's
+    from . import triton  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    return no(f"the mosaic backend's backward pass is the triton backend's: unavailable ({e})")
+  if not (backward := triton.supports(problem)):
+    return no(f"the mosaic backend's backward pass is the triton backend's: {backward.reason}")
   if not any(problem.dtype == t for t in (jnp.bfloat16, jnp.float16)):
     return no(f"the mosaic backend runs bf16 and f16, got {problem.dtype}")
   d = problem.head_dim
