@@ -31,40 +31,15 @@ import common
 from hilbert_ring_jax import DilatedMultiHeadAttention, DilatedPattern
 
 
-class Block(nnx.Module):
-  """Pre-norm transformer block: dilated self-attention and a GELU MLP."""
-
-  def __init__(self, dim: int, heads: int, kv_heads: int, pattern: DilatedPattern,
-               implementation, rngs: nnx.Rngs):
-    self.norm1 = nnx.RMSNorm(dim, rngs=rngs)
-    self.attn = DilatedMultiHeadAttention(heads, dim, num_kv_heads=kv_heads, pattern=pattern,
-                                          implementation=implementation, rngs=rngs)
-    self.norm2 = nnx.RMSNorm(dim, rngs=rngs)
-    self.up = nnx.Linear(dim, 4 * dim, rngs=rngs)
-    self.down = nnx.Linear(4 * dim, dim, rngs=rngs)
-
-  def __call__(self, x):
-    x = x + self.attn(self.norm1(x))
-    return x + self.down(nnx.gelu(self.up(self.norm2(x))))
-
-
-class DecoderLM(nnx.Module):
-  """Token embedding, `layers` causal blocks, tied-free output head. No position embedding:
-  causal attention already tells positions apart, and the task only needs content."""
-
-  def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int,
-               pattern: DilatedPattern, implementation=None, *, rngs: nnx.Rngs):
-    self.embed = nnx.Embed(vocab, dim, rngs=rngs)
-    self.blocks = nnx.List([Block(dim, heads, kv_heads, pattern, implementation, rngs)
-                            for _ in range(layers)])
-    self.norm = nnx.RMSNorm(dim, rngs=rngs)
-    self.head = nnx.Linear(dim, vocab, rngs=rngs)
-
-  def __call__(self, tokens):
-    x = self.embed(tokens)
-    for block in self.blocks:
-      x = block(x)
-    return self.head(self.norm(x))
+def DecoderLM(vocab: int, dim: int, layers: int, heads: int, kv_heads: int,
+              pattern: DilatedPattern, implementation=None, *, rngs: nnx.Rngs):
+  """Token embedding, `layers` pre-norm blocks with causal dilated attention (GQA), an output
+  head. No position embedding: causal attention already tells positions apart, and the task
+  only needs content."""
+  attention = lambda rngs: DilatedMultiHeadAttention(
+      heads, dim, num_kv_heads=kv_heads, pattern=pattern, implementation=implementation,
+      rngs=rngs)
+  return common.SequenceModel(vocab, dim, layers, attention, out=vocab, rngs=rngs)
 
 
 class Recall:
