@@ -18,6 +18,7 @@ skipped.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -70,8 +71,8 @@ class _Progress:
 
   def __iter__(self):
     for item in self.iterable:
+      self.n = item + 1  # steps done once the loop body has run
       yield item
-      self.n = item + 1
 
   def set_postfix(self, **values):
     print(f"{self.desc}: step {self.n}/{self.total} "
@@ -134,28 +135,37 @@ class Block(nnx.Module):
 
 
 class SequenceModel(nnx.Module):
-  """Token embedding (+ learned positions), `layers` blocks, a final norm and a linear head.
+  """Input embedding (+ learned positions), `layers` blocks, a final norm and a linear head.
 
   Args:
-    vocab: input token types.
+    vocab: input token types (integer inputs `[B, N]`, embedded by a table); None for
+      real-valued inputs `[B, N, in_features]`, embedded by a linear layer.
     dim: model width.
     layers: number of `Block`s.
     attention: `rngs -> module`, called once per block: the self-attention layer
       (`[B, N, dim] -> [B, N, dim]`), e.g. a `DilatedMultiHeadAttention`.
     out: output features of the head (classes, or the vocabulary of a language model).
+    in_features: input features when `vocab` is None.
     positions: learned absolute position embeddings for this many positions (None: none).
     norm: the normalization layer class (`nnx.RMSNorm`, `nnx.LayerNorm`).
     pool: average the tokens before the head (one prediction per sequence) instead of one
       per token.
     dtype: computation dtype (parameters stay float32), e.g. `jnp.bfloat16`.
+    remat: recompute each block's activations in the backward pass instead of keeping them
+      (`nnx.remat`): less memory, about a third more compute.
   """
 
-  def __init__(self, vocab: int, dim: int, layers: int,
+  def __init__(self, vocab: int | None, dim: int, layers: int,
                attention: Callable[[nnx.Rngs], nnx.Module], *, out: int,
-               positions: int | None = None, norm=nnx.RMSNorm, pool: bool = False,
-               dtype=None, rngs: nnx.Rngs):
-    self.dtype, self.pool = dtype, pool
-    self.embed = nnx.Embed(vocab, dim, dtype=dtype, rngs=rngs)
+               in_features: int | None = None, positions: int | None = None,
+               norm=nnx.RMSNorm, pool: bool = False, dtype=None, remat: bool = False,
+               rngs: nnx.Rngs):
+    if (vocab is None) == (in_features is None):
+      raise ValueError(f"give vocab (token inputs) or in_features (real-valued inputs), not "
+                       f"both or neither: got {vocab=}, {in_features=}")
+    self.dtype, self.pool, self.remat = dtype, pool, remat
+    self.embed = (nnx.Embed(vocab, dim, dtype=dtype, rngs=rngs) if vocab is not None else
+                  nnx.Linear(in_features, dim, dtype=dtype, rngs=rngs))
     self.pos = (nnx.Param(0.02 * jax.random.normal(rngs.params(), (positions, dim)))
                 if positions else nnx.data(None))
     self.blocks = nnx.List([Block(dim, attention, norm=norm, dtype=dtype, rngs=rngs)
@@ -163,12 +173,12 @@ class SequenceModel(nnx.Module):
     self.norm = norm(dim, dtype=dtype, rngs=rngs)
     self.head = nnx.Linear(dim, out, dtype=dtype, rngs=rngs)
 
-  def __call__(self, tokens):
-    x = self.embed(tokens)
+  def __call__(self, inputs):
+    x = self.embed(inputs)
     if self.pos is not None:
-      x = x + self.pos[:tokens.shape[1]].astype(x.dtype)
+      x = x + self.pos[:inputs.shape[1]].astype(x.dtype)
     for block in self.blocks:
-      x = block(x)
+      x = nnx.remat(lambda block, x: block(x))(block, x) if self.remat else block(x)
     x = self.norm(x)
     return self.head(jnp.mean(x, axis=1) if self.pool else x)
 
@@ -201,11 +211,46 @@ def _memory_plan(compiled) -> dict | None:
   return plan
 
 
-def _mean_eval(evaluate, params, eval_batch) -> tuple[float, float]:
-  """`(loss, accuracy)` of `evaluate` on one batch, or averaged over a list of batches."""
+def _mean_eval(evaluate, params, rest, eval_batch) -> tuple[float, float]:
+  """`(loss, accuracy)` of `evaluate` on one batch, or over a list of batches: their means
+  weighted by the batches' sizes (the leading axis of their first array)."""
   batches = eval_batch if isinstance(eval_batch, list) else [eval_batch]
-  results = jax.device_get([evaluate(params, b) for b in batches])  # one fetch
-  return tuple(float(sum(r[i] for r in results) / len(results)) for i in (0, 1))
+  results = jax.device_get([evaluate(params, rest, b) for b in batches])  # one fetch
+  sizes = [len(jax.tree.leaves(b)[0]) for b in batches]
+  return tuple(float(sum(r[i] * n for r, n in zip(results, sizes)) / sum(sizes))
+               for i in (0, 1))
+
+
+@functools.lru_cache(maxsize=16)
+def _functions(graphdef, loss_fn, lr: float, steps: int):
+  """The jitted training step and evaluation of a model structure: one per structure, so
+  models that differ only in their parameters (other seeds) share their compilations."""
+  tx = adamw(lr, steps)
+
+  def apply(params, rest, batch):
+    return loss_fn(nnx.merge(graphdef, params, rest), batch)
+
+  def step_fn(params, rest, opt_state, batch):
+    (loss, acc), grads = jax.value_and_grad(apply, has_aux=True)(params, rest, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, acc
+
+  # Parameters and optimizer state are donated: updated in place.
+  return jax.jit(step_fn, donate_argnums=(0, 2)), jax.jit(apply)
+
+
+_executables = {}
+
+
+def _compile(step_fn, *args):
+  """`step_fn` compiled ahead of the loop for `args`' shapes (once per function and shapes),
+  and its memory plan: the compile is timed apart from the steps."""
+  leaves, treedef = jax.tree.flatten(args)
+  key = (step_fn, treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
+  if key not in _executables:
+    compiled = step_fn.lower(*args).compile()
+    _executables[key] = compiled, _memory_plan(compiled)
+  return _executables[key]
 
 
 def train(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], tuple], *,
@@ -215,33 +260,25 @@ def train(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], tuple]
 
   Args:
     model: the module; its parameters are updated in place at the end.
-    loss_fn: `(model, batch) -> (loss, accuracy)`, traced under `jax.jit`.
+    loss_fn: `(model, batch) -> (loss, accuracy)`, traced under `jax.jit`; a module-level
+      function, so models of one structure (other seeds) share the compiled step.
     batch_fn: `step -> batch`, a pure function of the step so a resumed run sees the same data.
-    eval_batch: a fixed held-out batch (or a list of them, averaged), evaluated every
+    eval_batch: a fixed held-out batch (or a list of them, averaged by size), evaluated every
       `eval_every` steps and at the end.
     ckpt_dir: where to keep the checkpoint (None: no checkpoint).
 
   The history holds, at each evaluation, `step`, `train_loss` (of that step), `eval_loss`
   and `eval_acc`; the training loss of every step in `loss`; `seconds` of training (evaluation
-  excluded); `compile_seconds`; `step_seconds`, the mean time of the steps after the first of
+  and compilation excluded); `compile_seconds` (near 0 when a model of the same structure was
+  compiled earlier in the process); `step_seconds`, the mean time of the steps after the first of
   this run (None when fewer than two ran), measured between device synchronizations at the
   evaluations only; and `memory`, the compiled step's buffer plan (bytes; None where the
   backend has none). A resumed run keeps the timing of the run that trained the steps, unless
   it trains more.
   """
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  tx = adamw(lr, steps)
-  opt_state = tx.init(params)
-
-  def apply(params, batch):
-    return loss_fn(nnx.merge(graphdef, params, rest), batch)
-
-  def step_fn(params, opt_state, batch):
-    (loss, acc), grads = jax.value_and_grad(apply, has_aux=True)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss, acc
-
-  evaluate = jax.jit(apply)
+  step_fn, evaluate = _functions(graphdef, loss_fn, lr, steps)
+  opt_state = adamw(lr, steps).init(params)
   history = {"step": [], "train_loss": [], "eval_loss": [], "eval_acc": [], "loss": [],
              "seconds": 0.0, "compile_seconds": None, "step_seconds": None, "memory": None}
   start = 0
@@ -263,19 +300,15 @@ def train(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], tuple]
           history=ocp.args.JsonSave(history)), force=True)
 
   if start < steps:
-    # Compiled once, ahead of the loop: the compile is timed apart from the steps, and the
-    # memory plan is read from the executable. Parameters and optimizer state are donated.
     t = time.perf_counter()
-    compiled = jax.jit(step_fn, donate_argnums=(0, 1)).lower(
-        params, opt_state, batch_fn(start)).compile()
+    compiled, history["memory"] = _compile(step_fn, params, rest, opt_state, batch_fn(start))
     history["compile_seconds"] = time.perf_counter() - t
-    history["memory"] = _memory_plan(compiled)
   bar = progress(start, steps, desc)
   losses = []  # device scalars, fetched at the evaluations (no host sync per step)
   timed_steps, timed_seconds = 0, 0.0
   t0 = time.perf_counter()
   for step in bar:
-    params, opt_state, loss, acc = compiled(params, opt_state, batch_fn(step))
+    params, opt_state, loss, acc = compiled(params, rest, opt_state, batch_fn(step))
     losses.append(loss)
     if step == start:  # the first step of a run warms up; the steady state is timed after it
       jax.block_until_ready((params, loss))
@@ -291,7 +324,7 @@ def train(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], tuple]
         timed_seconds += elapsed
       history["loss"].extend(float(x) for x in jax.device_get(losses))
       losses = []
-      eval_loss, eval_acc = _mean_eval(evaluate, params, eval_batch)
+      eval_loss, eval_acc = _mean_eval(evaluate, params, rest, eval_batch)
       history["step"].append(step + 1)
       history["train_loss"].append(history["loss"][-1])
       history["eval_loss"].append(eval_loss)
