@@ -23,7 +23,7 @@ the training curves of every seed. Checkpoints per order, seed and configuration
 
 CPU default (about two minutes on two cores): the 8x8 images as stored (64 tokens), a 2-layer
 d=32 model, 3 seeds, 150 steps. `--preset gpu`: 32x32 images (1024 tokens), a 4-layer d=128
-model, bf16 compute, 5 seeds, 1500 steps. Any flag overrides the preset.
+model, bf16 compute, 5 seeds, 1200 steps. Any flag overrides the preset.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 PRESETS = {
     "cpu": dict(size=8, dim=32, layers=2, heads=4, kv_heads=2, batch=64, steps=150, lr=3e-3,
                 eval_every=50, seeds="0,1,2", dtype="float32"),
-    "gpu": dict(size=32, dim=128, layers=4, heads=4, kv_heads=2, batch=64, steps=1500, lr=2e-3,
-                eval_every=100, seeds="0,1,2,3,4", dtype="bfloat16"),
+    "gpu": dict(size=32, dim=128, layers=4, heads=4, kv_heads=2, batch=64, steps=1200, lr=2e-3,
+                eval_every=200, seeds="0,1,2,3,4", dtype="bfloat16"),
 }
 
 

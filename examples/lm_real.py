@@ -67,7 +67,7 @@ PRESETS = {
                 kv_heads=2, batch=8, steps=80, lr=3e-3, eval_every=20, eval_windows=64,
                 dtype="float32"),
     "gpu": dict(seq_len=8192, segments="512,2048,8192", rates="1,4,16", dim=768, layers=8,
-                heads=6, kv_heads=2, batch=8, steps=1000, lr=8e-4, eval_every=200,
+                heads=6, kv_heads=2, batch=8, steps=1000, lr=8e-4, eval_every=250,
                 eval_windows=128, dtype="bfloat16"),
 }
 SEPARATOR = b"\0"  # between files; NUL does not occur in the standard library's source
