@@ -4,6 +4,9 @@
 # logs under $OUT.
 #   bash benchmarks/run_gpu.sh tests-triton tune-triton bench-full ...
 #   WHL=.whl4 SITE=/tmp/site4 bash benchmarks/run_gpu.sh tests-triton   # another jax-triton
+# The real-data examples (README "Real data"): one LM per call, each under 10 minutes; their
+# results merge in out/lm_real/lm_real.json on a machine kept warm, copied to $OUT each time:
+#   bash benchmarks/run_gpu.sh lm-dilated    (then lm-full, lm-local, digits)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 WHL=${WHL:-.whl}; SITE=${SITE:-/tmp/site}
@@ -66,6 +69,19 @@ for stage in "$@"; do
     ring) timeout 420 python3 benchmarks/ring_scaling.py --devices 1,$(nvidia-smi -L | wc -l) \
               --per-gpu 8192,32768 --strong 65536 --runs 3 --longest --longest-start 4194304 \
               --json "$OUT/ring.json" 2>&1 | grep -v "^W1\|^I1\|bfc_allocator\|^\*" ;;
+    lm-dilated|lm-full|lm-local) timeout 540 python3 examples/lm_real.py --preset gpu \
+                  --models "${stage#lm-}" --out-dir out/lm_real 2>&1 | tr '\r' '\n' | \
+                  grep -v -E 'it/s\]|s/it\]' | tail -25
+                cp out/lm_real/lm_real.json out/lm_real/lm_real.png "$OUT"/ 2>/dev/null ;;
+    lm-full-ours) timeout 540 python3 examples/lm_real.py --preset gpu --models full \
+                  --full-impl ours --out-dir out/lm_real_ours 2>&1 | tr '\r' '\n' | \
+                  grep -v -E 'it/s\]|s/it\]' | tail -25
+                cp out/lm_real_ours/lm_real.json "$OUT"/lm_real_ours.json 2>/dev/null ;;
+    digits) timeout 540 python3 examples/image_digits.py --preset gpu \
+                  --out-dir out/image_digits 2>&1 | tr '\r' '\n' | \
+                  grep -v -E 'it/s\]|s/it\]' | tail -25
+                cp out/image_digits/image_digits.json out/image_digits/image_digits.png \
+                  "$OUT"/ 2>/dev/null ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -35,45 +35,19 @@ from hilbert_ring_jax import DilatedMultiHeadAttention, DilatedPattern, hilbert_
 BACKGROUND, ON, MARKER0 = 0, 1, 2  # input tokens; class c is marked by token MARKER0 + c
 
 
-class Block(nnx.Module):
-  """Pre-norm transformer block: dilated self-attention in a token order, and a GELU MLP."""
+def PixelTransformer(grid, classes, dim, layers, heads, kv_heads, pattern, ordering,
+                     implementation=None, *, rngs):
+  """Token and position embeddings (row-major), pre-norm blocks, a per-pixel classifier.
 
-  def __init__(self, dim, heads, kv_heads, pattern, ordering, grid, implementation, rngs):
-    self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
-    self.attn = DilatedMultiHeadAttention(
-        heads, dim, num_kv_heads=kv_heads, pattern=pattern, ordering=ordering,
-        grid_shape=(grid, grid) if ordering == "hilbert" else None,
-        implementation=implementation, rngs=rngs)
-    self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
-    self.up = nnx.Linear(dim, 4 * dim, rngs=rngs)
-    self.down = nnx.Linear(4 * dim, dim, rngs=rngs)
-
-  def __call__(self, x):
-    x = x + self.attn(self.norm1(x))
-    return x + self.down(nnx.gelu(self.up(self.norm2(x))))
-
-
-class PixelTransformer(nnx.Module):
-  """Token and position embeddings (row-major), blocks, a per-pixel classifier.
-
-  The layers take `ordering="hilbert"` or None: the model's inputs and outputs stay row-major
-  either way; only the order attention processes the tokens in differs.
+  The attention layers take `ordering="hilbert"` or None: the model's inputs and outputs stay
+  row-major either way; only the order attention processes the tokens in differs.
   """
-
-  def __init__(self, grid, classes, dim, layers, heads, kv_heads, pattern, ordering,
-               implementation=None, *, rngs):
-    self.embed = nnx.Embed(MARKER0 + classes, dim, rngs=rngs)
-    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (grid * grid, dim)))
-    self.blocks = nnx.List([Block(dim, heads, kv_heads, pattern, ordering, grid, implementation,
-                                  rngs) for _ in range(layers)])
-    self.norm = nnx.LayerNorm(dim, rngs=rngs)
-    self.head = nnx.Linear(dim, classes + 1, rngs=rngs)
-
-  def __call__(self, tokens):
-    x = self.embed(tokens) + self.pos[...]
-    for block in self.blocks:
-      x = block(x)
-    return self.head(self.norm(x))
+  attention = lambda rngs: DilatedMultiHeadAttention(
+      heads, dim, num_kv_heads=kv_heads, pattern=pattern, ordering=ordering,
+      grid_shape=(grid, grid) if ordering == "hilbert" else None,
+      implementation=implementation, rngs=rngs)
+  return common.SequenceModel(MARKER0 + classes, dim, layers, attention, out=classes + 1,
+                              positions=grid * grid, norm=nnx.LayerNorm, rngs=rngs)
 
 
 def make_batch(rng, size, grid, objects, classes, sides):
@@ -107,10 +81,9 @@ def loss_fn(model, batch):
 
 
 def plot(path, grid, pattern, histories, sample, predictions):
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-
+  plt = common.pyplot()
+  if plt is None:
+    return
   fig, axes = plt.subplots(2, 4, figsize=(16, 8))
   ax = axes[0, 0]
   for name, h in histories.items():

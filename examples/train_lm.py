@@ -31,41 +31,17 @@ import common
 from hilbert_ring_jax import DilatedMultiHeadAttention, DilatedPattern
 
 
-class Block(nnx.Module):
-  """Pre-norm transformer block: dilated self-attention and a GELU MLP."""
-
-  def __init__(self, dim: int, heads: int, kv_heads: int, pattern: DilatedPattern,
-               implementation, rngs: nnx.Rngs, dtype=None):
-    self.norm1 = nnx.RMSNorm(dim, dtype=dtype, rngs=rngs)
-    self.attn = DilatedMultiHeadAttention(heads, dim, num_kv_heads=kv_heads, pattern=pattern,
-                                          implementation=implementation, dtype=dtype, rngs=rngs)
-    self.norm2 = nnx.RMSNorm(dim, dtype=dtype, rngs=rngs)
-    self.up = nnx.Linear(dim, 4 * dim, dtype=dtype, rngs=rngs)
-    self.down = nnx.Linear(4 * dim, dim, dtype=dtype, rngs=rngs)
-
-  def __call__(self, x, **attn_kwargs):
-    """`attn_kwargs` go to the attention layer (e.g. `prefill=True` when decoding)."""
-    x = x + self.attn(self.norm1(x), **attn_kwargs)
-    return x + self.down(nnx.gelu(self.up(self.norm2(x))))
-
-
-class DecoderLM(nnx.Module):
-  """Token embedding, `layers` causal blocks, tied-free output head. No position embedding:
-  causal attention already tells positions apart, and the task only needs content."""
-
-  def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int,
-               pattern: DilatedPattern, implementation=None, *, rngs: nnx.Rngs, dtype=None):
-    self.embed = nnx.Embed(vocab, dim, dtype=dtype, rngs=rngs)
-    self.blocks = nnx.List([Block(dim, heads, kv_heads, pattern, implementation, rngs, dtype)
-                            for _ in range(layers)])
-    self.norm = nnx.RMSNorm(dim, dtype=dtype, rngs=rngs)
-    self.head = nnx.Linear(dim, vocab, dtype=dtype, rngs=rngs)
-
-  def __call__(self, tokens, **attn_kwargs):
-    x = self.embed(tokens)
-    for block in self.blocks:
-      x = block(x, **attn_kwargs)
-    return self.head(self.norm(x))
+def DecoderLM(vocab: int, dim: int, layers: int, heads: int, kv_heads: int,
+              pattern: DilatedPattern, implementation=None, *, rngs: nnx.Rngs, dtype=None):
+  """Token embedding, `layers` pre-norm blocks with causal dilated attention (GQA), an output
+  head. No position embedding: causal attention already tells positions apart, and the task
+  only needs content. Calls take the attention layers' keywords (e.g. `prefill=True` when
+  decoding, see examples/generate.py)."""
+  attention = lambda rngs: DilatedMultiHeadAttention(
+      heads, dim, num_kv_heads=kv_heads, pattern=pattern, implementation=implementation,
+      dtype=dtype, rngs=rngs)
+  return common.SequenceModel(vocab, dim, layers, attention, out=vocab, dtype=dtype,
+                              rngs=rngs)
 
 
 class Recall:

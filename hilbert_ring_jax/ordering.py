@@ -240,8 +240,46 @@ def inverse_permutation(perm, *, validate: bool = True) -> np.ndarray | jax.Arra
   return inv
 
 
+def _take(x, idx):
+  """`x[:, idx]`; `idx` is a permutation, so every index is in bounds (no clamping or fill)."""
+  return x.at[:, idx].get(mode="promise_in_bounds")
+
+
+@jax.custom_vjp
+def _permute(x, perm, inv):
+  """`x[:, perm]`, whose gradient is the gather `g[:, inv]` by the inverse permutation.
+
+  The gradient JAX derives for a gather is a scatter-add (of `N` rows into `N`, atomics on a
+  GPU, slower than a gather on a CPU too); for a permutation the inverse gather is the same
+  result. Reverse mode only: `jax.jvp` through it raises.
+  """
+  return _take(x, perm)
+
+
+def _permute_fwd(x, perm, inv):
+  return _take(x, perm), (perm, inv)
+
+
+def _permute_bwd(residual, g):
+  perm, inv = residual
+  return _take(g, inv), None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def _index(perm):
+  """A host permutation as int32 (int64 is truncated without x64 anyway); traced as given."""
+  if isinstance(perm, np.ndarray) and len(perm) <= np.iinfo(np.int32).max:
+    return perm.astype(np.int32)
+  return perm
+
+
 def serialize(x, perm, *, validate: bool = True):
   """Reorders the sequence axis (1) of `x` into processing order: `x[:, perm]`.
+
+  Differentiable in reverse mode, where the gradient is the inverse gather (`unserialize` of
+  the cotangent) rather than the scatter-add JAX would derive; `jax.jvp` is not supported.
 
   Args:
     x: an array `[B, N, ...]`.
@@ -257,11 +295,17 @@ def serialize(x, perm, *, validate: bool = True):
   """
   if jnp.ndim(x) < 2:
     raise ValueError(f"x must have a sequence axis 1, got shape {jnp.shape(x)}")
-  return jnp.take(x, check_perm(perm, x.shape[1], validate=validate), axis=1)
+  perm = check_perm(perm, x.shape[1], validate=validate)
+  # Host perms are inverted on the host; a traced one by a scatter of N ints, which only the
+  # backward uses (dead code otherwise).
+  inv = inverse_permutation(perm, validate=False)
+  return _permute(x, _index(perm), _index(inv))
 
 
 def unserialize(x, perm, *, validate: bool = True):
   """Undoes `serialize`: `unserialize(serialize(x, perm), perm) == x`.
+
+  Differentiable in reverse mode like `serialize` (its gradient is a gather by `perm`).
 
   Args:
     x: an array `[B, N, ...]` in processing order.
@@ -278,4 +322,4 @@ def unserialize(x, perm, *, validate: bool = True):
     raise ValueError(f"x must have a sequence axis 1, got shape {jnp.shape(x)}")
   # Checked once here; the inversion need not check again.
   perm = check_perm(perm, x.shape[1], validate=validate)
-  return jnp.take(x, inverse_permutation(perm, validate=False), axis=1)
+  return _permute(x, _index(inverse_permutation(perm, validate=False)), _index(perm))

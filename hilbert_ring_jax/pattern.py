@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Sequence
 
@@ -113,12 +114,20 @@ class DilatedPattern:
                         self.dilation_rates[b], range(*ranges[b]), self.offsets == "head",
                         self.causal) for b in indices)
 
-  def visible_pairs(self, seq_len: int, num_heads: int) -> int:
+  def visible_pairs(self, seq_len: int, num_heads: int, *, distinct: bool = False) -> int:
     """Query-key-head triples the pattern makes visible, counted with multiplicity `m`.
 
     `4 * batch * head_dim * visible_pairs` is the FLOP count of forward attention used by the
     benchmarks (the backward is counted as 2.5x that).
+
+    With `distinct=True` a triple that several branches make visible counts once: the scores
+    the function needs (the Triton backend computes each once, with the bias `log m`), the
+    basis of model-FLOP counts. Counted exactly by inclusion-exclusion over the branches, in
+    `O(2^branches * n)` per set of heads reading the same residues (one set with
+    `offsets="all"`).
     """
+    if distinct:
+      return _distinct_pairs(self, seq_len, num_heads)
     total = 0
     for br in self.layout(seq_len, num_heads):
       for h in br.heads:
@@ -191,6 +200,41 @@ class Branch:
       vis &= p[None, :] <= p[:, None]
     rows = self.covered(num_heads).T  # [H, n]: queries (hence, same class, keys) per head
     return vis[None] & rows[:, :, None]
+
+
+def _in_range_congruent(lo, hi, i, period):
+  """How many `j` in `[lo, hi)` have `j = i (mod period)` (elementwise; 0 for empty ranges)."""
+  return np.maximum((hi - 1 - i) // period - (lo - 1 - i) // period, 0)
+
+
+def _distinct_pairs(pattern: DilatedPattern, n: int, num_heads: int) -> int:
+  """`visible_pairs(..., distinct=True)`: for query `i`, branch `b` shows the keys of its
+  segment `[s_b, e_b)` (`e_b <= i + 1` if causal) congruent to `i` modulo `r_b`, when `i`'s
+  residue is one the head reads. The union over branches is counted by inclusion-exclusion:
+  an intersection is the overlap of the segments, congruent to `i` modulo the rates' lcm."""
+  layout = pattern.layout(n, num_heads)
+  i = np.arange(n, dtype=np.int64)
+  bounds = []
+  for br in layout:
+    lo = (i // br.w) * br.w
+    hi = np.minimum(lo + br.w, n)
+    bounds.append((lo, np.minimum(hi, i + 1) if br.causal else hi, (i % br.w) % br.r))
+  groups = {}  # heads reading the same residues in every branch see the same pairs
+  for h in range(num_heads):
+    key = tuple(br.residues(h) for br in layout)
+    groups[key] = groups.get(key, 0) + 1
+  total = 0
+  for residues, count in groups.items():
+    active = [np.isin(res_i, res) for (_, _, res_i), res in zip(bounds, residues)]
+    for subset in range(1, 1 << len(layout)):
+      members = [b for b in range(len(layout)) if subset >> b & 1]
+      lo = np.max([bounds[b][0] for b in members], axis=0)
+      hi = np.min([bounds[b][1] for b in members], axis=0)
+      period = math.lcm(*(layout[b].r for b in members))
+      on = np.logical_and.reduce([active[b] for b in members])
+      sign = 1 if len(members) % 2 else -1
+      total += sign * count * int(np.sum(_in_range_congruent(lo, hi, i, period)[on]))
+  return total
 
 
 def heads_per_kv(num_heads: int, num_kv_heads: int) -> int:

@@ -47,6 +47,28 @@ def test_visible_pairs_counts_the_multiplicity():
   # Branch (4, 1): segments 4, 4, 2 -> 10 + 10 + 3 causal pairs; branch (8, 2): segment of 8
   # with residues of 4 tokens each (10 + 10), a segment of 2 with one token per residue (2).
   assert p.visible_pairs(n, h) == h * ((10 + 10 + 3) + (10 + 10 + 2))
+  # Distinct: branch (8, 2)'s causal pairs inside a segment of 4 are branch (4, 1)'s too: 3 per
+  # residue in [0, 4) and in [4, 8), and the diagonal (8, 8), (9, 9) of the short segments.
+  assert p.visible_pairs(n, h, distinct=True) == h * ((10 + 10 + 3) + (10 + 10 + 2) - 14)
+
+
+@pytest.mark.parametrize("segments,rates", [((8,), (1,)), ((4, 8, 16), (1, 2, 4)),
+                                            ((6, 10, 25), (1, 3, 5)), ((16, 64), (4, 16)),
+                                            ((5, 7), (2, 3))])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("offsets", ["head", "all"])
+@pytest.mark.parametrize("head_groups", [False, True])
+def test_visible_pairs_distinct_counts_the_dense_union(segments, rates, causal, offsets,
+                                                       head_groups):
+  p = DilatedPattern(segments, rates, causal=causal, offsets=offsets, head_groups=head_groups)
+  for n, h in ((23, 4), (64, 3), (40, 8)):
+    if head_groups and h < len(segments):
+      continue
+    union = np.zeros((h, n, n), bool)
+    for br in p.layout(n, h):
+      union |= br.visible(h)
+    assert p.visible_pairs(n, h, distinct=True) == union.sum()
+    assert p.visible_pairs(n, h, distinct=True) <= p.visible_pairs(n, h)
 
 
 x = jnp.zeros((1, 8, 2, 4))

@@ -1,0 +1,119 @@
+"""The real-data examples run end to end at a tiny size: finite results, the JSON they promise,
+learning (losses fall), resumption from their checkpoints, and flag checks."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+LM_TINY = ["--seq-len", "64", "--segments", "8,32,64", "--rates", "1,4,16", "--dim", "32",
+           "--layers", "1", "--heads", "2", "--kv-heads", "1", "--batch", "4", "--steps", "16",
+           "--eval-every", "16", "--eval-windows", "8", "--lr", "1e-2"]
+DIGITS_TINY = ["--size", "8", "--dim", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+               "--batch", "32", "--steps", "40", "--eval-every", "20", "--seeds", "0,1",
+               "--lr", "1e-2"]
+
+
+@pytest.fixture
+def examples(monkeypatch):
+  """The examples import each other as scripts do: from their own folder."""
+  pytest.importorskip("optax")
+  monkeypatch.syspath_prepend(str(EXAMPLES))
+
+
+def finite(*xs):
+  return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
+
+
+def test_lm_real(examples, tmp_path):
+  """Two of the three models (the local one is the dilated layer with one branch: it is built
+  and counted below, not trained, to keep the test short)."""
+  import lm_real  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "lm"
+  result = lm_real.main(LM_TINY + ["--out-dir", str(out), "--models", "full,dilated"])
+  saved = json.loads((out / "lm_real.json").read_text())
+  assert saved["config"] == result["config"]
+  assert {"config", "device", "data", "runs", "summary"} <= saved.keys()
+  split = saved["data"]
+  assert split["train_files"] + split["heldout_files"] == split["files"] > 100
+  assert len(split["heldout_list"]) == split["heldout_files"]
+  assert all(len(split[k]) == 64 for k in ("train_list_sha256", "heldout_list_sha256",
+                                           "train_bytes_sha256", "heldout_bytes_sha256"))
+  runs = {r["model"]: r for r in saved["runs"]}
+  assert list(runs) == ["dilated", "full"]
+  for r in runs.values():
+    assert r["steps"] == 16 and r["params"] == runs["full"]["params"]
+    assert finite(r["heldout_bpb"], r["tokens_per_s"], r["step_seconds"], *r["bpb_by_position"])
+    assert len(r["bpb_by_position"]) == len(r["position_edges"]) - 1
+    assert r["fraction_of_h100_bf16_peak"] is None  # CPU
+    # It learns: from about 8 bits (a uniform guess over bytes) well below.
+    assert r["curves"]["train_bpb"][0] > 7.0
+    assert r["heldout_bpb"] < r["curves"]["train_bpb"][0] - 1.5
+  assert {"dilated", "full", "dilated_bpb_over_full"} <= saved["summary"].keys()
+  assert (out / "lm_real.png").exists() == HAS_MATPLOTLIB
+  # Model FLOPs: full attention scores the most pairs, local the fewest.
+  args = lm_real.parse_args(LM_TINY)
+  lm_real.check_args(args)
+  local, pattern = lm_real.build_model("local", args, "xla", 0)
+  assert pattern.segment_lengths == (8,) and pattern.causal
+  flops = lm_real.common.train_step_flops(
+      local, batch=4, seq_len=64, attention_pairs=pattern.visible_pairs(64, 2, distinct=True),
+      head_dim=16, layers=1)
+  assert runs["full"]["model_flops_per_step"] > runs["dilated"]["model_flops_per_step"] > flops
+  # Again for one model: re-evaluated from its checkpoint (the same figure, the timing kept)
+  # and merged into the same JSON next to the other.
+  again = lm_real.main(LM_TINY + ["--out-dir", str(out), "--models", "dilated"])
+  assert [r["model"] for r in again["runs"]] == ["dilated", "full"]
+  dilated = again["runs"][0]
+  assert dilated["heldout_bpb"] == pytest.approx(runs["dilated"]["heldout_bpb"], rel=1e-5)
+  assert dilated["step_seconds"] == pytest.approx(runs["dilated"]["step_seconds"])
+  assert again["runs"][1] == runs["full"]
+
+
+def test_image_digits(examples, tmp_path):
+  pytest.importorskip("sklearn")
+  import image_digits  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "digits"
+  result = image_digits.main(DIGITS_TINY + ["--out-dir", str(out), "--ckpt-dir", "none"])
+  saved = json.loads((out / "image_digits.json").read_text())
+  assert saved["summary"] == result["summary"]
+  assert saved["data"]["train_images"] + saved["data"]["test_images"] == 1797
+  assert [(r["order"], r["seed"]) for r in saved["runs"]] == [
+      ("hilbert", 0), ("raster", 0), ("hilbert", 1), ("raster", 1)]
+  for r in saved["runs"]:
+    assert finite(r["test_accuracy"], r["test_loss"], r["step_seconds"])
+    losses = r["curves"]["train_loss"]
+    assert len(losses) == 40
+    # It learns: the loss falls from about ln 10, and the test accuracy beats chance (0.1).
+    assert sum(losses[-6:]) / 6 < sum(losses[:6]) / 6 - 0.15
+    assert r["test_accuracy"] > 0.2
+  summary = saved["summary"]
+  for order in ("hilbert", "raster"):
+    assert len(summary[order]["test_accuracy"]) == 2
+    assert finite(summary[order]["mean"], summary[order]["std"])
+  assert len(summary["hilbert_minus_raster"]["per_seed"]) == 2
+  assert (out / "image_digits.png").exists() == HAS_MATPLOTLIB
+
+
+@pytest.mark.parametrize("script,argv,match", [
+    ("lm_real", ["--segments", "8,32", "--rates", "1"], "--segments"),
+    ("lm_real", ["--segments", "32,8", "--rates", "1,4"], "--segments must increase"),
+    ("lm_real", ["--rates", "2,4,16"], "--rates must start with 1"),
+    ("lm_real", ["--models", "dilated,sparse"], "--models"),
+    ("lm_real", ["--dim", "30"], "--dim 30 must be divisible by --heads"),
+    ("lm_real", ["--steps", "0"], "--steps must be positive"),
+    ("lm_real", ["--seeds", "a"], "--seeds"),
+    ("image_digits", ["--size", "4"], "--size must be at least 8"),
+    ("image_digits", ["--kv-heads", "3"], "--kv-heads 3 must divide --heads"),
+    ("image_digits", ["--lr", "-1"], "--lr must be positive"),
+    ("image_digits", ["--seeds", "1,1"], "--seeds must be distinct"),
+])
+def test_bad_flags(examples, script, argv, match):
+  module = __import__(script)
+  with pytest.raises(ValueError, match=match):
+    module.main(argv)
