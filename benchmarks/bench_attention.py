@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from bench_pallas import cudnn_full, cudnn_full_causal, folded_cudnn, jax_mha, tokamax_mosaic
-from common import median_ms
+from timing import median_ms
 from hilbert_ring_jax import DilatedPattern, dilated_attention, dilated_attention_reference
 
 PATTERNS = {"longnet": ((2048, 4096, 8192), (1, 2, 4))}

@@ -42,7 +42,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from common import median_ms
+from timing import median_ms
 from hilbert_ring_jax import (DilatedPattern, dilated_attention, dilated_attention_prefill,
                               dilated_attention_step, init_kv_cache)
 

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import median_ms
+from timing import median_ms
 from hilbert_ring_jax import DilatedPattern, dilated_attention, merge
 
 LONGNET = ((2048, 4096, 8192), (1, 2, 4))

@@ -22,7 +22,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from common import median_ms
+from timing import median_ms
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 from hilbert_ring_jax.ring import sharded_dilated_attention
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from bench_attention import impl_fn
 from bench_pallas import outputs_and_grads, rel_l2
-from common import median_ms
+from timing import median_ms
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 from hilbert_ring_jax.backends import mosaic
 

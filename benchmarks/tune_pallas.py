@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import median_ms
+from timing import median_ms
 from hilbert_ring_jax import DilatedPattern
 from hilbert_ring_jax.backends import pallas
 

@@ -18,7 +18,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas.ops.gpu import attention_mgpu as am
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])  # benchmarks/
-from common import median_ms  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 
 def strided_tiles(b=2, n=8192, h=8, d=128, w=2048, r=4, t=64):
