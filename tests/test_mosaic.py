@@ -12,14 +12,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 import helpers
 from helpers import Case
 from hilbert_ring_jax import backends
-from hilbert_ring_jax.backends import base, mosaic, xla
+from hilbert_ring_jax.backends import base, mosaic
 
 INTERPRET = pytest.mark.skipif(
     jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",

@@ -13,15 +13,18 @@ shared key/value head. What changes is the engine, built from Hopper's own parts
   the free view `[B, N/L, L, H, D]` (row index `p // L`, class `p % L`), a stride-1 key
   piece a box of `[B, N, Hkv, D]`; the tiles land in 128-byte-swizzled shared memory;
 - both products are wgmma (QK^T from shared memory, PV with P from registers), with an
-  online base-2 softmax in float32.
+  online base-2 softmax in float32 (one fused multiply-add per score: the piece's `log2 m`
+  rides in the running maximum); the two consumers take turns on the tensor cores, so one's
+  softmax overlaps the other's matrix products; blocks inside a piece and before every query
+  of a consumer run without a mask.
 
 The output goes back through shared memory with TMA stores; lse is written as
 `[B, H, L, N/L]` (contiguous per row, so TMA can store it) and transposed outside.
 Boxes past the end of an input read zeros (the kernel masks keys past each piece's end);
 outputs are allocated in whole periods, so that no store runs past their end, and sliced.
-Rows must come in whole program blocks (`2 * block_q` positions per row and period), else `supports` declines; a
-length that `8 * L` does not divide is zero-padded (a copy, only then: the views' row axes
-must be whole tiles of 8).
+Rows must come in whole program blocks (`2 * block_q` positions per row and period), else
+`supports` declines; a length that `8 * L` does not divide is zero-padded (a copy, only then:
+the views' row axes must be whole tiles of 8).
 
 The backward is the "triton" backend's (the kernel contract makes passes interchangeable);
 a Mosaic backward is future work. `Config(interpret=True)` runs the forward in Mosaic GPU
@@ -208,8 +211,10 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   interpret = config.interpret
   rc, pc = schedule.ROW_COLUMNS, schedule.PIECE_COLUMNS
 
-  def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref, v5_ref, out_ref,
-             lse_ref, smem, bars, free):
+  def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref,
+             v5_ref, out_ref, lse_ref, smem, bars, free):
+    """One program: (row block, batch x period) = the grid position plus `origin` (interpret
+    mode launches programs one by one)."""
     q_smem, k_smem, v_smem, o_smem, lse_smem = smem
     q_bar, k_bar, v_bar = bars
     (k_free, v_free), turn = free
