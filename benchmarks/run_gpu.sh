@@ -10,7 +10,10 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 WHL=${WHL:-.whl}; SITE=${SITE:-/tmp/site}
-# WHL_EXTRA (e.g. .whl_tk: tokamax and the wheels it needs) is installed alongside.
+# WHL_EXTRA (e.g. .whl_tk: tokamax and the wheels it needs) is installed alongside; made with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform \
+#     manylinux2014_x86_64 -d .whl_tk tokamax==0.0.17 qwix einshape immutabledict \
+#     pydantic==2.14.3 pydantic-core==2.50.4 annotated-types typing-inspection absl-py
 WHEELS=$(ls "$WHL"/*.whl ${WHL_EXTRA:+"$WHL_EXTRA"/*.whl} 2>/dev/null)
 if [ -n "$WHEELS" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
