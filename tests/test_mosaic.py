@@ -50,7 +50,7 @@ def test_interpret_nested_gqa_float16():
 def test_interpret_causal_partial_float32_partials():
   """Causal, offsets="all", a partial last segment (N = 640, w = 512), head dim 128, float32
   partials (the output tile in its own shared-memory buffer), blocks of 64 keys, 3 stages."""
-  case = Case(640, 2, 2, (256, 512), (1, 2), offsets="all", head_dim=128)
+  case = Case(640, 1, 1, (256, 512), (1, 2), offsets="all", head_dim=128)
   _forward_vs_reference(case, True, jnp.bfloat16, None,
                         mosaic.Config(interpret=True, block_k=64, stages=3))
 
