@@ -119,7 +119,7 @@ def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_hea
     s = schedule.build(pattern, n, num_heads, num_kv_heads, fused, False)
     if s.period % s.stride or np.any(s.rows[:, schedule.ROW_LENGTH] % rows):
       return (f"the mosaic backend needs query rows of whole blocks of {rows} positions "
-              f"(segment / dilation rate a multiple of {rows}); got rows of "
+              f"(the shortest segment over the rates' lcm a multiple of {rows}); got rows of "
               f"{sorted(set(s.rows[:, schedule.ROW_LENGTH].tolist()))}")
   return None
 
@@ -159,16 +159,9 @@ def supports(problem: Problem) -> Support:
   return YES
 
 
-class _ValueAcc:
-  """Interpret mode's stand-in for a wgmma accumulator ref: the interpreter runs neither
-  `run_state` nor wgmma with a register operand, so P @ V becomes a `jnp.dot` there."""
-
-  def __init__(self, value):
-    self.value = value
-
-
 def _accumulate(acc, a, b_ref, interpret: bool):
-  """`acc + a @ b_ref` with a wgmma (registers `a`, shared-memory `b_ref`)."""
+  """`acc + a @ b_ref` with a wgmma (registers `a`, shared-memory `b_ref`). Interpret mode
+  runs neither `run_state` nor a wgmma with a register operand: a `jnp.dot` there."""
   if interpret:
     return acc + jnp.dot(a, b_ref[...], preferred_element_type=jnp.float32)
 
