@@ -198,9 +198,9 @@ def tokamax_mosaic(q, k, v, pattern, scale):
                                           implementation="mosaic")
 
 
-def ours(name):
+def ours(name, config=None):
   def fn(q, k, v, pattern, scale):
-    return dilated_attention(q, k, v, pattern, scale=scale, implementation=name)
+    return dilated_attention(q, k, v, pattern, scale=scale, implementation=name, config=config)
   return fn
 
 

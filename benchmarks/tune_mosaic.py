@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_attention import impl_fn
-from bench_pallas import outputs_and_grads, rel_l2
+from bench_pallas import ours, outputs_and_grads, rel_l2
 from timing import median_ms
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 from hilbert_ring_jax.backends import mosaic
@@ -31,11 +31,6 @@ from hilbert_ring_jax.backends import mosaic
 LONGNET = ((2048, 4096, 8192), (1, 2, 4))
 VARIANTS = {"q64k128s2": dict(block_q=64, block_k=128, stages=2),
             "q128k64s2": dict(block_q=128, block_k=64, stages=2)}
-
-
-def ours(name, config=None):
-  return lambda q, k, v, pattern, s: dilated_attention(q, k, v, pattern, scale=s,
-                                                       implementation=name, config=config)
 
 
 def diagnose():

@@ -27,12 +27,11 @@ INTERPRET = pytest.mark.skipif(
 
 
 def _forward_vs_reference(case, causal, dtype, out_dtype, config):
-  q, k, v, *_ = helpers.random_inputs(case, dtype, 0)
+  q, k, v, dout, dlse = helpers.random_inputs(case, dtype, 0)
   pattern = case.pattern(causal)
   out, lse = mosaic.forward(q, k, v, pattern, case.head_dim ** -0.5, config=config,
                             out_dtype=out_dtype)
-  ref_out, ref_lse, _ = helpers.reference(case, causal, q, k, v, *helpers.random_inputs(
-      case, dtype, 0)[3:])
+  ref_out, ref_lse, _ = helpers.reference(case, causal, q, k, v, dout, dlse)
   assert out.dtype == (out_dtype or jnp.float32) and out.shape == q.shape
   assert helpers.rel_err(out, ref_out) < helpers.TOL[dtype]
   helpers.check_lse(lse, ref_lse, helpers.TOL[dtype])
@@ -41,7 +40,7 @@ def _forward_vs_reference(case, causal, dtype, out_dtype, config):
 @INTERPRET
 def test_interpret_nested_gqa_float16():
   """Two nested branches in one launch (strided rows and pieces), two query heads on one
-  key/value head, four programs; bf16 output written by the kernel."""
+  key/value head, four programs; float16 output written by the kernel."""
   case = Case(512, 2, 1, (256, 512), (1, 2), head_dim=64)
   _forward_vs_reference(case, False, jnp.float16, jnp.float16, mosaic.Config(interpret=True))
 

@@ -112,8 +112,8 @@ def _is_hopper() -> bool:
 
 
 def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_heads: int,
-                     branches, config: Config) -> str | None:
-  """Why the schedule of this problem does not fit the kernel's blocks, or None."""
+                     branches, config: Config, batch: int = 1) -> str | None:
+  """Why the schedule of this problem does not fit the kernel's blocks or grid, or None."""
   rows = 2 * config.block_q
   for fused in schedule.launches(pattern, n, num_heads, branches):
     s = schedule.build(pattern, n, num_heads, num_kv_heads, fused, False)
@@ -121,6 +121,9 @@ def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_hea
       return (f"the mosaic backend needs query rows of whole blocks of {rows} positions "
               f"(the shortest segment over the rates' lcm a multiple of {rows}); got rows of "
               f"{sorted(set(s.rows[:, schedule.ROW_LENGTH].tolist()))}")
+    if s.periods * batch > _MAX_GRID_Y:
+      return (f"the mosaic backend launches at most {_MAX_GRID_Y} batch x period programs; "
+              f"got {batch} x {s.periods}")
   return None
 
 
@@ -149,13 +152,8 @@ def supports(problem: Problem) -> Support:
     return no("the mosaic backend writes float32 partials (ring steps, branch-by-branch "
               "launches) only up to head dim 128: at 256 their tiles exceed shared memory")
   if why := geometry_problem(problem.pattern, n, h, problem.kv_shape[2], problem.branches,
-                             Config().resolved(d)):
+                             Config().resolved(d), b):
     return no(why)
-  for fused in launches:
-    periods = schedule.build(problem.pattern, n, h, problem.kv_shape[2], fused, False).periods
-    if periods * b > _MAX_GRID_Y:
-      return no(f"the mosaic backend launches at most {_MAX_GRID_Y} batch x period "
-                f"programs; got {b} x {periods}")
   return YES
 
 
@@ -447,7 +445,7 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
 
 def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
   batch, n, num_heads, _ = q.shape
-  if why := geometry_problem(pattern, n, num_heads, k.shape[2], branches, config):
+  if why := geometry_problem(pattern, n, num_heads, k.shape[2], branches, config, batch):
     raise NotImplementedError(why)
   launches = schedule.launches(pattern, n, num_heads, branches)
   dtype = (out_dtype or jnp.float32) if len(launches) == 1 else jnp.float32
