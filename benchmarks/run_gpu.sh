@@ -10,11 +10,15 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 WHL=${WHL:-.whl}; SITE=${SITE:-/tmp/site}
-# WHL_EXTRA (e.g. .whl_tk: tokamax and the wheels it needs) is installed alongside; made with
+# WHL_EXTRA (directories, space-separated) is installed alongside: .whl_tk (tokamax and the
+# wheels it needs) made with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform \
 #     manylinux2014_x86_64 -d .whl_tk tokamax==0.0.17 qwix einshape immutabledict \
 #     pydantic==2.14.3 pydantic-core==2.50.4 annotated-types typing-inspection absl-py
-WHEELS=$(ls "$WHL"/*.whl ${WHL_EXTRA:+"$WHL_EXTRA"/*.whl} 2>/dev/null)
+# and .whl_ex (the examples' needs: the same command with -d .whl_ex scikit-learn joblib
+#     threadpoolctl tqdm matplotlib contourpy cycler fonttools kiwisolver pillow pyparsing
+#     python-dateutil six, and --platform manylinux_2_28_x86_64).
+WHEELS=$(for d in "$WHL" ${WHL_EXTRA:-}; do ls "$d"/*.whl; done 2>/dev/null)
 if [ -n "$WHEELS" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$SITE" $WHEELS && export PYTHONPATH=$SITE:${PYTHONPATH:-}
