@@ -58,23 +58,26 @@ _MAX_GRID_Y = 65535
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-  """Launch choices of the "mosaic" forward (keyword-only; None: tuned defaults).
+  """Launch choices of the "mosaic" kernels (keyword-only; None: tuned defaults).
 
   Attributes:
-    block_q: query rows per consumer warpgroup (64 or 128; a program takes twice as many).
-    block_k: keys per pipeline step (64 or 128).
-    stages: key/value blocks in flight (2..4).
+    block_q: forward: query rows per consumer warpgroup (64 or 128; a program takes twice
+      as many).
+    block_k: forward: keys per pipeline step (64 or 128).
+    stages: forward: key/value blocks in flight (2..4).
+    backward_stages: backward: blocks in flight (2..4; blocks of 64 queries and keys).
     interpret: run in Mosaic GPU interpret mode (CPU, JAX >= 0.11; slow: for tests).
   """
 
   block_q: int | None = None
   block_k: int | None = None
   stages: int | None = None
+  backward_stages: int | None = None
   interpret: bool = False
 
   def __post_init__(self):
     for name, allowed in (("block_q", (64, 128)), ("block_k", (64, 128)),
-                          ("stages", (2, 3, 4))):
+                          ("stages", (2, 3, 4)), ("backward_stages", (2, 3, 4))):
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or value not in allowed):
         raise ValueError(f"{name} must be None or one of {allowed}, got {name}={value!r}")
@@ -83,12 +86,15 @@ class Config:
 
   def resolved(self, head_dim: int, itemsize: int = 2, out_itemsize: int = 2) -> Config:
     """This config with the tuned defaults filled in: the first of the preferred tiles whose
-    buffers fit in shared memory (float32 outputs take a tile of their own). `ValueError`
-    if the chosen tiles do not fit."""
+    buffers fit in shared memory (float32 outputs take a tile of their own), and the most
+    backward stages that fit (up to 3). `ValueError` if the chosen forward tiles do not
+    fit; backward stages that do not fit are `backward_problem`'s to report."""
+    stages = self.backward_stages or max(
+        [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize) <= _SMEM_BYTES] or [2])
     preferred = [(64, 128 if head_dim <= 128 else 64, 2), (64, 64, 3), (64, 64, 2)]
-    for bq, bk, stages in preferred:
+    for bq, bk, fwd_stages in preferred:
       config = dataclasses.replace(self, block_q=self.block_q or bq, block_k=self.block_k or bk,
-                                   stages=self.stages or stages)
+                                   stages=self.stages or fwd_stages, backward_stages=stages)
       if _smem_bytes(config, head_dim, itemsize, out_itemsize) <= _SMEM_BYTES:
         return config
     raise ValueError(
@@ -102,6 +108,19 @@ def _smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int)
   kv = 2 * config.stages * config.block_k * head_dim * itemsize
   out = 0 if out_itemsize == itemsize else 2 * config.block_q * head_dim * out_itemsize
   return q + kv + out + 2 * config.block_q * 4 + 3072  # + lse tiles, barriers, alignment
+
+
+_BWD_BLOCK = 64  # queries and keys per backward block (a program: two blocks of a row)
+
+
+def _backward_smem_bytes(stages: int, head_dim: int, itemsize: int) -> int:
+  """Both backward kernels hold, per consumer, two resident tiles (q and dout, or k and v)
+  and a float32 output tile, and a ring of two streamed tiles (k and v, or q and dout) and
+  two row statistics."""
+  tile = _BWD_BLOCK * head_dim
+  resident = 2 * 2 * tile * itemsize + 2 * tile * 4
+  ring = stages * (2 * tile * itemsize + 2 * _BWD_BLOCK * 4)
+  return resident + ring + 2 * 2 * _BWD_BLOCK * 4 + 3072
 
 
 def _is_hopper() -> bool:
@@ -128,25 +147,22 @@ def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_hea
 
 
 def supports(problem: Problem) -> Support:
-  """Hopper GPUs (sm_90); bf16 and f16; head dims 64, 128 (and 256 where the output is final);
-  rows of whole blocks."""
+  """Hopper GPUs (sm_90); bf16 and f16; head dims 64, 128 (and, forward only, 256 where the
+  output is final); rows of whole blocks."""
   if problem.platform != "gpu" or not _is_hopper():
     return no("the mosaic backend runs on Hopper GPUs (sm_90) only")
   if jax.__version_info__ < (0, 11):
-    return no(f"the mosaic backend needs JAX >= 0.11 (its kernel lowers with 0.11's Mosaic "
+    return no(f"the mosaic backend needs JAX >= 0.11 (its kernels lower with 0.11's Mosaic "
               f"GPU); this is {jax.__version__}")
-  try:  # the backward is triton's
-    from . import triton  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    return no(f"the mosaic backend's backward pass is the triton backend's: unavailable ({e})")
-  if not (backward := triton.supports(problem)):
-    return no(f"the mosaic backend's backward pass is the triton backend's: {backward.reason}")
   if not any(problem.dtype == t for t in (jnp.bfloat16, jnp.float16)):
     return no(f"the mosaic backend runs bf16 and f16, got {problem.dtype}")
   d = problem.head_dim
   if d not in (64, 128, 256):
     return no(f"the mosaic backend needs a head dim of 64, 128 or 256; got {d}")
   b, n, h, _ = problem.q_shape
+  if problem.backward and d == 256:
+    return no("the mosaic backward runs head dims 64 and 128 (at 256 its tiles exceed "
+              "shared memory)")
   launches = schedule.launches(problem.pattern, n, h, problem.branches)
   if d == 256 and (problem.varying or len(launches) > 1):
     return no("the mosaic backend writes float32 partials (ring steps, branch-by-branch "
@@ -155,18 +171,6 @@ def supports(problem: Problem) -> Support:
                              Config().resolved(d), b):
     return no(why)
   return YES
-
-
-def _accumulate(acc, a, b_ref, interpret: bool):
-  """`acc + a @ b_ref` with a wgmma (registers `a`, shared-memory `b_ref`). Interpret mode
-  runs neither `run_state` nor a wgmma with a register operand: a `jnp.dot` there."""
-  if interpret:
-    return acc + jnp.dot(a, b_ref[...], preferred_element_type=jnp.float32)
-
-  def update(acc_ref):
-    plgpu.wgmma(acc_ref, a, b_ref)
-
-  return pl.run_state(update)(plgpu.ACC.init(acc))
 
 
 def _cut(first, count, stride, base, n):
@@ -186,116 +190,275 @@ def _swizzled(dtype):
   return (plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(128))
 
 
+def _ceil_div(a, b):
+  return lax.div(a + b - 1, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  """What one program knows of its row (traced): batch `b`, the period's first position
+  `base`, the row's head, first position and length (cut at n), its pieces `[p0, p1)`, its
+  row `row0` and class `cls` in the strided view, and the program's first position `start`
+  in the row (`block_rows` positions per program)."""
+  b: jax.Array
+  base: jax.Array
+  head: jax.Array
+  first: jax.Array
+  nrows: jax.Array
+  p0: jax.Array
+  p1: jax.Array
+  row0: jax.Array
+  cls: jax.Array
+  start: jax.Array
+
+  @classmethod
+  def decode(cls, origin_ref, rows_ref, sched: schedule.Schedule, block_rows: int, n: int):
+    """The grid position (plus `origin`: interpret mode launches programs one by one)."""
+    row_blocks, rc = sched.row_blocks(block_rows), schedule.ROW_COLUMNS
+    pid = lax.axis_index("row") + origin_ref[0]
+    bp = lax.axis_index("bp") + origin_ref[1]
+    r = lax.div(pid, row_blocks)
+    base = lax.rem(bp, sched.periods) * sched.period
+    first = rows_ref[r * rc + schedule.ROW_FIRST]
+    return cls(b=lax.div(bp, sched.periods), base=base, head=rows_ref[r * rc + schedule.ROW_HEAD],
+               first=first,
+               nrows=_cut(first, rows_ref[r * rc + schedule.ROW_LENGTH], sched.stride, base, n),
+               p0=rows_ref[r * rc + schedule.ROW_PIECE0],
+               p1=rows_ref[r * rc + schedule.ROW_PIECE1],
+               row0=lax.div(base + first, sched.stride), cls=lax.rem(base + first, sched.stride),
+               start=lax.rem(pid, row_blocks) * block_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+  """Piece `p` of the row (traced): the other side's head, first position, stride, length
+  (cut at n) and `log2 m`."""
+  head: jax.Array
+  first: jax.Array
+  stride: jax.Array
+  count: jax.Array
+  bias: jax.Array
+
+  @classmethod
+  def decode(cls, pieces_ref, bias_ref, p, base, n):
+    pc = schedule.PIECE_COLUMNS
+    first = pieces_ref[p * pc + schedule.PIECE_FIRST]
+    stride = pieces_ref[p * pc + schedule.PIECE_STRIDE]
+    return cls(head=pieces_ref[p * pc + schedule.PIECE_HEAD], first=first, stride=stride,
+               count=_cut(first, pieces_ref[p * pc + schedule.PIECE_LENGTH], stride, base, n),
+               bias=bias_ref[p])
+
+
+def _load_run(src, strided_src, dst, bar, at, n0, size, stride, L, index):
+  """TMA of positions `at + stride * (n0 + i)`, i < size, into `dst`: from `src`
+  (`[B, N, ...]`) when the stride is 1, else from its strided view `strided_src`
+  (`[B, N/L, L, ...]`). `index(rows, cls)` makes the ref index (`cls` None for `src`)."""
+
+  def unit():
+    plgpu.copy_gmem_to_smem(src.at[index(pl.ds(_aligned(at + n0), size), None)], dst, bar)
+
+  def strided():
+    rows = pl.ds(_aligned(lax.div(at, L) + n0), size)
+    plgpu.copy_gmem_to_smem(strided_src.at[index(rows, lax.rem(at, L))], dst, bar)
+
+  if L == 1:
+    unit()
+  else:
+    pl.when(stride == 1)(unit)
+    pl.when(stride != 1)(strided)
+
+
+def _produce(prog: _Program, blocks, streams, stages: int):
+  """The producer warpgroup: for each piece `p` of the row and block `j` in `blocks(p) =
+  (piece, lo, hi)`, for each stream `(free, load)`: wait until the slot is free (after the
+  first round), then `load(piece, j, slot)`, which issues the stream's TMA copies. The
+  consumers walk the same blocks in the same order (`_walk`) and arrive on `free` (two
+  arrivals) when done with a buffer."""
+  plgpu.set_max_registers(40, action="decrease")
+
+  def per_piece(p, step):
+    piece, lo, hi = blocks(p)
+
+    def per_block(j, step):
+      slot = lax.rem(step, stages)
+      for free, load in streams:
+        @pl.when(step >= stages)
+        def _():
+          plgpu.barrier_wait(free.at[slot])
+
+        load(piece, j, slot)
+      return step + 1
+
+    return lax.fori_loop(lo, hi, per_block, step)
+
+  steps = lax.fori_loop(prog.p0, prog.p1, per_piece, jnp.int32(0))
+  # Wait for the consumers to release the last buffers: every phase of a barrier is
+  # observed before the block exits (needed by interpret mode, free on the GPU).
+  for i in range(stages):
+    step = steps - stages + i
+
+    @pl.when(step >= 0)
+    def _():
+      for free, _ in streams:
+        plgpu.barrier_wait(free.at[lax.rem(step, stages)])
+
+
+def _walk(prog: _Program, ranges, step, carry):
+  """A consumer's pass over the blocks `_produce` loads: `ranges(p) = (piece, lo, a, b, hi)`,
+  blocks `[a, b)` unmasked, the rest of `[lo, hi)` masked; `step(carry, piece, j, masked)`."""
+
+  def per_piece(p, carry):
+    piece, lo, a, b, hi = ranges(p)
+    for begin, end, masked in ((lo, a, True), (a, b, False), (b, hi, True)):
+      carry = lax.fori_loop(begin, end, functools.partial(
+          lambda masked, j, c: step(c, piece, j, masked), masked), carry)
+    return carry
+
+  return lax.fori_loop(prog.p0, prog.p1, per_piece, carry)
+
+
+def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first=None):
+  """Key pieces of a query row (forward, dq): `(piece, 0, 0, unmasked, blocks)` where
+  `blocks` covers the keys any query of the program sees and the first `unmasked` blocks
+  hold keys that exist and (causal) precede `q_first`, a consumer's first query; with
+  `q_first` None, `(piece, lo, hi)` for the producer."""
+  hi_q = prog.first + L * (jnp.minimum(prog.start + block_rows, prog.nrows) - 1)
+
+  def seen(piece, pos):  # keys of the piece at or before position `pos`
+    if not causal:
+      return piece.count
+    return jnp.where(pos >= piece.first,
+                     jnp.minimum(piece.count, lax.div(pos - piece.first, piece.stride) + 1), 0)
+
+  def ranges(p):
+    piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n)
+    blocks = _ceil_div(seen(piece, hi_q), bk)
+    if q_first is None:
+      return piece, 0, blocks
+    unmasked = jnp.minimum(lax.div(seen(piece, q_first), bk), blocks)
+    return piece, 0, 0, unmasked, blocks
+
+  return ranges
+
+
+def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last=None):
+  """Query pieces of a key row (dk/dv): `(piece, lo, a, b, hi)` where `[lo, hi)` covers the
+  queries that see any key of the program (causal: at or after its first key), `[a, b)` the
+  blocks of queries that exist and see every key up to `k_last`, a consumer's last key;
+  with `k_last` None, `(piece, lo, hi)` for the producer."""
+  k_first = prog.first + L * prog.start
+
+  def before(piece, pos):  # queries of the piece before position `pos`
+    if not causal:
+      return jnp.int32(0)
+    return jnp.where(pos > piece.first,
+                     jnp.minimum(piece.count, _ceil_div(pos - piece.first, piece.stride)), 0)
+
+  def ranges(p):
+    piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n)
+    lo, hi = lax.div(before(piece, k_first), bq), _ceil_div(piece.count, bq)
+    if k_last is None:
+      return piece, lo, hi
+    a = jnp.maximum(lo, _ceil_div(before(piece, k_last), bq))
+    return piece, lo, a, jnp.maximum(a, lax.div(piece.count, bq)), hi
+
+  return ranges
+
+
+def _accumulate(acc, a, b_ref, interpret: bool):
+  """`acc + a @ b_ref` with a wgmma (registers `a`, shared-memory `b_ref`). Interpret mode
+  runs neither `run_state` nor a wgmma with a register operand: a `jnp.dot` there."""
+  if interpret:
+    return acc + jnp.dot(a, b_ref[...], preferred_element_type=jnp.float32)
+
+  def update(acc_ref):
+    plgpu.wgmma(acc_ref, a, b_ref)
+
+  return pl.run_state(update)(plgpu.ACC.init(acc))
+
+
+def _products(pairs, shape):
+  """`[a @ b for a, b in pairs]` (shared-memory operands, float32 `shape`), issued together
+  as wgmmas and awaited once."""
+
+  def run(accs):
+    for acc, (a, b) in zip(accs, pairs):
+      plgpu.wgmma(acc, a, b)
+    return [acc[...] for acc in accs]
+
+  return pl.run_scoped(run, [plgpu.ACC(shape, jnp.float32) for _ in pairs])
+
+
+def _run(entry, out_type, grid, args, interpret: bool):
+  """Launch `entry` over `grid` (names "row", "bp"; 3 warpgroups "wg"). Interpret mode runs
+  one block at a time only (barriers of concurrent blocks collide): one launch per program,
+  its coordinates as the `origin` input, each writing its own rows into zeroed buffers."""
+  launch = functools.partial(
+      plgpu.kernel, entry, out_type=out_type, grid_names=("row", "bp"), num_threads=3,
+      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
+  if not interpret:
+    return launch(grid=grid)(jnp.zeros((2,), jnp.int32), *args)
+  call = launch(grid=(1, 1), interpret=plgpu.InterpretGPUParams(
+      out_of_bounds_reads="uninitialized", uninitialized_memory="zero"))
+  outs = [jnp.zeros(t.shape, t.dtype) for t in out_type]
+  for origin in np.ndindex(*grid):
+    outs = [a + b for a, b in zip(outs, call(jnp.asarray(origin, jnp.int32), *args))]
+  return outs
+
+
+def _n_out(sched: schedule.Schedule, n_pad: int) -> int:
+  """Outputs cover whole periods (every program's boxes lie inside them): TMA stores that
+  run past the end of an array are not clipped reliably on the GPU (measured: rows of the
+  last, partial period landed at the start), so none is issued."""
+  L = sched.stride
+  return max(n_pad, -(-sched.periods * sched.period // (8 * L)) * 8 * L)
+
+
 def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
                     scale: float, out_dtype, config: Config):
   """One launch over the padded `q, k, v [B, Np, H(kv), D]`: (out [B, No, H, D], lse
   [B, No, H]), `No >= Np` (whole periods)."""
   batch, n_pad, num_heads, d = q.shape
-  num_kv = k.shape[2]
   dtype = q.dtype
-  L, period, periods = sched.stride, sched.period, sched.periods
+  L = sched.stride
   bq, bk, stages = config.block_q, config.block_k, config.stages
   block_rows = 2 * bq
-  row_blocks = sched.row_blocks(block_rows)
-  per_kv = heads_per_kv(num_heads, num_kv)
+  per_kv = heads_per_kv(num_heads, k.shape[2])
   qk_scale = scale * _LOG2E
   interpret = config.interpret
-  rc, pc = schedule.ROW_COLUMNS, schedule.PIECE_COLUMNS
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref,
              v5_ref, out_ref, lse_ref, smem, bars, free):
-    """One program: (row block, batch x period) = the grid position plus `origin` (interpret
-    mode launches programs one by one)."""
     q_smem, k_smem, v_smem, o_smem, lse_smem = smem
     q_bar, k_bar, v_bar = bars
     (k_free, v_free), turn = free
     wg = lax.axis_index("wg")
-    pid = lax.axis_index("row") + origin_ref[0]
-    bp = lax.axis_index("bp") + origin_ref[1]
-    r = lax.div(pid, row_blocks)
-    start = lax.rem(pid, row_blocks) * block_rows
-    b = lax.div(bp, periods)
-    base = lax.rem(bp, periods) * period
-    head = rows_ref[r * rc + schedule.ROW_HEAD]
-    first = rows_ref[r * rc + schedule.ROW_FIRST]
-    nrows = _cut(first, rows_ref[r * rc + schedule.ROW_LENGTH], L, base, n)
-    p0 = rows_ref[r * rc + schedule.ROW_PIECE0]
-    p1 = rows_ref[r * rc + schedule.ROW_PIECE1]
-    row0 = lax.div(base + first, L)  # the row in the [B, Np/L, L, ...] view, and its class
-    cls = lax.rem(base + first, L)
-    hi = first + L * (jnp.minimum(start + block_rows, nrows) - 1)  # last query (in period)
+    prog = _Program.decode(origin_ref, rows_ref, sched, block_rows, n)
+    b, head, cls = prog.b, prog.head, prog.cls
     kv_head = lax.div(head, per_kv)
 
-    def piece(p):
-      """(first, stride, length cut at n, log2 m, blocks this program visits) of piece p."""
-      kf = pieces_ref[p * pc + schedule.PIECE_FIRST]
-      ks = pieces_ref[p * pc + schedule.PIECE_STRIDE]
-      count = _cut(kf, pieces_ref[p * pc + schedule.PIECE_LENGTH], ks, base, n)
-      visible = count
-      if causal:
-        visible = jnp.where(hi >= kf, jnp.minimum(count, lax.div(hi - kf, ks) + 1), 0)
-      return kf, ks, count, bias_ref[p], lax.div(visible + bk - 1, bk)
+    def kv_stream(src4, src5, smem, bar):
+      def load(piece, j, slot):
+        _load_run(src4, src5, smem.at[slot], bar.at[slot], prog.base + piece.first, j * bk, bk,
+                  piece.stride, L, lambda rows, c: (b, rows, kv_head) if c is None else
+                  (b, rows, c, kv_head))
+      return load
 
     def producer():
-      plgpu.set_max_registers(40, action="decrease")
-
-      def load(src4, src5, dst, bar, kf, ks, n0):
-        at = base + kf
-        if L == 1:
-          plgpu.copy_gmem_to_smem(src4.at[b, pl.ds(_aligned(at + n0), bk), kv_head], dst, bar)
-          return
-
-        @pl.when(ks == 1)
-        def _():
-          plgpu.copy_gmem_to_smem(src4.at[b, pl.ds(_aligned(at + n0), bk), kv_head], dst, bar)
-
-        @pl.when(ks != 1)
-        def _():
-          plgpu.copy_gmem_to_smem(src5.at[b, pl.ds(_aligned(lax.div(at, L) + n0), bk),
-                                          lax.rem(at, L), kv_head], dst, bar)
-
-      def per_piece(p, step):
-        kf, ks, _, _, blocks = piece(p)
-
-        def per_block(j, step):
-          slot = lax.rem(step, stages)
-
-          @pl.when(step >= stages)
-          def _():
-            plgpu.barrier_wait(k_free.at[slot])
-
-          load(k4_ref, k5_ref, k_smem.at[slot], k_bar.at[slot], kf, ks, j * bk)
-
-          @pl.when(step >= stages)
-          def _():
-            plgpu.barrier_wait(v_free.at[slot])
-
-          load(v4_ref, v5_ref, v_smem.at[slot], v_bar.at[slot], kf, ks, j * bk)
-          return step + 1
-
-        return lax.fori_loop(0, blocks, per_block, step)
-
-      steps = lax.fori_loop(p0, p1, per_piece, jnp.int32(0))
-      # Wait for the consumers to release the last buffers: every phase of a barrier is
-      # observed before the block exits (needed by interpret mode, free on the GPU).
-      for i in range(stages):
-        step = steps - stages + i
-
-        @pl.when(step >= 0)
-        def _():
-          plgpu.barrier_wait(k_free.at[lax.rem(step, stages)])
-          plgpu.barrier_wait(v_free.at[lax.rem(step, stages)])
+      _produce(prog, _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk),
+               [(k_free, kv_stream(k4_ref, k5_ref, k_smem, k_bar)),
+                (v_free, kv_stream(v4_ref, v5_ref, v_smem, v_bar))], stages)
 
     def consumer():
       plgpu.set_max_registers(232, action="increase")
       q_tile = q_smem.at[wg]
-      q_start = start + wg * bq
-      q_rows = pl.ds(_aligned(row0 + q_start), bq)
+      q_start = prog.start + wg * bq
+      q_rows = pl.ds(_aligned(prog.row0 + q_start), bq)
       plgpu.copy_gmem_to_smem(q_ref.at[b, q_rows, cls, head], q_tile, q_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
       rows_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-      q_first = first + L * q_start  # this warpgroup's first query (in the period)
+      q_first = prog.first + L * q_start  # this warpgroup's first query (in the period)
       qpos = q_first + L * rows_iota
       row_stat = plgpu.Layout.WGMMA.reduce(1)
       acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
@@ -307,7 +470,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
 
-      def step(carry, kf, ks, count, bias, j, masked: bool):
+      def step(carry, piece, j, masked: bool):
         """One key block: scores, online softmax (base 2; `m` includes the piece's
         `log2 m` bias, so p is one fused multiply-add and an exp2 per score), P @ V.
         Unmasked blocks (all keys exist and precede every query) skip the mask."""
@@ -324,10 +487,11 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         plgpu.barrier_arrive(k_free.at[slot])
         if masked:
           key = j * bk + cols_iota
-          visible = key < count
+          visible = key < piece.count
           if causal:
-            visible = visible & (kf + ks * key <= qpos)
+            visible = visible & (piece.first + piece.stride * key <= qpos)
           s = jnp.where(visible, s, -jnp.inf)
+        bias = piece.bias
         m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale + bias)
         # Rows that have seen nothing yet (masked blocks only) subtract 0, not -inf.
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
@@ -343,24 +507,11 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l_i, step + 1
 
-      def per_piece(p, carry):
-        kf, ks, count, bias, blocks = piece(p)
-        # Blocks [0, unmasked): every key exists and (causal) precedes this warpgroup's
-        # first query; the rest up to `blocks` (the program's) are masked.
-        seen_by_all = count
-        if causal:
-          seen_by_all = jnp.where(q_first >= kf,
-                                  jnp.minimum(count, lax.div(q_first - kf, ks) + 1), 0)
-        unmasked = jnp.minimum(lax.div(seen_by_all, bk), blocks)
-        carry = lax.fori_loop(
-            0, unmasked, lambda j, c: step(c, kf, ks, count, bias, j, False), carry)
-        return lax.fori_loop(
-            unmasked, blocks, lambda j, c: step(c, kf, ks, count, bias, j, True), carry)
-
       # Ping-pong: consumer 1 starts one turn behind, consumer 0 ends with an extra turn,
       # so while one runs its softmax the other's wgmma runs.
       pl.when(wg == 1)(take_turn)
-      acc, m_i, l_i, _ = lax.fori_loop(p0, p1, per_piece, (acc, m_i, l_i, jnp.int32(0)))
+      ranges = _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first)
+      acc, m_i, l_i, _ = _walk(prog, ranges, step, (acc, m_i, l_i, jnp.int32(0)))
       pl.when(wg == 0)(take_turn)
       seen = l_i > 0
       l_safe = jnp.where(seen, l_i, 1.0)
@@ -372,7 +523,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, cls, q_rows])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(start < nrows)
+    @pl.when(prog.start < prog.nrows)
     def _():
       pl.when(wg < 2)(consumer)
       pl.when(wg == 2)(producer)
@@ -404,32 +555,271 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
          plgpu.Barrier(num_arrivals=2)),
         collective_axes="wg")
 
-  grid = (len(sched.rows) * row_blocks, batch * periods)
-  # Outputs cover whole periods (every program's boxes lie inside them): TMA stores that
-  # run past the end of an array are not clipped reliably on the GPU (measured: rows of
-  # the last, partial period landed at the start), so none is issued.
-  n_out = max(n_pad, -(-periods * period // (8 * L)) * 8 * L)
+  n_out = _n_out(sched, n_pad)
   out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_heads, d), out_dtype),
               jax.ShapeDtypeStruct((batch, num_heads, L, n_out // L), jnp.float32))
   rows, pieces, bias = tables
   view = lambda x: x.reshape(batch, n_pad // L, L, *x.shape[2:])
   args = (rows.reshape(-1), pieces.reshape(-1), bias, view(q), k, view(k), v, view(v))
-  launch = functools.partial(
-      plgpu.kernel, entry, out_type=out_type, grid_names=("row", "bp"), num_threads=3,
-      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
-  if not interpret:
-    out, lse = launch(grid=grid)(jnp.zeros((2,), jnp.int32), *args)
-  else:
-    # The interpreter runs one block at a time only (barriers of concurrent blocks
-    # collide): one launch per program, each writing its own rows into zeroed buffers.
-    call = launch(grid=(1, 1), interpret=plgpu.InterpretGPUParams(
-        out_of_bounds_reads="uninitialized", uninitialized_memory="zero"))
-    out, lse = (jnp.zeros(t.shape, t.dtype) for t in out_type)
-    for origin in np.ndindex(*grid):
-      o, l = call(jnp.asarray(origin, jnp.int32), *args)
-      out, lse = out + o, lse + l
+  out, lse = _run(entry, out_type, sched.grid(batch, block_rows), args, interpret)
   lse = lse.transpose(0, 3, 2, 1).reshape(batch, n_out, num_heads)
   return out.reshape(batch, n_out, num_heads, d), lse
+
+
+def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: int,
+               causal: bool, scale: float, config: Config):
+  """dq of one launch over the padded `[B, Np, ...]` inputs (lse2, delta `[B, H, L, Np/L]`,
+  lse2 in base 2, +inf where no key is seen): float32 `[B, No, H, D]`."""
+  batch, n_pad, num_heads, d = q.shape
+  dtype = q.dtype
+  L = sched.stride
+  bq, bk, stages = _BWD_BLOCK, _BWD_BLOCK, config.backward_stages
+  block_rows = 2 * bq
+  per_kv = heads_per_kv(num_heads, k.shape[2])
+  qk_scale = scale * _LOG2E
+  interpret = config.interpret
+
+  def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
+             k4_ref, k5_ref, v4_ref, v5_ref, dq_ref, smem, bars, free):
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, o_smem = smem
+    row_bars, k_bar, v_bar = bars
+    k_free, v_free = free
+    wg = lax.axis_index("wg")
+    prog = _Program.decode(origin_ref, rows_ref, sched, block_rows, n)
+    b, head, cls = prog.b, prog.head, prog.cls
+    kv_head = lax.div(head, per_kv)
+
+    def kv_stream(src4, src5, smem, bar):
+      def load(piece, j, slot):
+        _load_run(src4, src5, smem.at[slot], bar.at[slot], prog.base + piece.first, j * bk, bk,
+                  piece.stride, L, lambda rows, c: (b, rows, kv_head) if c is None else
+                  (b, rows, c, kv_head))
+      return load
+
+    def producer():
+      _produce(prog, _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk),
+               [(k_free, kv_stream(k4_ref, k5_ref, k_smem, k_bar)),
+                (v_free, kv_stream(v4_ref, v5_ref, v_smem, v_bar))], stages)
+
+    def consumer():
+      plgpu.set_max_registers(232, action="increase")
+      q_start = prog.start + wg * bq
+      q_rows = pl.ds(_aligned(prog.row0 + q_start), bq)
+      q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+      for src, dst, bar in ((q_ref.at[b, q_rows, cls, head], q_tile, row_bars[0]),
+                            (do_ref.at[b, q_rows, cls, head], do_tile, row_bars[1]),
+                            (lse_ref.at[b, head, cls, q_rows], lse_smem.at[wg], row_bars[2]),
+                            (delta_ref.at[b, head, cls, q_rows], delta_smem.at[wg],
+                             row_bars[3])):
+        plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
+      for bar in row_bars:
+        plgpu.barrier_wait(bar.at[wg])
+      row_stat = plgpu.Layout.WGMMA.reduce(1)
+      lse2 = plgpu.load(lse_smem.at[wg], layout=row_stat)
+      delta_i = plgpu.load(delta_smem.at[wg], layout=row_stat)
+      rows_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
+      cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+      q_first = prog.first + L * q_start
+      qpos = q_first + L * rows_iota
+      rows_of = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
+
+      def step(carry, piece, j, masked: bool):
+        """One key block: s = q k^T and dp = dout v^T, p = exp2(s c + log2 m - lse2),
+        ds = p (dp - delta), dq += ds k."""
+        dq, step = carry
+        slot = lax.rem(step, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_wait(v_bar.at[slot])
+        s, dp = _products([(q_tile, k_smem.at[slot].T), (do_tile, v_smem.at[slot].T)],
+                          (bq, bk))
+        plgpu.barrier_arrive(v_free.at[slot])
+        p = jnp.exp2(jnp.minimum(s * qk_scale - rows_of(lse2 - piece.bias), 0.0))
+        if masked:
+          key = j * bk + cols_iota
+          visible = key < piece.count
+          if causal:
+            visible = visible & (piece.first + piece.stride * key <= qpos)
+          p = jnp.where(visible, p, 0.0)
+        ds = p * (dp - rows_of(delta_i))
+        dq = _accumulate(dq, ds.astype(dtype), k_smem.at[slot], interpret)
+        plgpu.barrier_arrive(k_free.at[slot])
+        return dq, step + 1
+
+      dq = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+      ranges = _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first)
+      dq, _ = _walk(prog, ranges, step, (dq, jnp.int32(0)))
+      o_tile = o_smem.at[wg]
+      o_tile[...] = dq * scale
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_tile, dq_ref.at[b, q_rows, cls, head])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(prog.start < prog.nrows)
+    def _():
+      pl.when(wg < 2)(consumer)
+      pl.when(wg == 2)(producer)
+
+  def entry(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
+            k4_ref, k5_ref, v4_ref, v5_ref, dq_ref):
+    tiles = _swizzled(dtype)
+    smem = [plgpu.SMEM((2, bq, d), dtype, transforms=tiles),
+            plgpu.SMEM((2, bq, d), dtype, transforms=tiles),
+            plgpu.SMEM((2, bq), jnp.float32), plgpu.SMEM((2, bq), jnp.float32),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
+            plgpu.SMEM((2, bq, d), jnp.float32, transforms=_swizzled(jnp.float32))]
+    pl.run_scoped(
+        lambda smem, bars, free: kernel(
+            origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
+            k4_ref, k5_ref, v4_ref, v5_ref, dq_ref, smem, bars, free),
+        smem,
+        ((plgpu.Barrier(num_barriers=2),) * 4, plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_barriers=stages)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+        collective_axes="wg")
+
+  n_out = _n_out(sched, n_pad)
+  out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_heads, d), jnp.float32),)
+  rows, pieces, bias = tables
+  view = lambda x: x.reshape(batch, n_pad // L, L, *x.shape[2:])
+  args = (rows.reshape(-1), pieces.reshape(-1), bias, view(q), view(dout), lse2, delta,
+          k, view(k), v, view(v))
+  dq, = _run(entry, out_type, sched.grid(batch, block_rows), args, interpret)
+  return dq.reshape(batch, n_out, num_heads, d)
+
+
+def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
+                 causal: bool, scale: float, config: Config):
+  """dk, dv of one launch (the transposed schedule: key rows of each key/value head, query
+  pieces of the query heads reading it) over the padded `[B, Np, ...]` inputs (`stats`:
+  lse2 and delta as `[B, H, Np]` and `[B, H, L, Np/L]`): float32 `[B, No, Hkv, D]` each."""
+  batch, n_pad, num_heads, d = q.shape
+  num_kv = k.shape[2]
+  dtype = q.dtype
+  L = sched.stride
+  bq, bk, stages = _BWD_BLOCK, _BWD_BLOCK, config.backward_stages
+  block_rows = 2 * bk
+  qk_scale = scale * _LOG2E
+  interpret = config.interpret
+
+  def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref,
+             do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dk_ref, dv_ref,
+             smem, bars, free):
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem = smem
+    row_bars, q_bar, do_bar, lse_bar, delta_bar = bars
+    q_free, do_free, stat_free = free
+    wg = lax.axis_index("wg")
+    prog = _Program.decode(origin_ref, rows_ref, sched, block_rows, n)
+    b, head, cls = prog.b, prog.head, prog.cls  # head: the key/value head
+
+    def stream(src4, src5, smem, bar, stat=False):
+      def load(piece, j, slot):
+        h = piece.head  # the query head (lse, delta: [B, H, N] and [B, H, L, N/L])
+        index = ((lambda rows, c: (b, h, rows) if c is None else (b, h, c, rows)) if stat else
+                 (lambda rows, c: (b, rows, h) if c is None else (b, rows, c, h)))
+        _load_run(src4, src5, smem.at[slot], bar.at[slot], prog.base + piece.first, j * bq, bq,
+                  piece.stride, L, index)
+      return load
+
+    def loads(*streams):
+      def load(piece, j, slot):
+        for s in streams:
+          s(piece, j, slot)
+      return load
+
+    def producer():
+      _produce(prog, _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq),
+               [(q_free, stream(q4_ref, q5_ref, q_smem, q_bar)),
+                (stat_free, loads(stream(lse4_ref, lse5_ref, lse_smem, lse_bar, True),
+                                  stream(delta4_ref, delta5_ref, delta_smem, delta_bar, True))),
+                (do_free, stream(do4_ref, do5_ref, do_smem, do_bar))], stages)
+
+    def consumer():
+      plgpu.set_max_registers(232, action="increase")
+      k_start = prog.start + wg * bk
+      k_rows = pl.ds(_aligned(prog.row0 + k_start), bk)
+      k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+      plgpu.copy_gmem_to_smem(k_ref.at[b, k_rows, cls, head], k_tile, row_bars[0].at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[b, k_rows, cls, head], v_tile, row_bars[1].at[wg])
+      plgpu.barrier_wait(row_bars[0].at[wg])
+      plgpu.barrier_wait(row_bars[1].at[wg])
+      col_stat = plgpu.Layout.WGMMA.reduce(0)
+      rows_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
+      cols_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
+      kpos = prog.first + L * (k_start + rows_iota)
+      k_last = prog.first + L * (jnp.minimum(k_start + bk, prog.nrows) - 1)
+      cols_of = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
+
+      def step(carry, piece, j, masked: bool):
+        """One query block: s^T = k q^T and dp^T = v dout^T, p^T = exp2(s^T c + log2 m -
+        lse2), dv += p^T dout, ds^T = p^T (dp^T - delta), dk += ds^T q."""
+        dk, dv, step = carry
+        slot = lax.rem(step, stages)
+        plgpu.barrier_wait(q_bar.at[slot])
+        plgpu.barrier_wait(do_bar.at[slot])
+        s_t, dp_t = _products([(k_tile, q_smem.at[slot].T), (v_tile, do_smem.at[slot].T)],
+                              (bk, bq))
+        plgpu.barrier_wait(lse_bar.at[slot])
+        plgpu.barrier_wait(delta_bar.at[slot])
+        lse2 = plgpu.load(lse_smem.at[slot], layout=col_stat)
+        delta_j = plgpu.load(delta_smem.at[slot], layout=col_stat)
+        plgpu.barrier_arrive(stat_free.at[slot])
+        p_t = jnp.exp2(jnp.minimum(s_t * qk_scale - cols_of(lse2 - piece.bias), 0.0))
+        if masked:
+          query = j * bq + cols_iota
+          visible = query < piece.count
+          if causal:
+            visible = visible & (kpos <= piece.first + piece.stride * query)
+          p_t = jnp.where(visible, p_t, 0.0)
+        ds_t = p_t * (dp_t - cols_of(delta_j))
+        dv = _accumulate(dv, p_t.astype(dtype), do_smem.at[slot], interpret)
+        plgpu.barrier_arrive(do_free.at[slot])
+        dk = _accumulate(dk, ds_t.astype(dtype), q_smem.at[slot], interpret)
+        plgpu.barrier_arrive(q_free.at[slot])
+        return dk, dv, step + 1
+
+      zeros = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
+      ranges = _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last)
+      dk, dv, _ = _walk(prog, ranges, step, (zeros, zeros, jnp.int32(0)))
+      o_tile = o_smem.at[wg]
+      for grad, out_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
+        o_tile[...] = grad
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, k_rows, cls, head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(prog.start < prog.nrows)
+    def _():
+      pl.when(wg < 2)(consumer)
+      pl.when(wg == 2)(producer)
+
+  def entry(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref, do4_ref,
+            do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dk_ref, dv_ref):
+    tiles = _swizzled(dtype)
+    smem = [plgpu.SMEM((2, bk, d), dtype, transforms=tiles),
+            plgpu.SMEM((2, bk, d), dtype, transforms=tiles),
+            plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
+            plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
+            plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
+            plgpu.SMEM((2, bk, d), jnp.float32, transforms=_swizzled(jnp.float32))]
+    pl.run_scoped(
+        lambda smem, bars, free: kernel(
+            origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref, do4_ref,
+            do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dk_ref, dv_ref, smem, bars,
+            free),
+        smem,
+        ((plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 4),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 3,
+        collective_axes="wg")
+
+  n_out = _n_out(sched, n_pad)
+  out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_kv, d), jnp.float32),) * 2
+  rows, pieces, bias = tables
+  view = lambda x: x.reshape(batch, n_pad // L, L, *x.shape[2:])
+  args = (rows.reshape(-1), pieces.reshape(-1), bias, view(k), view(v), q, view(q), dout,
+          view(dout), *stats)
+  dk, dv = _run(entry, out_type, sched.grid(batch, block_rows), args, interpret)
+  return tuple(x.reshape(batch, n_out, num_kv, d) for x in (dk, dv))
 
 
 def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
@@ -443,6 +833,21 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
   return batched(fn)(q, k, v)
 
 
+def _padded(n, sched):
+  """`x [B, N, ...]` zero-padded (fill `value`) to a multiple of `8 L` positions, the views'
+  row axes in whole tiles of 8 (TMA into tiled shared memory needs them); no copy if none."""
+  n_pad = -(-n // (8 * sched.stride)) * 8 * sched.stride
+
+  def pad(x, value=0.0, axis=1):
+    if n_pad == n:
+      return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, n_pad - n)
+    return jnp.pad(x, widths, constant_values=value)
+
+  return n_pad, pad
+
+
 def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
   batch, n, num_heads, _ = q.shape
   if why := geometry_problem(pattern, n, num_heads, k.shape[2], branches, config, batch):
@@ -452,9 +857,7 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
   parts = []
   for fused in launches:
     sched = schedule.build(pattern, n, num_heads, k.shape[2], fused, False)
-    # TMA into tiled shared memory needs the row axes of the views in multiples of 8.
-    n_pad = -(-n // (8 * sched.stride)) * 8 * sched.stride
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, n_pad - n), (0, 0), (0, 0))) if n_pad > n else x
+    _, pad = _padded(n, sched)
     out, lse = _forward_launch(pad(q), pad(k), pad(v), sched.arrays(), sched, n,
                                pattern.causal, scale, dtype, config)
     parts.append((out[:, :n], lse[:, :n]))
@@ -464,6 +867,35 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
 
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
              branches=None, config=None):
-  """float32 `(dq, dk, dv)`: the "triton" backend's kernels (a Mosaic backward is to come)."""
-  from . import triton
-  return triton.backward(q, k, v, dout, lse, delta, pattern, scale, branches=branches)
+  """float32 `(dq, dk, dv)` of `branches` from the global `lse` and `delta`: a dq kernel over
+  query rows (the forward's schedule) and a dk/dv kernel over key rows (the transposed one),
+  each launch adding to the previous launches' results."""
+  config = (config or Config()).resolved(q.shape[-1], q.dtype.itemsize)
+  fn = lambda *a: _backward(*a, pattern, scale, branches, config)
+  return batched(fn)(q, k, v, dout, lse, delta)
+
+
+def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config):
+  batch, n, num_heads, _ = q.shape
+  num_kv = k.shape[2]
+  if why := geometry_problem(pattern, n, num_heads, num_kv, branches, config, batch):
+    raise NotImplementedError(why)
+  dout = dout.astype(q.dtype)
+  # lse in base 2, +inf where a query sees no key (p = 0 there); [B, H, N] like delta.
+  lse2 = (jnp.where(lse == -jnp.inf, jnp.inf, lse) * _LOG2E).astype(jnp.float32)
+  lse2, delta = (x.astype(jnp.float32).transpose(0, 2, 1) for x in (lse2, delta))
+  grads = None
+  for fused in schedule.launches(pattern, n, num_heads, branches):
+    sched = schedule.build(pattern, n, num_heads, num_kv, fused, False)
+    n_pad, pad = _padded(n, sched)
+    L = sched.stride
+    x = [pad(t) for t in (q, k, v, dout)]
+    flat = (pad(lse2, jnp.inf, 2), pad(delta, 0.0, 2))
+    strided = [t.reshape(batch, num_heads, n_pad // L, L).transpose(0, 1, 3, 2) for t in flat]
+    dq = _dq_launch(*x, *strided, sched.arrays(), sched, n, pattern.causal, scale, config)
+    transposed = schedule.build(pattern, n, num_heads, num_kv, fused, True)
+    dk, dv = _dkdv_launch(*x, (flat[0], strided[0], flat[1], strided[1]), transposed.arrays(),
+                          transposed, n, pattern.causal, scale, config)
+    now = (dq[:, :n], dk[:, :n], dv[:, :n])
+    grads = now if grads is None else tuple(a + b for a, b in zip(grads, now))
+  return grads
