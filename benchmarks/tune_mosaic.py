@@ -1,11 +1,12 @@
 """The "mosaic" backend on a Hopper GPU: checks, then launch variants timed next to peers.
 
-Checks: `dilated_attention(implementation="mosaic")` (forward: the Mosaic GPU kernel; backward:
-the contract's other passes) against "xla" at float32 "highest" precision, outputs and
-gradients, relative L2 errors. Timings: forward of each `mosaic.Config` variant, and forward
-and forward+backward of the default next to "triton", cuDNN (full attention), tokamax's
-Mosaic GPU attention (full attention, when importable) and folded cuDNN (LongNet), all in one
-run; medians over `--runs`. JSON lines on stdout, a table at the end, `--json` for all.
+Checks: `dilated_attention(implementation=("mosaic", "triton"))` (the Mosaic GPU kernels;
+triton's backward at head dim 256) against "xla" at float32 "highest" precision, outputs and
+gradients, relative L2 errors. Timings: forward and forward+backward of "mosaic" next to
+"mosaic+triton" (this forward with triton's backward), "triton", cuDNN (full attention),
+tokamax's Mosaic GPU attention (full attention, when importable) and folded cuDNN (LongNet),
+and forward+backward of each backward `mosaic.Config` variant, all in one run; medians over
+`--runs`. JSON lines on stdout, a table at the end, `--json` for all.
 
   python benchmarks/tune_mosaic.py --json out/mosaic.json
 """
@@ -26,11 +27,17 @@ from bench_attention import impl_fn
 from bench_pallas import ours, outputs_and_grads, rel_l2
 from timing import median_ms
 from hilbert_ring_jax import DilatedPattern, dilated_attention
-from hilbert_ring_jax.backends import mosaic
+from hilbert_ring_jax.api import _Dispatch
+from hilbert_ring_jax.backends import base, mosaic
 
 LONGNET = ((2048, 4096, 8192), (1, 2, 4))
-VARIANTS = {"q64k128s2": dict(block_q=64, block_k=128, stages=2),
-            "q128k64s2": dict(block_q=128, block_k=64, stages=2)}
+# Backward variants, by head dim (the default is the most stages that fit).
+VARIANTS = {64: {"bs2": dict(backward_stages=2), "bs4": dict(backward_stages=4)}, 128: {}}
+
+
+def cross(fwd, bwd):
+  """The forward of backend `fwd` with the backward of backend `bwd` (the kernel contract)."""
+  return lambda q, k, v, pattern, s: base.attention(q, k, v, _Dispatch(pattern, s, fwd, bwd))[0]
 
 
 def diagnose():
@@ -73,7 +80,7 @@ def checks():
             ref = outputs_and_grads(ours("xla"), q, k, v, dout, pattern, s)
             lse_ref = dilated_attention(q, k, v, pattern, return_lse=True,
                                         implementation="xla")[1]
-          got = outputs_and_grads(ours("mosaic"), q, k, v, dout, pattern, s)
+          got = outputs_and_grads(ours(("mosaic", "triton")), q, k, v, dout, pattern, s)
           lse = dilated_attention(q, k, v, pattern, return_lse=True, implementation="mosaic")[1]
           row.update({f"err_{t}": rel_l2(g, r) for t, g, r in
                       zip(("out", "dq", "dk", "dv", "lse"), (*got, lse), (*ref, lse_ref))})
@@ -89,13 +96,14 @@ def checks():
 
 def timings(runs):
   plan = []
-  for n, causal in ((32768, False), (32768, True), (131072, False)):
+  for n, causal in ((32768, False), (32768, True), (131072, False), (131072, True)):
     plan.append(("full", n, 128, DilatedPattern((n,), (1,), causal=causal),
                  ["cudnn", "tokamax"]))
   for n, causal in ((32768, False), (131072, False), (131072, True)):
     plan.append(("longnet", n, 128, DilatedPattern(*LONGNET, causal=causal),
                  ["folded_cudnn"]))
   plan.append(("longnet", 131072, 64, DilatedPattern(*LONGNET), ["folded_cudnn"]))
+  plan.append(("longnet", 131072, 64, DilatedPattern(*LONGNET, causal=True), ["folded_cudnn"]))
   rows = []
   for kind, n, d, pattern, peers in plan:
     rng = np.random.default_rng(1)
@@ -103,14 +111,19 @@ def timings(runs):
                      for _ in range(4))
     s = d ** -0.5
     flops = 4 * d * pattern.visible_pairs(n, 16)
-    impls = [(name, mosaic.Config(**cfg), False) for name, cfg in VARIANTS.items()]
-    impls += [("mosaic", None, True), ("triton", None, True)]
+    variants = VARIANTS[d]
+    impls = [("mosaic", None, True), ("mosaic+triton", None, True), ("triton", None, True)]
     impls += [(p, None, True) for p in peers]
+    impls += [(name, mosaic.Config(**cfg), True) for name, cfg in variants.items()]
     for name, config, backward in impls:
       row = dict(pattern=kind, n=n, head_dim=d, causal=pattern.causal, impl=name)
       try:
-        if name in VARIANTS or name == "mosaic":
+        if name in variants or name == "mosaic":
           fn = ours("mosaic", config)
+        elif name == "mosaic+triton":
+          fn = cross("mosaic", "triton")
+        elif name == "triton":
+          fn = ours("triton")
         else:
           peer = impl_fn(name, pattern)
           fn = lambda q, k, v, _p, s, peer=peer: peer(q, k, v, s)

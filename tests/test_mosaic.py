@@ -1,13 +1,13 @@
 """The "mosaic" backend (Pallas Mosaic GPU, Hopper) against the float64 reference.
 
-On CPU the forward kernel runs in Mosaic GPU interpret mode (JAX >= 0.11: 0.10's interpreter
-lacks primitives the kernel uses), one launch per program: the very kernel the H100 compiles.
+On CPU the kernels (forward, dq, dk/dv) run in Mosaic GPU interpret mode (JAX >= 0.11: 0.10's
+interpreter lacks primitives they use), one launch per program: the very kernels the H100
+compiles.
 On a Hopper GPU (gpu marker) the shared checks run through `dilated_attention` on random
 block-aligned configurations, and a cross-pass test pairs this forward with the "xla"
 backward and the reverse, so a failure points at one pass.
 """
 
-import dataclasses
 import math
 
 import jax
@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 import helpers
 from helpers import Case
-from hilbert_ring_jax import backends
+from hilbert_ring_jax.api import _Dispatch
 from hilbert_ring_jax.backends import base, mosaic
 
 INTERPRET = pytest.mark.skipif(
@@ -37,12 +37,19 @@ def _forward_vs_reference(case, causal, dtype, out_dtype, config):
   helpers.check_lse(lse, ref_lse, helpers.TOL[dtype])
 
 
+def _both_passes_vs_reference(case, causal, dtype, config):
+  """Both passes in interpret mode, through the one custom_vjp."""
+  kernel = _Dispatch(case.pattern(causal), case.head_dim ** -0.5, "mosaic", "mosaic", config)
+  helpers.check_case(case, causal, dtype, None, fn=lambda q, k, v: base.attention(q, k, v, kernel))
+
+
 @INTERPRET
 def test_interpret_nested_gqa_float16():
   """Two nested branches in one launch (strided rows and pieces), two query heads on one
-  key/value head, four programs; float16 output written by the kernel."""
+  key/value head, four programs; float16 output written by the kernel; the backward's dq
+  and dk/dv kernels (dk/dv summing the two query heads of the key/value head)."""
   case = Case(512, 2, 1, (256, 512), (1, 2), head_dim=64)
-  _forward_vs_reference(case, False, jnp.float16, jnp.float16, mosaic.Config(interpret=True))
+  _both_passes_vs_reference(case, False, jnp.float16, mosaic.Config(interpret=True))
 
 
 @INTERPRET
@@ -52,6 +59,15 @@ def test_interpret_causal_partial_float32_partials():
   case = Case(640, 1, 1, (256, 512), (1, 2), offsets="all", head_dim=128)
   _forward_vs_reference(case, True, jnp.bfloat16, None,
                         mosaic.Config(interpret=True, block_k=64, stages=3))
+
+
+@INTERPRET
+def test_interpret_causal_partial_backward():
+  """The backward of the case above: causal block ranges of the transposed schedule (query
+  blocks before, across and after a key block's diagonal), a partial segment, 3 stages."""
+  case = Case(640, 1, 1, (256, 512), (1, 2), offsets="all", head_dim=128)
+  _both_passes_vs_reference(case, True, jnp.bfloat16,
+                            mosaic.Config(interpret=True, backward_stages=3))
 
 
 def test_declines_off_hopper_and_on_unaligned_rows():
@@ -65,6 +81,8 @@ def test_declines_off_hopper_and_on_unaligned_rows():
   assert why and "whole blocks of 128" in why
   with pytest.raises(ValueError, match="block_k"):
     mosaic.Config(block_k=32)
+  with pytest.raises(ValueError, match="backward_stages"):
+    mosaic.Config(backward_stages=5)
 
 
 def _aligned_case(data):
@@ -87,25 +105,10 @@ def test_random_configurations_gpu():
   def check(data):
     case = _aligned_case(data)
     dtype = data.draw(st.sampled_from([jnp.bfloat16, jnp.float16]), "dtype")
-    helpers.check_case(case, data.draw(st.booleans(), "causal"), dtype, "mosaic")
+    # Head dim 256: the forward only (the backward is triton's there).
+    helpers.check_case(case, data.draw(st.booleans(), "causal"), dtype, ("mosaic", "triton"))
 
   check()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Cross:
-  """The forward of one backend with the backward of another (the kernel contract)."""
-
-  fwd: str
-  bwd: str
-  pattern: object
-  scale: float
-
-  def forward(self, q, k, v):
-    return backends.load(self.fwd).forward(q, k, v, self.pattern, self.scale, out_dtype=q.dtype)
-
-  def backward(self, q, k, v, dout, lse, delta):
-    return backends.load(self.bwd).backward(q, k, v, dout, lse, delta, self.pattern, self.scale)
 
 
 @pytest.mark.gpu
@@ -113,6 +116,6 @@ class _Cross:
 def test_cross_pass_gpu(fwd, bwd):
   case = Case(2048, 4, 2, (512, 1024, 2048), (1, 2, 4), head_dim=128)
   pattern = case.pattern(True)
-  kernel = _Cross(fwd, bwd, pattern, case.head_dim ** -0.5)
+  kernel = _Dispatch(pattern, case.head_dim ** -0.5, fwd, bwd)  # one backend per pass
   helpers.check_case(case, True, jnp.bfloat16, None,
                      fn=lambda q, k, v: base.attention(q, k, v, kernel))
