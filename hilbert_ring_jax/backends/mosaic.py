@@ -66,6 +66,8 @@ class Config:
     block_k: forward: keys per pipeline step (64 or 128).
     stages: forward: key/value blocks in flight (2..4).
     backward_stages: backward: blocks in flight (2..4; blocks of 64 queries and keys).
+    backward_turns: backward: the two consumer warpgroups take turns on the tensor cores
+      (as the forward's do).
     interpret: run in Mosaic GPU interpret mode (CPU, JAX >= 0.11; slow: for tests).
   """
 
@@ -73,6 +75,7 @@ class Config:
   block_k: int | None = None
   stages: int | None = None
   backward_stages: int | None = None
+  backward_turns: bool = True
   interpret: bool = False
 
   def __post_init__(self):
@@ -81,8 +84,9 @@ class Config:
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or value not in allowed):
         raise ValueError(f"{name} must be None or one of {allowed}, got {name}={value!r}")
-    if not isinstance(self.interpret, bool):
-      raise ValueError(f"interpret must be a bool, got interpret={self.interpret!r}")
+    for name in ("backward_turns", "interpret"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
 
   def resolved(self, head_dim: int, itemsize: int = 2, out_itemsize: int = 2) -> Config:
     """This config with the tuned defaults filled in: the first of the preferred tiles whose
@@ -365,28 +369,56 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last=None):
   return ranges
 
 
-def _accumulate(acc, a, b_ref, interpret: bool):
-  """`acc + a @ b_ref` with a wgmma (registers `a`, shared-memory `b_ref`). Interpret mode
-  runs neither `run_state` nor a wgmma with a register operand: a `jnp.dot` there."""
+def _accumulate(accs, pairs, interpret: bool):
+  """`[acc + a @ b_ref for acc, (a, b_ref) in zip(accs, pairs)]` as wgmmas (registers `a`,
+  shared-memory `b_ref`) awaited once. Interpret mode runs neither `run_state` nor a wgmma
+  with a register operand: `jnp.dot` there."""
   if interpret:
-    return acc + jnp.dot(a, b_ref[...], preferred_element_type=jnp.float32)
+    return [acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+            for acc, (a, b) in zip(accs, pairs)]
 
-  def update(acc_ref):
-    plgpu.wgmma(acc_ref, a, b_ref)
+  def update(refs):
+    for ref, (a, b) in zip(refs, pairs):
+      plgpu.wgmma(ref, a, b)
 
-  return pl.run_state(update)(plgpu.ACC.init(acc))
+  return list(pl.run_state(update)([plgpu.ACC.init(acc) for acc in accs]))
 
 
-def _products(pairs, shape):
+def _products(pairs, shape, between=None):
   """`[a @ b for a, b in pairs]` (shared-memory operands, float32 `shape`), issued together
-  as wgmmas and awaited once."""
+  as wgmmas and awaited once; `between()` runs while they are in flight."""
 
   def run(accs):
     for acc, (a, b) in zip(accs, pairs):
       plgpu.wgmma(acc, a, b)
+    if between is not None:
+      between()
     return [acc[...] for acc in accs]
 
   return pl.run_scoped(run, [plgpu.ACC(shape, jnp.float32) for _ in pairs])
+
+
+def _turns(turn, wg, enabled: bool = True):
+  """Ping-pong of the two consumer warpgroups on the tensor cores through the 2-arrival
+  barrier `turn`: `(take, give, start, end)`. A step issues its first products, `take()`s
+  (the other consumer may issue its own while these run), computes its elementwise part,
+  `give()`s and issues its last products; consumer 1 `start()`s one turn behind, consumer 0
+  `end()`s with an extra turn. Disabled: no-ops."""
+
+  def take():
+    if enabled:
+      plgpu.barrier_arrive(turn)
+      plgpu.barrier_wait(turn)
+
+  def give(wait_first=None):
+    if enabled:
+      plgpu.barrier_arrive(turn)
+    if wait_first is not None:
+      wait_first()
+    if enabled:
+      plgpu.barrier_wait(turn)
+
+  return take, give, lambda: pl.when(wg == 1)(take), lambda: pl.when(wg == 0)(take)
 
 
 def _run(entry, out_type, grid, args, interpret: bool):
@@ -466,9 +498,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
       l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_stat)
       rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
 
-      def take_turn():  # the two consumers take turns on the tensor cores (see below)
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
+      take_turn, give_turn, start_turns, end_turns = _turns(turn, wg)
 
       def step(carry, piece, j, masked: bool):
         """One key block: scores, online softmax (base 2; `m` includes the piece's
@@ -477,13 +507,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         acc, m_i, l_i, step = carry
         slot = lax.rem(step, stages)
         plgpu.barrier_wait(k_bar.at[slot])
-
-        def scores(acc_ref):
-          plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].T)
-          take_turn()  # let the other consumer issue its wgmma while this one waits
-          return acc_ref[...]
-
-        s = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
+        s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
         plgpu.barrier_arrive(k_free.at[slot])
         if masked:
           key = j * bk + cols_iota
@@ -500,19 +524,15 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         acc = acc * rows_of(alpha, acc.shape)
         l_i = l_i * alpha + p_.sum(axis=1)
         p16 = p_.astype(dtype)
-        plgpu.barrier_arrive(turn)  # softmax done: the other consumer may go on
-        plgpu.barrier_wait(v_bar.at[slot])
-        plgpu.barrier_wait(turn)  # the tensor cores are ours again
-        acc = _accumulate(acc, p16, v_smem.at[slot], interpret)
+        give_turn(lambda: plgpu.barrier_wait(v_bar.at[slot]))
+        acc, = _accumulate([acc], [(p16, v_smem.at[slot])], interpret)
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l_i, step + 1
 
-      # Ping-pong: consumer 1 starts one turn behind, consumer 0 ends with an extra turn,
-      # so while one runs its softmax the other's wgmma runs.
-      pl.when(wg == 1)(take_turn)
+      start_turns()  # while one consumer runs its softmax the other's wgmmas run
       ranges = _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first)
       acc, m_i, l_i, _ = _walk(prog, ranges, step, (acc, m_i, l_i, jnp.int32(0)))
-      pl.when(wg == 0)(take_turn)
+      end_turns()
       seen = l_i > 0
       l_safe = jnp.where(seen, l_i, 1.0)
       o_tile = o_smem.at[wg]
@@ -583,7 +603,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
              k4_ref, k5_ref, v4_ref, v5_ref, dq_ref, smem, bars, free):
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, o_smem = smem
     row_bars, k_bar, v_bar = bars
-    k_free, v_free = free
+    (k_free, v_free), turn = free
     wg = lax.axis_index("wg")
     prog = _Program.decode(origin_ref, rows_ref, sched, block_rows, n)
     b, head, cls = prog.b, prog.head, prog.cls
@@ -622,6 +642,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
       q_first = prog.first + L * q_start
       qpos = q_first + L * rows_iota
       rows_of = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
+      take_turn, give_turn, start_turns, end_turns = _turns(turn, wg, config.backward_turns)
 
       def step(carry, piece, j, masked: bool):
         """One key block: s = q k^T and dp = dout v^T, p = exp2(s c + log2 m - lse2),
@@ -631,7 +652,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
         s, dp = _products([(q_tile, k_smem.at[slot].T), (do_tile, v_smem.at[slot].T)],
-                          (bq, bk))
+                          (bq, bk), take_turn)
         plgpu.barrier_arrive(v_free.at[slot])
         p = jnp.exp2(jnp.minimum(s * qk_scale - rows_of(lse2 - piece.bias), 0.0))
         if masked:
@@ -641,13 +662,16 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
             visible = visible & (piece.first + piece.stride * key <= qpos)
           p = jnp.where(visible, p, 0.0)
         ds = p * (dp - rows_of(delta_i))
-        dq = _accumulate(dq, ds.astype(dtype), k_smem.at[slot], interpret)
+        give_turn()
+        dq, = _accumulate([dq], [(ds.astype(dtype), k_smem.at[slot])], interpret)
         plgpu.barrier_arrive(k_free.at[slot])
         return dq, step + 1
 
       dq = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
       ranges = _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first)
+      start_turns()
       dq, _ = _walk(prog, ranges, step, (dq, jnp.int32(0)))
+      end_turns()
       o_tile = o_smem.at[wg]
       o_tile[...] = dq * scale
       plgpu.commit_smem()
@@ -675,7 +699,8 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
         smem,
         ((plgpu.Barrier(num_barriers=2),) * 4, plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=stages)),
-        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+        ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+         plgpu.Barrier(num_arrivals=2)),
         collective_axes="wg")
 
   n_out = _n_out(sched, n_pad)
@@ -707,7 +732,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
              smem, bars, free):
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem = smem
     row_bars, q_bar, do_bar, lse_bar, delta_bar = bars
-    q_free, do_free, stat_free = free
+    (q_free, do_free, stat_free), turn = free
     wg = lax.axis_index("wg")
     prog = _Program.decode(origin_ref, rows_ref, sched, block_rows, n)
     b, head, cls = prog.b, prog.head, prog.cls  # head: the key/value head
@@ -749,6 +774,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       kpos = prog.first + L * (k_start + rows_iota)
       k_last = prog.first + L * (jnp.minimum(k_start + bk, prog.nrows) - 1)
       cols_of = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
+      take_turn, give_turn, start_turns, end_turns = _turns(turn, wg, config.backward_turns)
 
       def step(carry, piece, j, masked: bool):
         """One query block: s^T = k q^T and dp^T = v dout^T, p^T = exp2(s^T c + log2 m -
@@ -758,7 +784,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
         plgpu.barrier_wait(q_bar.at[slot])
         plgpu.barrier_wait(do_bar.at[slot])
         s_t, dp_t = _products([(k_tile, q_smem.at[slot].T), (v_tile, do_smem.at[slot].T)],
-                              (bk, bq))
+                              (bk, bq), take_turn)
         plgpu.barrier_wait(lse_bar.at[slot])
         plgpu.barrier_wait(delta_bar.at[slot])
         lse2 = plgpu.load(lse_smem.at[slot], layout=col_stat)
@@ -772,15 +798,18 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             visible = visible & (kpos <= piece.first + piece.stride * query)
           p_t = jnp.where(visible, p_t, 0.0)
         ds_t = p_t * (dp_t - cols_of(delta_j))
-        dv = _accumulate(dv, p_t.astype(dtype), do_smem.at[slot], interpret)
+        give_turn()
+        dv, dk = _accumulate([dv, dk], [(p_t.astype(dtype), do_smem.at[slot]),
+                                         (ds_t.astype(dtype), q_smem.at[slot])], interpret)
         plgpu.barrier_arrive(do_free.at[slot])
-        dk = _accumulate(dk, ds_t.astype(dtype), q_smem.at[slot], interpret)
         plgpu.barrier_arrive(q_free.at[slot])
         return dk, dv, step + 1
 
       zeros = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
       ranges = _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last)
+      start_turns()
       dk, dv, _ = _walk(prog, ranges, step, (zeros, zeros, jnp.int32(0)))
+      end_turns()
       o_tile = o_smem.at[wg]
       for grad, out_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
         o_tile[...] = grad
@@ -809,7 +838,8 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             free),
         smem,
         ((plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 4),
-        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 3,
+        ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 3,
+         plgpu.Barrier(num_arrivals=2)),
         collective_axes="wg")
 
   n_out = _n_out(sched, n_pad)
