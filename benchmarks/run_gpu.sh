@@ -40,6 +40,12 @@ for stage in "$@"; do
                     2>&1 | grep -v '^{' | tail -25 ;;
     tests-mosaic) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_mosaic.py \
                     2>&1 | tee "$OUT/tests_mosaic.log" | tail -25 ;;
+    checks-mosaic) timeout 280 python3 benchmarks/tune_mosaic.py --skip-timings \
+                   --json "$OUT/mosaic_checks.json" 2>&1 | tee "$OUT/mosaic_checks.log" | \
+                   grep -v '^{\|^  \|^Traceback' | tail -40 ;;
+    time-mosaic) timeout 560 python3 benchmarks/tune_mosaic.py --skip-checks \
+                   --json "$OUT/mosaic.json" 2>&1 | tee "$OUT/mosaic.log" | \
+                   grep -v '^{\|^  \|^Traceback' | tail -60 ;;
     tune-mosaic) timeout 420 python3 benchmarks/tune_mosaic.py --json "$OUT/mosaic.json" \
                    2>&1 | tee "$OUT/mosaic.log" | grep -v '^{\|^  \|^Traceback' | tail -50 ;;
     tests-pallas) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention.py \
