@@ -1,6 +1,6 @@
 """The "mosaic" backend on a Hopper GPU: checks, then launch variants timed next to peers.
 
-Checks: `dilated_attention(implementation=("mosaic", "triton"))` (the Mosaic GPU kernels;
+Checks: `dilated_attention(implementation="mosaic")` (the Mosaic GPU kernels;
 triton's backward at head dim 256) against "xla" at float32 "highest" precision, outputs and
 gradients, relative L2 errors. Timings: forward and forward+backward of "mosaic" next to
 "mosaic+triton" (this forward with triton's backward), "triton", cuDNN (full attention),
@@ -82,7 +82,7 @@ def checks():
             ref = outputs_and_grads(ours("xla"), q, k, v, dout, pattern, s)
             lse_ref = dilated_attention(q, k, v, pattern, return_lse=True,
                                         implementation="xla")[1]
-          got = outputs_and_grads(ours(("mosaic", "triton")), q, k, v, dout, pattern, s)
+          got = outputs_and_grads(ours("mosaic"), q, k, v, dout, pattern, s)
           lse = dilated_attention(q, k, v, pattern, return_lse=True, implementation="mosaic")[1]
           row.update({f"err_{t}": rel_l2(g, r) for t, g, r in
                       zip(("out", "dq", "dk", "dv", "lse"), (*got, lse), (*ref, lse_ref))})

@@ -151,8 +151,8 @@ def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_hea
 
 
 def supports(problem: Problem) -> Support:
-  """Hopper GPUs (sm_90); bf16 and f16; head dims 64, 128 (and, forward only, 256 where the
-  output is final); rows of whole blocks."""
+  """Hopper GPUs (sm_90); bf16 and f16; head dims 64, 128 and 256 (where the output is final,
+  and triton runs the backward); rows of whole blocks."""
   if problem.platform != "gpu" or not _is_hopper():
     return no("the mosaic backend runs on Hopper GPUs (sm_90) only")
   if jax.__version_info__ < (0, 11):
@@ -164,9 +164,15 @@ def supports(problem: Problem) -> Support:
   if d not in (64, 128, 256):
     return no(f"the mosaic backend needs a head dim of 64, 128 or 256; got {d}")
   b, n, h, _ = problem.q_shape
-  if problem.backward and d == 256:
-    return no("the mosaic backward runs head dims 64 and 128 (at 256 its tiles exceed "
-              "shared memory)")
+  if d == 256:  # the backward is triton's (`backward`)
+    try:
+      from . import triton  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      return no(f"the mosaic backend's backward at head dim 256 is the triton backend's: "
+                f"unavailable ({e})")
+    if not (support := triton.supports(problem)):
+      return no(f"the mosaic backend's backward at head dim 256 is the triton backend's: "
+                f"{support.reason}")
   launches = schedule.launches(problem.pattern, n, h, problem.branches)
   if d == 256 and (problem.varying or len(launches) > 1):
     return no("the mosaic backend writes float32 partials (ring steps, branch-by-branch "
@@ -899,7 +905,11 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
              branches=None, config=None):
   """float32 `(dq, dk, dv)` of `branches` from the global `lse` and `delta`: a dq kernel over
   query rows (the forward's schedule) and a dk/dv kernel over key rows (the transposed one),
-  each launch adding to the previous launches' results."""
+  each launch adding to the previous launches' results; at head dim 256 (where their tiles
+  exceed shared memory) the "triton" backend's."""
+  if q.shape[-1] not in (64, 128):  # at 256 the tiles exceed shared memory
+    from . import triton  # pylint: disable=g-import-not-at-top
+    return triton.backward(q, k, v, dout, lse, delta, pattern, scale, branches=branches)
   config = (config or Config()).resolved(q.shape[-1], q.dtype.itemsize)
   fn = lambda *a: _backward(*a, pattern, scale, branches, config)
   return batched(fn)(q, k, v, dout, lse, delta)
