@@ -3,7 +3,7 @@
 Checks: `dilated_attention(implementation="mosaic")` (the Mosaic GPU kernels;
 triton's backward at head dim 256) against "xla" at float32 "highest" precision, outputs and
 gradients, relative L2 errors. Timings: forward and forward+backward of "mosaic" next to
-"mosaic+triton" (this forward with triton's backward), "triton", cuDNN (full attention),
+"mosaic+triton" (this forward with triton's backward), cuDNN (full attention),
 tokamax's Mosaic GPU attention (full attention, when importable) and folded cuDNN (LongNet),
 and forward+backward of each backward `mosaic.Config` variant, all in one run; medians over
 `--runs`. JSON lines on stdout, a table at the end, `--json` for all.
@@ -114,7 +114,7 @@ def timings(runs):
     s = d ** -0.5
     flops = 4 * d * pattern.visible_pairs(n, 16)
     variants = VARIANTS[d]
-    impls = [("mosaic", None, True), ("mosaic+triton", None, True), ("triton", None, True)]
+    impls = [("mosaic", None, True), ("mosaic+triton", None, True)]
     impls += [(p, None, True) for p in peers]
     impls += [(name, mosaic.Config(**cfg), True) for name, cfg in variants.items()]
     for name, config, backward in impls:
@@ -124,8 +124,6 @@ def timings(runs):
           fn = ours("mosaic", config)
         elif name == "mosaic+triton":
           fn = cross("mosaic", "triton")
-        elif name == "triton":
-          fn = ours("triton")
         else:
           peer = impl_fn(name, pattern)
           fn = lambda q, k, v, _p, s, peer=peer: peer(q, k, v, s)
