@@ -32,9 +32,7 @@ from hilbert_ring_jax.backends import base, mosaic
 
 LONGNET = ((2048, 4096, 8192), (1, 2, 4))
 # Backward variants, by head dim (the default is the most stages that fit).
-VARIANTS = {64: {"bs2": dict(backward_stages=2), "bs4": dict(backward_stages=4),
-                 "noturns": dict(backward_turns=False)},
-            128: {"noturns": dict(backward_turns=False)}}
+VARIANTS = {64: {"bs2": dict(backward_stages=2), "bs4": dict(backward_stages=4)}, 128: {}}
 
 
 def cross(fwd, bwd):

@@ -1,4 +1,4 @@
-"""The "mosaic" backend: a Pallas Mosaic GPU forward kernel for Hopper (sm_90).
+"""The "mosaic" backend: Pallas Mosaic GPU kernels for Hopper (sm_90), forward and backward.
 
 The forward walks the same host block schedule as the "triton" backend (`schedule.py`): the
 branches whose segments nest run in one launch, each (query, key) pair scored once with the
@@ -26,10 +26,19 @@ Rows must come in whole program blocks (`2 * block_q` positions per row and peri
 `supports` declines; a length that `8 * L` does not divide is zero-padded (a copy, only then:
 the views' row axes must be whole tiles of 8).
 
-The backward is the "triton" backend's (the kernel contract makes passes interchangeable);
-a Mosaic backward is future work. `Config(interpret=True)` runs the forward in Mosaic GPU
-interpret mode on a CPU (JAX >= 0.11), which is how the test suite checks the kernel without
-a GPU.
+The backward has two kernels built the same way (producer and consumer warpgroups, TMA
+rings, the same block walk), without the turn-taking, which measured slower there:
+- dq over query rows (the forward's schedule): per key block, s = q k^T and dp = dout v^T
+  (shared-memory wgmmas issued together), p = exp2(s c + log2 m - lse2), ds = p (dp - delta),
+  dq += ds k (registers times shared memory);
+- dk/dv over key rows of each key/value head (the transposed schedule): the consumers keep
+  their k and v tiles; the producer streams the query pieces of every query head reading that
+  head (q, dout, lse, delta: a stride-1 piece from `[B, N, H, ...]`, a strided one from the
+  view), s^T = k q^T, dp^T = v dout^T, dv += p^T dout, dk += ds^T q.
+Both write float32 through shared memory; several launches add up. Head dim 256 does not fit
+(its tiles exceed shared memory): there the backward is the "triton" backend's.
+`Config(interpret=True)` runs the kernels in Mosaic GPU interpret mode on a CPU (JAX >= 0.11),
+which is how the test suite checks them without a GPU.
 """
 
 from __future__ import annotations
@@ -66,8 +75,6 @@ class Config:
     block_k: forward: keys per pipeline step (64 or 128).
     stages: forward: key/value blocks in flight (2..4).
     backward_stages: backward: blocks in flight (2..4; blocks of 64 queries and keys).
-    backward_turns: backward: the two consumer warpgroups take turns on the tensor cores
-      (as the forward's do).
     interpret: run in Mosaic GPU interpret mode (CPU, JAX >= 0.11; slow: for tests).
   """
 
@@ -75,7 +82,6 @@ class Config:
   block_k: int | None = None
   stages: int | None = None
   backward_stages: int | None = None
-  backward_turns: bool = True
   interpret: bool = False
 
   def __post_init__(self):
@@ -84,9 +90,8 @@ class Config:
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or value not in allowed):
         raise ValueError(f"{name} must be None or one of {allowed}, got {name}={value!r}")
-    for name in ("backward_turns", "interpret"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
+    if not isinstance(self.interpret, bool):
+      raise ValueError(f"interpret must be a bool, got interpret={self.interpret!r}")
 
   def resolved(self, head_dim: int, itemsize: int = 2, out_itemsize: int = 2) -> Config:
     """This config with the tuned defaults filled in: the first of the preferred tiles whose
@@ -404,25 +409,22 @@ def _products(pairs, shape, between=None):
   return pl.run_scoped(run, [plgpu.ACC(shape, jnp.float32) for _ in pairs])
 
 
-def _turns(turn, wg, enabled: bool = True):
+def _turns(turn, wg):
   """Ping-pong of the two consumer warpgroups on the tensor cores through the 2-arrival
   barrier `turn`: `(take, give, start, end)`. A step issues its first products, `take()`s
   (the other consumer may issue its own while these run), computes its elementwise part,
-  `give()`s and issues its last products; consumer 1 `start()`s one turn behind, consumer 0
-  `end()`s with an extra turn. Disabled: no-ops."""
+  `give(wait_first)`s and issues its last products; consumer 1 `start()`s one turn behind,
+  consumer 0 `end()`s with an extra turn. (The forward gains from it; the backward kernels,
+  whose steps are mostly matrix products, measured faster without.)"""
 
   def take():
-    if enabled:
-      plgpu.barrier_arrive(turn)
-      plgpu.barrier_wait(turn)
+    plgpu.barrier_arrive(turn)
+    plgpu.barrier_wait(turn)
 
-  def give(wait_first=None):
-    if enabled:
-      plgpu.barrier_arrive(turn)
-    if wait_first is not None:
-      wait_first()
-    if enabled:
-      plgpu.barrier_wait(turn)
+  def give(wait_first):
+    plgpu.barrier_arrive(turn)
+    wait_first()
+    plgpu.barrier_wait(turn)
 
   return take, give, lambda: pl.when(wg == 1)(take), lambda: pl.when(wg == 0)(take)
 
@@ -609,7 +611,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
              k4_ref, k5_ref, v4_ref, v5_ref, dq_ref, smem, bars, free):
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, o_smem = smem
     row_bars, k_bar, v_bar = bars
-    (k_free, v_free), turn = free
+    k_free, v_free = free
     wg = lax.axis_index("wg")
     prog = _Program.decode(origin_ref, rows_ref, sched, block_rows, n)
     b, head, cls = prog.b, prog.head, prog.cls
@@ -648,7 +650,6 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
       q_first = prog.first + L * q_start
       qpos = q_first + L * rows_iota
       rows_of = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
-      take_turn, give_turn, start_turns, end_turns = _turns(turn, wg, config.backward_turns)
 
       def step(carry, piece, j, masked: bool):
         """One key block: s = q k^T and dp = dout v^T, p = exp2(s c + log2 m - lse2),
@@ -658,7 +659,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
         s, dp = _products([(q_tile, k_smem.at[slot].T), (do_tile, v_smem.at[slot].T)],
-                          (bq, bk), take_turn)
+                          (bq, bk))
         plgpu.barrier_arrive(v_free.at[slot])
         p = jnp.exp2(jnp.minimum(s * qk_scale - rows_of(lse2 - piece.bias), 0.0))
         if masked:
@@ -668,16 +669,13 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
             visible = visible & (piece.first + piece.stride * key <= qpos)
           p = jnp.where(visible, p, 0.0)
         ds = p * (dp - rows_of(delta_i))
-        give_turn()
         dq, = _accumulate([dq], [(ds.astype(dtype), k_smem.at[slot])], interpret)
         plgpu.barrier_arrive(k_free.at[slot])
         return dq, step + 1
 
       dq = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
       ranges = _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first)
-      start_turns()
       dq, _ = _walk(prog, ranges, step, (dq, jnp.int32(0)))
-      end_turns()
       o_tile = o_smem.at[wg]
       o_tile[...] = dq * scale
       plgpu.commit_smem()
@@ -705,8 +703,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
         smem,
         ((plgpu.Barrier(num_barriers=2),) * 4, plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=stages)),
-        ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
-         plgpu.Barrier(num_arrivals=2)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
         collective_axes="wg")
 
   n_out = _n_out(sched, n_pad)
@@ -738,7 +735,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
              smem, bars, free):
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem = smem
     row_bars, q_bar, do_bar, lse_bar, delta_bar = bars
-    (q_free, do_free, stat_free), turn = free
+    q_free, do_free, stat_free = free
     wg = lax.axis_index("wg")
     prog = _Program.decode(origin_ref, rows_ref, sched, block_rows, n)
     b, head, cls = prog.b, prog.head, prog.cls  # head: the key/value head
@@ -780,7 +777,6 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       kpos = prog.first + L * (k_start + rows_iota)
       k_last = prog.first + L * (jnp.minimum(k_start + bk, prog.nrows) - 1)
       cols_of = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
-      take_turn, give_turn, start_turns, end_turns = _turns(turn, wg, config.backward_turns)
 
       def step(carry, piece, j, masked: bool):
         """One query block: s^T = k q^T and dp^T = v dout^T, p^T = exp2(s^T c + log2 m -
@@ -790,7 +786,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
         plgpu.barrier_wait(q_bar.at[slot])
         plgpu.barrier_wait(do_bar.at[slot])
         s_t, dp_t = _products([(k_tile, q_smem.at[slot].T), (v_tile, do_smem.at[slot].T)],
-                              (bk, bq), take_turn)
+                              (bk, bq))
         plgpu.barrier_wait(lse_bar.at[slot])
         plgpu.barrier_wait(delta_bar.at[slot])
         lse2 = plgpu.load(lse_smem.at[slot], layout=col_stat)
@@ -804,7 +800,6 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             visible = visible & (kpos <= piece.first + piece.stride * query)
           p_t = jnp.where(visible, p_t, 0.0)
         ds_t = p_t * (dp_t - cols_of(delta_j))
-        give_turn()
         dv, dk = _accumulate([dv, dk], [(p_t.astype(dtype), do_smem.at[slot]),
                                          (ds_t.astype(dtype), q_smem.at[slot])], interpret)
         plgpu.barrier_arrive(do_free.at[slot])
@@ -813,9 +808,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
       zeros = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
       ranges = _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last)
-      start_turns()
       dk, dv, _ = _walk(prog, ranges, step, (zeros, zeros, jnp.int32(0)))
-      end_turns()
       o_tile = o_smem.at[wg]
       for grad, out_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
         o_tile[...] = grad
@@ -844,8 +837,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             free),
         smem,
         ((plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 4),
-        ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 3,
-         plgpu.Barrier(num_arrivals=2)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 3,
         collective_axes="wg")
 
   n_out = _n_out(sched, n_pad)
