@@ -127,8 +127,8 @@ def load(name: Name) -> ModuleType:
 def candidates(implementation) -> tuple[Name, ...]:
   """`implementation` (None, a name or a sequence of names) as backend names to try in order.
 
-  None: the platform's defaults, fastest first: on a GPU "mosaic" (Hopper only: its forward
-  measured faster than "triton" on every shape timed, its backward is triton's), "triton",
+  None: the platform's defaults, fastest first: on a GPU "mosaic" (Hopper only: measured
+  faster than "triton" on every shape timed, forward and forward+backward), "triton",
   "pallas" (JAX < 0.12: 0.12 deprecates Pallas's Triton lowering, with a warning), "xla";
   elsewhere "xla".
   """
