@@ -58,6 +58,7 @@ from flax import nnx
 
 import common
 from hilbert_ring_jax import DilatedMultiHeadAttention, DilatedPattern
+from hilbert_ring_jax.nn import rotate
 
 MODELS = ("dilated", "full", "local")
 FULL_IMPLS = ("auto", "cudnn", "xla", "ours")
@@ -65,10 +66,10 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 PRESETS = {
     "cpu": dict(seq_len=512, segments="32,128,512", rates="1,4,16", dim=64, layers=2, heads=4,
                 kv_heads=2, batch=8, steps=80, lr=3e-3, eval_every=20, eval_windows=64,
-                dtype="float32"),
+                dtype="float32", rotary_base=10000.0),
     "gpu": dict(seq_len=8192, segments="512,2048,8192", rates="1,4,16", dim=768, layers=8,
                 heads=6, kv_heads=2, batch=8, steps=1000, lr=8e-4, eval_every=250,
-                eval_windows=128, dtype="bfloat16"),
+                eval_windows=128, dtype="bfloat16", rotary_base=10000.0),
 }
 SEPARATOR = b"\0"  # between files; NUL does not occur in the standard library's source
 
@@ -143,13 +144,16 @@ def heldout_batches(data: np.ndarray, seq_len: int, windows: int, batch: int) ->
 # ---------------------------------------------------------------------------------- models
 
 
-def full_attention_fn(implementation: str):
-  """An `attention_fn` for `nnx.MultiHeadAttention`: causal `jax.nn.dot_product_attention`."""
+def full_attention_fn(implementation: str, rotary_base: float | None = None):
+  """An `attention_fn` for `nnx.MultiHeadAttention`: causal `jax.nn.dot_product_attention`,
+  queries and keys turned by the library's rotary embedding first (as the dilated layer does
+  with the same `rotary_base`)."""
 
   def attention_fn(query, key, value, bias=None, mask=None, **unused):
     del unused  # dropout is off; dtype and precision are the projections' business
     if bias is not None or mask is not None:
       raise ValueError("full_attention_fn is causal self-attention: no mask or bias")
+    query, key = rotate(query, key, rotary_base, jnp.arange(query.shape[-3]))
     return jax.nn.dot_product_attention(query, key, value, is_causal=True,
                                         implementation=implementation)
 
@@ -187,18 +191,21 @@ def attention_spec(name: str, args, full_impl: str) -> tuple[DilatedPattern, str
 def build_model(name: str, args, full_impl: str, seed: int) -> tuple[nnx.Module, DilatedPattern]:
   pattern, sdpa = attention_spec(name, args, full_impl)
   dtype = DTYPES[args.dtype]
+  rotary = args.rotary_base or None  # 0: learned absolute positions instead
   if sdpa is None:
     # offsets="all": every head reads every residue class (the rates exceed the head count).
     attention = lambda rngs: DilatedMultiHeadAttention(
         args.heads, args.dim, num_kv_heads=args.kv_heads, pattern=pattern, dtype=dtype,
-        implementation=args.impl, rngs=rngs)
+        implementation=args.impl, rotary_base=rotary, rngs=rngs)
   else:
     # Same parameter layout and, from the same seed, the same initial values.
     attention = lambda rngs: nnx.MultiHeadAttention(
-        args.heads, args.dim, num_kv_heads=args.kv_heads, attention_fn=full_attention_fn(sdpa),
+        args.heads, args.dim, num_kv_heads=args.kv_heads,
+        attention_fn=full_attention_fn(sdpa, rotary),
         decode=False, dtype=dtype, rngs=rngs)
   model = common.SequenceModel(256, args.dim, args.layers, attention, out=256,
-                               positions=args.seq_len, dtype=dtype, remat=args.remat,
+                               positions=None if rotary else args.seq_len, dtype=dtype,
+                               remat=args.remat,
                                rngs=nnx.Rngs(seed))
   return model, pattern
 
@@ -257,6 +264,9 @@ def parse_args(argv=None):
   parser.add_argument("--eval-every", type=int)
   parser.add_argument("--eval-windows", type=int, help="held-out windows evaluated")
   parser.add_argument("--dtype", choices=sorted(DTYPES), help="computation dtype")
+  parser.add_argument("--rotary-base", type=float, help="rotary position embedding of queries "
+                      "and keys with this base in every model; 0: a learned absolute position "
+                      "embedding at the input instead (default 10000)")
   parser.add_argument("--remat", action="store_true",
                       help="recompute activations in the backward (less memory; model FLOPs "
                       "and their fraction of the peak do not count the recomputation)")
@@ -293,6 +303,9 @@ def check_args(args) -> None:
   """`ValueError` naming the flag for every inconsistent setting."""
   common.check_positive(args, "seq_len", "dim", "layers", "heads", "kv_heads", "batch",
                         "steps", "lr", "eval_every", "eval_windows")
+  if not (args.rotary_base == 0 or args.rotary_base > 1):
+    raise ValueError(f"--rotary-base must be 0 (learned positions) or > 1, got "
+                     f"{args.rotary_base}")
   args.segments = int_list("--segments", args.segments)
   args.rates = int_list("--rates", args.rates)
   args.seeds = int_list("--seeds", args.seeds)
@@ -336,8 +349,8 @@ def run_config(args, split: dict) -> dict:
   """What decides the results: runs of one configuration merge into one JSON, and a change of
   any entry names a new checkpoint folder (the full model's also names its implementation)."""
   keys = ("seq_len", "segments", "rates", "dim", "layers", "heads", "kv_heads", "batch",
-          "steps", "lr", "eval_every", "eval_windows", "dtype", "remat", "impl", "split_seed",
-          "heldout_fraction")
+          "steps", "lr", "eval_every", "eval_windows", "dtype", "rotary_base", "remat", "impl",
+          "split_seed", "heldout_fraction")
   config = {k: list(v) if isinstance(v, tuple) else v for k in keys
             for v in [getattr(args, k)]}  # as JSON reads back: lists
   config["data_sha256"] = split["train_bytes_sha256"][:16] + split["heldout_bytes_sha256"][:16]

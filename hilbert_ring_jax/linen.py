@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 from .decode import KVCache, init_kv_cache
 from .nn import (TokenOrder, apply_dropout, attend, check_decodable, check_dropout_rate, check_flag,
-                 check_heads, check_options, decode_attend, permute, static_implementation)
+                 check_heads, check_options, check_rotary_base, decode_attend, permute, rotate,
+                 static_implementation)
 from .pattern import DilatedPattern
 
 DEFAULT_KERNEL_INIT = nn.initializers.lecun_normal()
@@ -59,6 +60,8 @@ class DilatedMultiHeadAttention(nn.Module):
     out_bias_init: initializer of the `out` bias (None: `bias_init`).
     use_bias: whether the four projections have biases.
     normalize_qk: apply `LayerNorm` (scale only) to queries and keys per head.
+    rotary_base: rotary position embedding of queries and keys with this base (None: none),
+      as in the NNX layer.
     decode: keep and use the `cache` collection (see above).
 
   Example:
@@ -108,6 +111,7 @@ class DilatedMultiHeadAttention(nn.Module):
   use_bias: bool = True
   normalize_qk: bool = False
   decode: bool = False
+  rotary_base: float | None = None
 
   @nn.compact
   def __call__(self, x, *, deterministic: bool | None = None, prefill: bool = False):
@@ -146,17 +150,22 @@ class DilatedMultiHeadAttention(nn.Module):
                                param_dtype=self.param_dtype)
       q, k = norm(name="query_ln")(q), norm(name="key_ln")(k)
     implementation = static_implementation(self.implementation)
+    rotary_base = check_rotary_base(self.rotary_base, head_dim)
+    positions = jnp.arange(x.shape[1]) if perm is None else jnp.asarray(perm)
     # [B, N, H, D]
     if self.decode and self.has_variable("cache", "cache_index"):
       cached_key = self.variable("cache", "cached_key")
       cached_value = self.variable("cache", "cached_value")
       cache_index = self.variable("cache", "cache_index")
+      offset = 0 if prefill else cache_index.value
+      q, k = rotate(q, k, rotary_base, positions + offset)
       cache = KVCache(cache_index.value, tuple(cached_key.value), tuple(cached_value.value),
                       self.num_heads)
       y, cache = decode_attend(q, k, v, cache, self.pattern, prefill=prefill,
                                implementation=implementation)
       cached_key.value, cached_value.value, cache_index.value = cache.k, cache.v, cache.length
     else:
+      q, k = rotate(q, k, rotary_base, positions)
       if self.decode:  # initializing: an empty cache; the call runs as without decode
         empty = init_kv_cache(self.pattern, batch=x.shape[0], num_heads=self.num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=k.dtype)

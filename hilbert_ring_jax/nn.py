@@ -156,6 +156,41 @@ def check_flag(name, val) -> bool:
   return val
 
 
+def check_rotary_base(rotary_base, head_dim: int):
+  """`rotary_base` (None, or a finite number > 1) as a float or None; the head dim must be even."""
+  if rotary_base is None:
+    return None
+  if (isinstance(rotary_base, bool) or not isinstance(rotary_base, numbers.Real)
+      or not np.isfinite(rotary_base) or rotary_base <= 1):
+    raise ValueError(f"rotary_base must be None or a finite number > 1 (e.g. 10000.0), got "
+                     f"rotary_base={rotary_base!r}")
+  if head_dim % 2:
+    raise ValueError(f"rotary_base needs an even head dim, got {head_dim}")
+  return float(rotary_base)
+
+
+def rotate(q, k, rotary_base, positions):
+  """Rotary position embedding of `q [B, N, H, D]` and `k [B, N, Hkv, D]` (None: unchanged).
+
+  Feature `i < D/2` and `i + D/2` of the token at `positions[j]` (the tokens' places in the
+  caller's order: decoding offsets them by the tokens cached) turn by the angle
+  `positions[j] * rotary_base ** (-2 i / D)`, computed in float32, so that a score depends
+  on the positions only through their difference.
+  """
+  if rotary_base is None:
+    return q, k
+  half = q.shape[-1] // 2
+  freq = rotary_base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle = jnp.asarray(positions, jnp.float32)[:, None] * freq  # [N, D/2]
+  cos, sin = jnp.cos(angle)[:, None], jnp.sin(angle)[:, None]  # [N, 1, D/2]
+
+  def turn(x):
+    a, b = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
+
+  return turn(q), turn(k)
+
+
 def decode_attend(q, k, v, cache: KVCache, pattern, *, prefill: bool, implementation=None):
   """One decoding call of a layer: `(y, cache)` for new tokens `q, k, v`.
 
@@ -317,6 +352,8 @@ class DilatedMultiHeadAttention(nnx.Module):
     out_kernel_metadata, out_bias_metadata: the same for `out` (empty: the values above).
     query_ln_scale_metadata, key_ln_scale_metadata: metadata of the `normalize_qk` scales.
     decode: default for `__call__`'s flag: use and update the cache (None: False).
+    rotary_base: rotary position embedding of queries and keys (after `normalize_qk`) with
+      this base, e.g. 10000.0, at the tokens' positions in the caller's order (None: none).
 
   Example:
     >>> import jax.numpy as jnp
@@ -355,13 +392,14 @@ class DilatedMultiHeadAttention(nnx.Module):
                out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
                query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
                key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
-               decode: bool | None = None):
+               decode: bool | None = None, rotary_base: float | None = None):
     check_features(in_features=in_features)
     qkv_features = in_features if qkv_features is None else qkv_features
     out_features = in_features if out_features is None else out_features
     check_features(out_features=out_features)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     num_kv_heads, head_dim = check_heads(num_heads, qkv_features, num_kv_heads, pattern)
+    self.rotary_base = check_rotary_base(rotary_base, head_dim)
     if mesh is None and (seq_axis is not None or batch_axis is not None):
       raise ValueError(f"seq_axis and batch_axis are only used with a mesh, got {seq_axis=}, "
                        f"{batch_axis=} and mesh=None")
@@ -548,13 +586,17 @@ class DilatedMultiHeadAttention(nnx.Module):
     if self.normalize_qk:
       q, k = self.query_ln(q), self.key_ln(k)
     # [B, N, H, D]
+    positions = jnp.arange(x.shape[1]) if perm is None else jnp.asarray(perm)
     if decode:
-      y, cache = decode_attend(q, k, v, self.kv_cache(), self.pattern, prefill=prefill,
+      cache = self.kv_cache()
+      q, k = rotate(q, k, self.rotary_base, positions + (0 if prefill else cache.length))
+      y, cache = decode_attend(q, k, v, cache, self.pattern, prefill=prefill,
                                implementation=self.implementation)
       for var, val in zip((*self.cached_key, *self.cached_value), (*cache.k, *cache.v)):
         var[...] = val
       self.cache_index[...] = cache.length
     else:
+      q, k = rotate(q, k, self.rotary_base, positions)
       y = attend(q, k, v, self.pattern, implementation=self.implementation, mesh=self.mesh,
                  seq_axis=self.seq_axis, batch_axis=self.batch_axis)
     if not deterministic:

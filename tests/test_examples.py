@@ -108,6 +108,7 @@ def test_image_digits(examples, tmp_path):
     ("lm_real", ["--dim", "30"], "--dim 30 must be divisible by --heads"),
     ("lm_real", ["--steps", "0"], "--steps must be positive"),
     ("lm_real", ["--seeds", "a"], "--seeds"),
+    ("lm_real", ["--rotary-base", "0.5"], "--rotary-base"),
     ("image_digits", ["--size", "4"], "--size must be at least 8"),
     ("image_digits", ["--kv-heads", "3"], "--kv-heads 3 must divide --heads"),
     ("image_digits", ["--lr", "-1"], "--lr must be positive"),

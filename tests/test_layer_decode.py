@@ -37,8 +37,10 @@ def chunks(start, sizes=CHUNKS):
 
 
 CONFIGS = {
-    # GQA, biases, prefill of 5 tokens then steps; decode set at construction.
-    "gqa_prefill": (dict(num_heads=4, num_kv_heads=2, pattern=PATTERN, decode=True), 5, "init"),
+    # GQA, biases, rotary positions, prefill of 5 tokens then steps; decode set at
+    # construction.
+    "gqa_prefill": (dict(num_heads=4, num_kv_heads=2, pattern=PATTERN, decode=True,
+                         rotary_base=100.0), 5, "init"),
     # normalize_qk, no bias, offsets="all" with head groups, dropout off by eval(); decode
     # given at the call, starting from an empty cache.
     "options": (dict(num_heads=4, num_kv_heads=1, qkv_features=16, out_features=12,
@@ -130,7 +132,8 @@ def test_nnx_decode_errors():
 
 
 def test_linen_decoding_matches_the_module():
-  kwargs = dict(num_heads=4, num_kv_heads=2, pattern=PATTERN, normalize_qk=True)
+  kwargs = dict(num_heads=4, num_kv_heads=2, pattern=PATTERN, normalize_qk=True,
+                rotary_base=100.0)
   module = linen.DilatedMultiHeadAttention(decode=True, **kwargs)
   plain = linen.DilatedMultiHeadAttention(**kwargs)
   x = inputs()

@@ -15,6 +15,7 @@ from hilbert_ring_jax import (DilatedMultiHeadAttention, DilatedPattern, dilated
                               dilated_attention_fn, dilated_attention_reference,
                               hilbert_permutation, hilbert_permutation_per_segment, linen,
                               serialize, unserialize)
+from hilbert_ring_jax.nn import rotate
 
 B, N, F, H, HKV = 2, 16, 16, 4, 2  # N = 4 x 4 grid; head dim 4
 PATTERN = DilatedPattern((8, 16), (1, 2))
@@ -186,6 +187,46 @@ def test_linen_parity():
   np.testing.assert_array_equal(apply(0, True), y)
   np.testing.assert_array_equal(apply(0, False), apply(0, False))
   assert not np.allclose(apply(0, False), apply(1, False))
+
+
+def test_rotary_position_embedding():
+  """`rotary_base`: q and k turned by position (checked against complex multiplication),
+  scores depending on positions only through their difference, applied in the layer after
+  the projections at the tokens' positions in the caller's order (so an ordering keeps them),
+  in both layers alike; bad bases raise ValueError."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((1, N, H, 8))
+  pos = rng.permutation(40)[:N]
+  rq, rk = rotate(jnp.asarray(x, jnp.float32), jnp.asarray(x[:, :, :2], jnp.float32), 100.0, pos)
+  z = (x[..., :4] + 1j * x[..., 4:]) * np.exp(1j * pos[:, None, None] * 100.0 ** (-np.arange(4) / 4))
+  np.testing.assert_allclose(rq, np.concatenate([z.real, z.imag], -1), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(rk, rq[:, :, :2], rtol=1e-6)
+  score = lambda p: jnp.einsum("bnhd,bmhd->bhnm", *rotate(*(jnp.asarray(x, jnp.float32),) * 2,
+                                                          100.0, p))
+  np.testing.assert_allclose(score(pos + 7), score(pos), rtol=1e-4, atol=1e-4)
+  # In the layer: the projections, then the turn at the caller's positions, then attention.
+  for kwargs, perm in (ORDERINGS["none"], ORDERINGS["hilbert"]):
+    layer = make_layer(CAUSAL, rotary_base=50.0, **kwargs)
+    xs = inputs()
+    serial = xs if perm is None else serialize(xs, perm)
+    q, k = rotate(layer.query(serial), layer.key(serial), 50.0,
+                  np.arange(N) if perm is None else perm)
+    want = layer.out(dilated_attention(q, k, layer.value(serial), CAUSAL))
+    want = want if perm is None else unserialize(want, perm)
+    np.testing.assert_allclose(layer(xs), want, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(make_layer(CAUSAL, **kwargs)(xs), want, atol=1e-3)
+    module = linen.DilatedMultiHeadAttention(H, num_kv_heads=HKV, pattern=CAUSAL,
+                                             rotary_base=50.0, **kwargs)
+    np.testing.assert_allclose(module.apply({"params": params(layer)}, xs), want, rtol=1e-5,
+                               atol=1e-5)
+  for bad in (1.0, 0, -5.0, float("inf"), True, "10000"):
+    with pytest.raises(ValueError, match="rotary_base"):
+      make_layer(rotary_base=bad)
+  with pytest.raises(ValueError, match="even head dim"):
+    make_layer(qkv_features=12, rotary_base=100.0)  # head dim 3
+  with pytest.raises(ValueError, match="rotary_base"):
+    linen.DilatedMultiHeadAttention(H, pattern=PATTERN, rotary_base=0.5).init(
+        jax.random.PRNGKey(0), inputs())
 
 
 def test_attention_fn_in_nnx_multi_head_attention():
