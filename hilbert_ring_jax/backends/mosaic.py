@@ -318,6 +318,21 @@ def _produce(prog: _Program, blocks, streams, stages: int):
         plgpu.barrier_wait(free.at[lax.rem(step, stages)])
 
 
+def _kv_producer(prog: _Program, kv_head, k, v, ranges, L: int, bk: int, stages: int):
+  """The producer of the forward and dq kernels: the key and value blocks of the row's key
+  pieces (`ranges`), read from key/value head `kv_head`. `k`, `v`: (the `[B, N, Hkv, D]`
+  input, its strided view, the shared-memory ring, its full and its free barriers)."""
+
+  def stream(src4, src5, smem, bar, free):
+    def load(piece, j, slot):
+      _load_run(src4, src5, smem.at[slot], bar.at[slot], prog.base + piece.first, j * bk, bk,
+                piece.stride, L, lambda rows, c: (prog.b, rows, kv_head) if c is None else
+                (prog.b, rows, c, kv_head))
+    return free, load
+
+  _produce(prog, ranges, [stream(*k), stream(*v)], stages)
+
+
 def _walk(prog: _Program, ranges, step, carry):
   """A consumer's pass over the blocks `_produce` loads: `ranges(p) = (piece, lo, a, b, hi)`,
   blocks `[a, b)` unmasked, the rest of `[lo, hi)` masked; `step(carry, piece, j, masked)`."""
@@ -475,19 +490,12 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
     wg = lax.axis_index("wg")
     prog = _Program.decode(origin_ref, rows_ref, sched, block_rows, n)
     b, head, cls = prog.b, prog.head, prog.cls
-    kv_head = lax.div(head, per_kv)
-
-    def kv_stream(src4, src5, smem, bar):
-      def load(piece, j, slot):
-        _load_run(src4, src5, smem.at[slot], bar.at[slot], prog.base + piece.first, j * bk, bk,
-                  piece.stride, L, lambda rows, c: (b, rows, kv_head) if c is None else
-                  (b, rows, c, kv_head))
-      return load
 
     def producer():
-      _produce(prog, _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk),
-               [(k_free, kv_stream(k4_ref, k5_ref, k_smem, k_bar)),
-                (v_free, kv_stream(v4_ref, v5_ref, v_smem, v_bar))], stages)
+      _kv_producer(prog, lax.div(head, per_kv), (k4_ref, k5_ref, k_smem, k_bar, k_free),
+                   (v4_ref, v5_ref, v_smem, v_bar, v_free),
+                   _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk), L, bk,
+                   stages)
 
     def consumer():
       plgpu.set_max_registers(232, action="increase")
@@ -615,19 +623,12 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
     wg = lax.axis_index("wg")
     prog = _Program.decode(origin_ref, rows_ref, sched, block_rows, n)
     b, head, cls = prog.b, prog.head, prog.cls
-    kv_head = lax.div(head, per_kv)
-
-    def kv_stream(src4, src5, smem, bar):
-      def load(piece, j, slot):
-        _load_run(src4, src5, smem.at[slot], bar.at[slot], prog.base + piece.first, j * bk, bk,
-                  piece.stride, L, lambda rows, c: (b, rows, kv_head) if c is None else
-                  (b, rows, c, kv_head))
-      return load
 
     def producer():
-      _produce(prog, _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk),
-               [(k_free, kv_stream(k4_ref, k5_ref, k_smem, k_bar)),
-                (v_free, kv_stream(v4_ref, v5_ref, v_smem, v_bar))], stages)
+      _kv_producer(prog, lax.div(head, per_kv), (k4_ref, k5_ref, k_smem, k_bar, k_free),
+                   (v4_ref, v5_ref, v_smem, v_bar, v_free),
+                   _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk), L, bk,
+                   stages)
 
     def consumer():
       plgpu.set_max_registers(232, action="increase")
