@@ -112,10 +112,9 @@ def timings(runs):
     s = d ** -0.5
     flops = 4 * d * pattern.visible_pairs(n, 16)
     variants = VARIANTS[d]
-    impls = [("mosaic", None, True), ("mosaic+triton", None, True)]
-    impls += [(p, None, True) for p in peers]
-    impls += [(name, mosaic.Config(**cfg), True) for name, cfg in variants.items()]
-    for name, config, backward in impls:
+    impls = [("mosaic", None), ("mosaic+triton", None)] + [(p, None) for p in peers]
+    impls += [(name, mosaic.Config(**cfg)) for name, cfg in variants.items()]
+    for name, config in impls:
       row = dict(pattern=kind, n=n, head_dim=d, causal=pattern.causal, impl=name)
       try:
         if name in variants or name == "mosaic":
@@ -128,11 +127,10 @@ def timings(runs):
         fwd = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, pattern, s))
         row["fwd_ms"] = median_ms(fwd, (q, k, v), runs)
         row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
-        if backward:
-          fb = jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(
-              lambda *a: fn(*a, pattern, s), q, k, v)[1](do))
-          row["fwdbwd_ms"] = median_ms(fb, (q, k, v, dout), runs)
-          row["fwdbwd_tflops"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
+        fb = jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(
+            lambda *a: fn(*a, pattern, s), q, k, v)[1](do))
+        row["fwdbwd_ms"] = median_ms(fb, (q, k, v, dout), runs)
+        row["fwdbwd_tflops"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
       except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc(limit=2)

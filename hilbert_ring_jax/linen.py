@@ -150,22 +150,22 @@ class DilatedMultiHeadAttention(nn.Module):
                                param_dtype=self.param_dtype)
       q, k = norm(name="query_ln")(q), norm(name="key_ln")(k)
     implementation = static_implementation(self.implementation)
-    rotary_base = check_rotary_base(self.rotary_base, head_dim)
+    decoding = self.decode and self.has_variable("cache", "cache_index")
     positions = jnp.arange(x.shape[1]) if perm is None else jnp.asarray(perm)
+    if decoding and not prefill:  # the new tokens follow those cached
+      positions = positions + self.get_variable("cache", "cache_index")
+    q, k = rotate(q, k, check_rotary_base(self.rotary_base, head_dim), positions)
     # [B, N, H, D]
-    if self.decode and self.has_variable("cache", "cache_index"):
+    if decoding:
       cached_key = self.variable("cache", "cached_key")
       cached_value = self.variable("cache", "cached_value")
       cache_index = self.variable("cache", "cache_index")
-      offset = 0 if prefill else cache_index.value
-      q, k = rotate(q, k, rotary_base, positions + offset)
       cache = KVCache(cache_index.value, tuple(cached_key.value), tuple(cached_value.value),
                       self.num_heads)
       y, cache = decode_attend(q, k, v, cache, self.pattern, prefill=prefill,
                                implementation=implementation)
       cached_key.value, cached_value.value, cache_index.value = cache.k, cache.v, cache.length
     else:
-      q, k = rotate(q, k, rotary_base, positions)
       if self.decode:  # initializing: an empty cache; the call runs as without decode
         empty = init_kv_cache(self.pattern, batch=x.shape[0], num_heads=self.num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=k.dtype)

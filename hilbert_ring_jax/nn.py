@@ -586,17 +586,18 @@ class DilatedMultiHeadAttention(nnx.Module):
     if self.normalize_qk:
       q, k = self.query_ln(q), self.key_ln(k)
     # [B, N, H, D]
+    cache = self.kv_cache() if decode else None
     positions = jnp.arange(x.shape[1]) if perm is None else jnp.asarray(perm)
+    if decode and not prefill:
+      positions = positions + cache.length  # the new tokens follow those cached
+    q, k = rotate(q, k, self.rotary_base, positions)
     if decode:
-      cache = self.kv_cache()
-      q, k = rotate(q, k, self.rotary_base, positions + (0 if prefill else cache.length))
       y, cache = decode_attend(q, k, v, cache, self.pattern, prefill=prefill,
                                implementation=self.implementation)
       for var, val in zip((*self.cached_key, *self.cached_value), (*cache.k, *cache.v)):
         var[...] = val
       self.cache_index[...] = cache.length
     else:
-      q, k = rotate(q, k, self.rotary_base, positions)
       y = attend(q, k, v, self.pattern, implementation=self.implementation, mesh=self.mesh,
                  seq_axis=self.seq_axis, batch_axis=self.batch_axis)
     if not deterministic:

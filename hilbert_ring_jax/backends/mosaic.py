@@ -461,6 +461,11 @@ def _run(entry, out_type, grid, args, interpret: bool):
   return outs
 
 
+def _strided_view(x, stride: int):
+  """The free view `[B, N/L, L, ...]` of `x [B, N, ...]`: row `p // L`, class `p % L`."""
+  return x.reshape(x.shape[0], x.shape[1] // stride, stride, *x.shape[2:])
+
+
 def _n_out(sched: schedule.Schedule, n_pad: int) -> int:
   """Outputs cover whole periods (every program's boxes lie inside them): TMA stores that
   run past the end of an array are not clipped reliably on the GPU (measured: rows of the
@@ -595,7 +600,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_heads, d), out_dtype),
               jax.ShapeDtypeStruct((batch, num_heads, L, n_out // L), jnp.float32))
   rows, pieces, bias = tables
-  view = lambda x: x.reshape(batch, n_pad // L, L, *x.shape[2:])
+  view = functools.partial(_strided_view, stride=L)
   args = (rows.reshape(-1), pieces.reshape(-1), bias, view(q), k, view(k), v, view(v))
   out, lse = _run(entry, out_type, sched.grid(batch, block_rows), args, interpret)
   lse = lse.transpose(0, 3, 2, 1).reshape(batch, n_out, num_heads)
@@ -710,7 +715,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
   n_out = _n_out(sched, n_pad)
   out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_heads, d), jnp.float32),)
   rows, pieces, bias = tables
-  view = lambda x: x.reshape(batch, n_pad // L, L, *x.shape[2:])
+  view = functools.partial(_strided_view, stride=L)
   args = (rows.reshape(-1), pieces.reshape(-1), bias, view(q), view(dout), lse2, delta,
           k, view(k), v, view(v))
   dq, = _run(entry, out_type, sched.grid(batch, block_rows), args, interpret)
@@ -844,7 +849,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   n_out = _n_out(sched, n_pad)
   out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_kv, d), jnp.float32),) * 2
   rows, pieces, bias = tables
-  view = lambda x: x.reshape(batch, n_pad // L, L, *x.shape[2:])
+  view = functools.partial(_strided_view, stride=L)
   args = (rows.reshape(-1), pieces.reshape(-1), bias, view(k), view(v), q, view(q), dout,
           view(dout), *stats)
   dk, dv = _run(entry, out_type, sched.grid(batch, block_rows), args, interpret)
@@ -863,8 +868,9 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
 
 
 def _padded(n, sched):
-  """`x [B, N, ...]` zero-padded (fill `value`) to a multiple of `8 L` positions, the views'
-  row axes in whole tiles of 8 (TMA into tiled shared memory needs them); no copy if none."""
+  """`(Np, pad)`: `pad(x, value, axis)` fills `x`'s position axis up to `Np`, a multiple of
+  `8 L` (TMA into tiled shared memory needs the views' row axes in whole tiles of 8); no
+  copy when `Np = N`."""
   n_pad = -(-n // (8 * sched.stride)) * 8 * sched.stride
 
   def pad(x, value=0.0, axis=1):
@@ -915,8 +921,8 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config):
     raise NotImplementedError(why)
   dout = dout.astype(q.dtype)
   # lse in base 2, +inf where a query sees no key (p = 0 there); [B, H, N] like delta.
-  lse2 = (jnp.where(lse == -jnp.inf, jnp.inf, lse) * _LOG2E).astype(jnp.float32)
-  lse2, delta = (x.astype(jnp.float32).transpose(0, 2, 1) for x in (lse2, delta))
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32)) * _LOG2E
+  lse2, delta = lse2.transpose(0, 2, 1), delta.astype(jnp.float32).transpose(0, 2, 1)
   grads = None
   for fused in schedule.launches(pattern, n, num_heads, branches):
     sched = schedule.build(pattern, n, num_heads, num_kv, fused, False)
