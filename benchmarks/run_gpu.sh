@@ -46,6 +46,9 @@ for stage in "$@"; do
     time-mosaic) timeout 560 python3 benchmarks/tune_mosaic.py --skip-checks \
                    --json "$OUT/mosaic.json" 2>&1 | tee "$OUT/mosaic.log" | \
                    grep -v '^{\|^  \|^Traceback' | tail -60 ;;
+    quick-mosaic) timeout 380 python3 benchmarks/tune_mosaic.py --quick --no-cross \
+                   --json "$OUT/mosaic_quick.json" 2>&1 | tee "$OUT/mosaic_quick.log" | \
+                   grep -v '^{\|^  \|^Traceback' | tail -50 ;;
     tune-mosaic) timeout 420 python3 benchmarks/tune_mosaic.py --json "$OUT/mosaic.json" \
                    2>&1 | tee "$OUT/mosaic.log" | grep -v '^{\|^  \|^Traceback' | tail -50 ;;
     tests-pallas) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention.py \

@@ -31,8 +31,10 @@ from hilbert_ring_jax.api import _Dispatch
 from hilbert_ring_jax.backends import base, mosaic
 
 LONGNET = ((2048, 4096, 8192), (1, 2, 4))
-# Backward variants, by head dim (the default is the most stages that fit).
-VARIANTS = {64: {"bs2": dict(backward_stages=2), "bs4": dict(backward_stages=4)}, 128: {}}
+# Backward variants, by head dim (the default: dq fused into the dk/dv kernel, the most
+# stages that fit).
+VARIANTS = {64: {"unfused": dict(fused_backward=False), "bs2": dict(backward_stages=2)},
+            128: {"unfused": dict(fused_backward=False)}}
 
 
 def cross(fwd, bwd):
@@ -94,16 +96,21 @@ def checks():
   return rows
 
 
-def timings(runs):
+def timings(runs, quick=False, cross_pass=True):
   plan = []
-  for n, causal in ((32768, False), (32768, True), (131072, False), (131072, True)):
+  full = ((32768, False), (32768, True)) if quick else (
+      (32768, False), (32768, True), (131072, False), (131072, True))
+  for n, causal in full:
     plan.append(("full", n, 128, DilatedPattern((n,), (1,), causal=causal),
-                 ["cudnn", "tokamax"]))
-  for n, causal in ((32768, False), (131072, False), (131072, True)):
+                 ["cudnn"] if quick else ["cudnn", "tokamax"]))
+  for n, causal in ((131072, False), (131072, True)) if quick else (
+      (32768, False), (131072, False), (131072, True)):
     plan.append(("longnet", n, 128, DilatedPattern(*LONGNET, causal=causal),
                  ["folded_cudnn"]))
   plan.append(("longnet", 131072, 64, DilatedPattern(*LONGNET), ["folded_cudnn"]))
-  plan.append(("longnet", 131072, 64, DilatedPattern(*LONGNET, causal=True), ["folded_cudnn"]))
+  if not quick:
+    plan.append(("longnet", 131072, 64, DilatedPattern(*LONGNET, causal=True),
+                 ["folded_cudnn"]))
   rows = []
   for kind, n, d, pattern, peers in plan:
     rng = np.random.default_rng(1)
@@ -112,7 +119,8 @@ def timings(runs):
     s = d ** -0.5
     flops = 4 * d * pattern.visible_pairs(n, 16)
     variants = VARIANTS[d]
-    impls = [("mosaic", None), ("mosaic+triton", None)] + [(p, None) for p in peers]
+    impls = [("mosaic", None)] + [("mosaic+triton", None)] * cross_pass
+    impls += [(p, None) for p in peers]
     impls += [(name, mosaic.Config(**cfg)) for name, cfg in variants.items()]
     for name, config in impls:
       row = dict(pattern=kind, n=n, head_dim=d, causal=pattern.causal, impl=name)
@@ -145,6 +153,8 @@ def main():
   ap.add_argument("--json", default=None)
   ap.add_argument("--skip-checks", action="store_true")
   ap.add_argument("--skip-timings", action="store_true")
+  ap.add_argument("--quick", action="store_true", help="fewer shapes, no tokamax")
+  ap.add_argument("--no-cross", action="store_true", help="skip mosaic+triton")
   args = ap.parse_args()
   dev = jax.devices()[0]
   meta = dict(device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__,
@@ -152,7 +162,8 @@ def main():
               dtype="bfloat16")
   print(json.dumps(meta), flush=True)
   out = dict(meta=meta, checks=[] if args.skip_checks else checks(),
-             timings=[] if args.skip_timings else timings(args.runs))
+             timings=[] if args.skip_timings else timings(args.runs, args.quick,
+                                                           not args.no_cross))
   print(f"\n{'pattern':8s} {'causal':6s} {'N':>7s} {'D':>4s} {'impl':12s} {'fwd ms':>8s} "
         f"{'TFLOP/s':>8s} {'fwd+bwd':>8s} {'TFLOP/s':>8s}")
   for r in out["timings"]:

@@ -75,6 +75,8 @@ class Config:
     block_k: forward: keys per pipeline step (64 or 128).
     stages: forward: key/value blocks in flight (2..4).
     backward_stages: backward: blocks in flight (2..4; blocks of 64 queries and keys).
+    fused_backward: backward: dq inside the dk/dv kernel (TMA reduce-add stores into a
+      float32 accumulator), else a dq kernel of its own.
     interpret: run in Mosaic GPU interpret mode (CPU, JAX >= 0.11; slow: for tests).
   """
 
@@ -82,6 +84,7 @@ class Config:
   block_k: int | None = None
   stages: int | None = None
   backward_stages: int | None = None
+  fused_backward: bool = True
   interpret: bool = False
 
   def __post_init__(self):
@@ -90,8 +93,9 @@ class Config:
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or value not in allowed):
         raise ValueError(f"{name} must be None or one of {allowed}, got {name}={value!r}")
-    if not isinstance(self.interpret, bool):
-      raise ValueError(f"interpret must be a bool, got interpret={self.interpret!r}")
+    for name in ("fused_backward", "interpret"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
 
   def resolved(self, head_dim: int, itemsize: int = 2, out_itemsize: int = 2) -> Config:
     """This config with the tuned defaults filled in: the first of the preferred tiles whose
@@ -99,7 +103,8 @@ class Config:
     backward stages that fit (up to 3). `ValueError` if the chosen forward tiles do not
     fit; backward stages that do not fit are `backward_problem`'s to report."""
     stages = self.backward_stages or max(
-        [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize) <= _SMEM_BYTES] or [2])
+        [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize, self.fused_backward)
+         <= _SMEM_BYTES] or [2])
     preferred = [(64, 128 if head_dim <= 128 else 64, 2), (64, 64, 3), (64, 64, 2)]
     for bq, bk, fwd_stages in preferred:
       config = dataclasses.replace(self, block_q=self.block_q or bq, block_k=self.block_k or bk,
@@ -122,14 +127,15 @@ def _smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int)
 _BWD_BLOCK = 64  # queries and keys per backward block (a program: two blocks of a row)
 
 
-def _backward_smem_bytes(stages: int, head_dim: int, itemsize: int) -> int:
+def _backward_smem_bytes(stages: int, head_dim: int, itemsize: int, fused: bool) -> int:
   """Both backward kernels hold, per consumer, two resident tiles (q and dout, or k and v)
   and a float32 output tile, and a ring of two streamed tiles (k and v, or q and dout) and
-  two row statistics."""
+  two row statistics; fused, the dk/dv kernel adds a ds tile per consumer."""
   tile = _BWD_BLOCK * head_dim
   resident = 2 * 2 * tile * itemsize + 2 * tile * 4
   ring = stages * (2 * tile * itemsize + 2 * _BWD_BLOCK * 4)
-  return resident + ring + 2 * 2 * _BWD_BLOCK * 4 + 3072
+  ds = 2 * _BWD_BLOCK * _BWD_BLOCK * itemsize if fused else 0
+  return resident + ring + ds + 2 * 2 * _BWD_BLOCK * 4 + 3072
 
 
 def _is_hopper() -> bool:
@@ -264,23 +270,39 @@ class _Piece:
                bias=bias_ref[p])
 
 
-def _load_run(src, strided_src, dst, bar, at, n0, size, stride, L, index):
-  """TMA of positions `at + stride * (n0 + i)`, i < size, into `dst`: from `src`
-  (`[B, N, ...]`) when the stride is 1, else from its strided view `strided_src`
+def _at_rows(src, strided_src, at, n0, size, stride, L, index, use):
+  """`use(box)` on the box of positions `at + stride * (n0 + i)`, i < size: of `src`
+  (`[B, N, ...]`) when the stride is 1, else of its strided view `strided_src`
   (`[B, N/L, L, ...]`). `index(rows, cls)` makes the ref index (`cls` None for `src`)."""
 
   def unit():
-    plgpu.copy_gmem_to_smem(src.at[index(pl.ds(_aligned(at + n0), size), None)], dst, bar)
+    use(src.at[index(pl.ds(_aligned(at + n0), size), None)])
 
   def strided():
-    rows = pl.ds(_aligned(lax.div(at, L) + n0), size)
-    plgpu.copy_gmem_to_smem(strided_src.at[index(rows, lax.rem(at, L))], dst, bar)
+    use(strided_src.at[index(pl.ds(_aligned(lax.div(at, L) + n0), size), lax.rem(at, L))])
 
   if L == 1:
     unit()
   else:
     pl.when(stride == 1)(unit)
     pl.when(stride != 1)(strided)
+
+
+def _add_to(box, value, tile, bar, interpret: bool):
+  """`box += value` (float32 `[rows, D]`) through the shared-memory `tile`: a TMA reduce-add
+  store, once the previous store from `tile` has read it. Interpret mode has no reduction
+  stores: it reads, adds and writes back (each consumer into its own accumulator)."""
+  if interpret:
+    plgpu.copy_gmem_to_smem(box, tile, bar)
+    plgpu.barrier_wait(bar)
+    tile[...] = tile[...] + value
+  else:
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    tile[...] = value
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(tile, box, reduction_op=None if interpret else "add")
+  if interpret:
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _produce(prog: _Program, blocks, streams, stages: int):
@@ -325,9 +347,10 @@ def _kv_producer(prog: _Program, kv_head, k, v, ranges, L: int, bk: int, stages:
 
   def stream(src4, src5, smem, bar, free):
     def load(piece, j, slot):
-      _load_run(src4, src5, smem.at[slot], bar.at[slot], prog.base + piece.first, j * bk, bk,
-                piece.stride, L, lambda rows, c: (prog.b, rows, kv_head) if c is None else
-                (prog.b, rows, c, kv_head))
+      _at_rows(src4, src5, prog.base + piece.first, j * bk, bk, piece.stride, L,
+               lambda rows, c: (prog.b, rows, kv_head) if c is None else
+               (prog.b, rows, c, kv_head),
+               lambda box: plgpu.copy_gmem_to_smem(box, smem.at[slot], bar.at[slot]))
     return free, load
 
   _produce(prog, ranges, [stream(*k), stream(*v)], stages)
@@ -723,10 +746,16 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
 
 
 def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
-                 causal: bool, scale: float, config: Config):
+                 causal: bool, scale: float, config: Config, dq_accs=None):
   """dk, dv of one launch (the transposed schedule: key rows of each key/value head, query
   pieces of the query heads reading it) over the padded `[B, Np, ...]` inputs (`stats`:
-  lse2 and delta as `[B, H, Np]` and `[B, H, L, Np/L]`): float32 `[B, No, Hkv, D]` each."""
+  lse2 and delta as `[B, H, Np]` and `[B, H, L, Np/L]`): float32 `[B, No, Hkv, D]` each.
+
+  With `dq_accs` (float32 refs `[C B, Na, H, D]` and, for L > 1, `[C B, Na/L, L, H, D]`,
+  C = 2 in interpret mode, else 1) the kernel also adds dq into them: each step both
+  consumers put their ds^T in shared memory, and one of them (taking turns) computes the
+  dq of the query block from both halves (dq = ds_0 k_0 + ds_1 k_1) and adds it with a TMA
+  reduce-add store."""
   batch, n_pad, num_heads, d = q.shape
   num_kv = k.shape[2]
   dtype = q.dtype
@@ -735,12 +764,13 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   block_rows = 2 * bk
   qk_scale = scale * _LOG2E
   interpret = config.interpret
+  fused = dq_accs is not None
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref,
-             do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dk_ref, dv_ref,
-             smem, bars, free):
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem = smem
-    row_bars, q_bar, do_bar, lse_bar, delta_bar = bars
+             do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dq_refs, dk_ref,
+             dv_ref, smem, bars, free):
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem, ds_smem = smem
+    row_bars, q_bar, do_bar, lse_bar, delta_bar, ds_bars = bars
     q_free, do_free, stat_free = free
     wg = lax.axis_index("wg")
     prog = _Program.decode(origin_ref, rows_ref, sched, block_rows, n)
@@ -751,8 +781,8 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
         h = piece.head  # the query head (lse, delta: [B, H, N] and [B, H, L, N/L])
         index = ((lambda rows, c: (b, h, rows) if c is None else (b, h, c, rows)) if stat else
                  (lambda rows, c: (b, rows, h) if c is None else (b, rows, c, h)))
-        _load_run(src4, src5, smem.at[slot], bar.at[slot], prog.base + piece.first, j * bq, bq,
-                  piece.stride, L, index)
+        _at_rows(src4, src5, prog.base + piece.first, j * bq, bq, piece.stride, L, index,
+                 lambda box: plgpu.copy_gmem_to_smem(box, smem.at[slot], bar.at[slot]))
       return load
 
     def loads(*streams):
@@ -772,7 +802,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       plgpu.set_max_registers(232, action="increase")
       k_start = prog.start + wg * bk
       k_rows = pl.ds(_aligned(prog.row0 + k_start), bk)
-      k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+      k_tile, v_tile, o_tile = k_smem.at[wg], v_smem.at[wg], o_smem.at[wg]
       plgpu.copy_gmem_to_smem(k_ref.at[b, k_rows, cls, head], k_tile, row_bars[0].at[wg])
       plgpu.copy_gmem_to_smem(v_ref.at[b, k_rows, cls, head], v_tile, row_bars[1].at[wg])
       plgpu.barrier_wait(row_bars[0].at[wg])
@@ -784,9 +814,41 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       k_last = prog.first + L * (jnp.minimum(k_start + bk, prog.nrows) - 1)
       cols_of = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
 
+      def share_dq(ds_t, piece, j, step):
+        """Both consumers put ds^T in shared memory, and the one whose turn it is (`c`)
+        adds dq = ds_0 k_0 + ds_1 k_1 of the query block. `ready[c]`: both tiles written;
+        `read[c]`: c's products have read them (awaited by the other consumer, whose turn
+        is next, before it overwrites its tile)."""
+        ready, read, acc_bar = ds_bars
+        mine = lax.rem(step, 2) == wg
+
+        @pl.when(mine & (step > 0))
+        def _():
+          plgpu.barrier_wait(read.at[1 - wg])
+
+        ds_smem.at[wg][...] = ds_t.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ready.at[lax.rem(step, 2)])
+
+        @pl.when(mine)
+        def _():
+          plgpu.barrier_wait(ready.at[wg])
+
+          def product(acc):
+            for i in range(2):
+              plgpu.wgmma(acc, ds_smem.at[i].T, k_smem.at[i])
+            return acc[...]
+
+          dq = pl.run_scoped(product, plgpu.ACC((bq, d), jnp.float32))
+          plgpu.barrier_arrive(read.at[wg])
+          h, acc_b = piece.head, b + wg * batch if interpret else b
+          _at_rows(*dq_refs, prog.base + piece.first, j * bq, bq, piece.stride, L,
+                   lambda rows, c: (acc_b, rows, h) if c is None else (acc_b, rows, c, h),
+                   lambda box: _add_to(box, dq * scale, o_tile, acc_bar.at[wg], interpret))
+
       def step(carry, piece, j, masked: bool):
         """One query block: s^T = k q^T and dp^T = v dout^T, p^T = exp2(s^T c + log2 m -
-        lse2), dv += p^T dout, ds^T = p^T (dp^T - delta), dk += ds^T q."""
+        lse2), dv += p^T dout, ds^T = p^T (dp^T - delta), dk += ds^T q (and dq)."""
         dk, dv, step = carry
         slot = lax.rem(step, stages)
         plgpu.barrier_wait(q_bar.at[slot])
@@ -810,12 +872,17 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
                                          (ds_t.astype(dtype), q_smem.at[slot])], interpret)
         plgpu.barrier_arrive(do_free.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
+        if fused:
+          share_dq(ds_t, piece, j, step)
         return dk, dv, step + 1
 
       zeros = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
       ranges = _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last)
-      dk, dv, _ = _walk(prog, ranges, step, (zeros, zeros, jnp.int32(0)))
-      o_tile = o_smem.at[wg]
+      dk, dv, steps = _walk(prog, ranges, step, (zeros, zeros, jnp.int32(0)))
+      if fused:  # observe the last turn's release (interpret mode checks every phase)
+        pl.when((lax.rem(steps, 2) == wg) & (steps > 0))(
+            lambda: plgpu.barrier_wait(ds_bars[1].at[1 - wg]))
+        plgpu.wait_smem_to_gmem(0)
       for grad, out_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
         o_tile[...] = grad
         plgpu.commit_smem()
@@ -828,7 +895,10 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       pl.when(wg == 2)(producer)
 
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref, do4_ref,
-            do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dk_ref, dv_ref):
+            do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, *refs):
+    dq_refs, (dk_ref, dv_ref) = refs[:-2], refs[-2:]
+    if L == 1 and fused:
+      dq_refs = (*dq_refs, None)
     tiles = _swizzled(dtype)
     smem = [plgpu.SMEM((2, bk, d), dtype, transforms=tiles),
             plgpu.SMEM((2, bk, d), dtype, transforms=tiles),
@@ -836,13 +906,17 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((2, bk, d), jnp.float32, transforms=_swizzled(jnp.float32))]
+    bars = [(plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 4]
+    if fused:
+      smem.append(plgpu.SMEM((2, bk, bq), dtype, transforms=tiles))
+      bars.append((plgpu.Barrier(num_arrivals=2, num_barriers=2),
+                   plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)))
     pl.run_scoped(
         lambda smem, bars, free: kernel(
             origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref, do4_ref,
-            do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dk_ref, dv_ref, smem, bars,
-            free),
-        smem,
-        ((plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 4),
+            do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dq_refs, dk_ref, dv_ref,
+            (*smem, None)[:8], (*bars, None)[:6], free),
+        smem, bars,
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 3,
         collective_axes="wg")
 
@@ -851,7 +925,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   rows, pieces, bias = tables
   view = functools.partial(_strided_view, stride=L)
   args = (rows.reshape(-1), pieces.reshape(-1), bias, view(k), view(v), q, view(q), dout,
-          view(dout), *stats)
+          view(dout), *stats, *(dq_accs or ()))
   dk, dv = _run(entry, out_type, sched.grid(batch, block_rows), args, interpret)
   return tuple(x.reshape(batch, n_out, num_kv, d) for x in (dk, dv))
 
@@ -931,10 +1005,33 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config):
     x = [pad(t) for t in (q, k, v, dout)]
     flat = (pad(lse2, jnp.inf, 2), pad(delta, 0.0, 2))
     strided = [t.reshape(batch, num_heads, n_pad // L, L).transpose(0, 1, 3, 2) for t in flat]
-    dq = _dq_launch(*x, *strided, sched.arrays(), sched, n, pattern.causal, scale, config)
     transposed = schedule.build(pattern, n, num_heads, num_kv, fused, True)
-    dk, dv = _dkdv_launch(*x, (flat[0], strided[0], flat[1], strided[1]), transposed.arrays(),
-                          transposed, n, pattern.causal, scale, config)
+    stats = (flat[0], strided[0], flat[1], strided[1])
+    if config.fused_backward:
+      dq, dk, dv = _fused_backward(x, stats, transposed, n, pattern.causal, scale, config)
+    else:
+      dq = _dq_launch(*x, *strided, sched.arrays(), sched, n, pattern.causal, scale, config)
+      dk, dv = _dkdv_launch(*x, stats, transposed.arrays(), transposed, n, pattern.causal,
+                            scale, config)
     now = (dq[:, :n], dk[:, :n], dv[:, :n])
     grads = now if grads is None else tuple(a + b for a, b in zip(grads, now))
   return grads
+
+
+def _fused_backward(x, stats, transposed: schedule.Schedule, n, causal, scale, config):
+  """dq, dk, dv of one launch from the dk/dv kernel alone: dq added into zeroed float32
+  accumulators (a second one in the strided view when L > 1: TMA cannot address one array
+  through both; one per consumer in interpret mode), summed here."""
+  batch, n_pad, num_heads, d = x[0].shape
+  L = transposed.stride
+  copies = 2 if config.interpret else 1
+  # Query blocks round up past their piece (adding zeros there): one block of slack.
+  n_acc = _n_out(transposed, n_pad) + _BWD_BLOCK * L
+  shapes = [(copies * batch, n_acc, num_heads, d)]
+  if L > 1:
+    shapes.append((copies * batch, n_acc // L, L, num_heads, d))
+  accs = [jax.new_ref(jnp.zeros(shape, jnp.float32)) for shape in shapes]
+  dk, dv = _dkdv_launch(*x, stats, transposed.arrays(), transposed, n, causal, scale, config,
+                        dq_accs=accs)
+  dq = sum(acc[...].reshape(copies, batch, n_acc, num_heads, d).sum(0) for acc in accs)
+  return dq, dk, dv
