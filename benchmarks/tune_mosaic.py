@@ -34,7 +34,7 @@ LONGNET = ((2048, 4096, 8192), (1, 2, 4))
 # Backward variants, by head dim (the default: dq fused into the dk/dv kernel, the most
 # stages that fit).
 VARIANTS = {64: {"unfused": dict(fused_backward=False), "bs2": dict(backward_stages=2)},
-            128: {"unfused": dict(fused_backward=False)}}
+            128: {"unfused": dict(fused_backward=False), "cols128": dict(dq_columns=128)}}
 
 
 def cross(fwd, bwd):
@@ -59,14 +59,17 @@ def diagnose():
           f"{lse['xla'][tuple(bad[:4].T)].tolist()}", flush=True)
 
 
-def checks():
-  diagnose()
+def checks(quick=False):
+  if not quick:
+    diagnose()
   rows = []
   shapes = [(4096, 4, 4, 128, LONGNET, {}), (8192, 4, 2, 128, ((8192,), (1,)), {}),
             (4096, 4, 1, 64, ((1024, 2048, 4096), (1, 2, 4)), {"offsets": "all"}),
             (4099, 4, 4, 128, ((1024, 2048), (1, 2)), {}),   # N % L != 0: padded copy
             (2048, 4, 4, 256, ((512, 2048), (1, 4)), {}),
             (4096, 6, 6, 128, ((512, 1024, 2048), (1, 2, 4)), {"head_groups": True})]
+  if quick:  # LongNet, N % L != 0, and GQA with a stride-1 row
+    shapes = [shapes[0], shapes[3], shapes[1]]
   for n, h, hkv, d, (segs, rates), extra in shapes:
     for causal, dtype in ((False, jnp.bfloat16), (True, jnp.float16)):
       if True:
@@ -153,7 +156,7 @@ def main():
   ap.add_argument("--json", default=None)
   ap.add_argument("--skip-checks", action="store_true")
   ap.add_argument("--skip-timings", action="store_true")
-  ap.add_argument("--quick", action="store_true", help="fewer shapes, no tokamax")
+  ap.add_argument("--quick", action="store_true", help="fewer checks and shapes, no tokamax")
   ap.add_argument("--no-cross", action="store_true", help="skip mosaic+triton")
   args = ap.parse_args()
   dev = jax.devices()[0]
@@ -161,7 +164,7 @@ def main():
               date=time.strftime("%Y-%m-%d %H:%M:%S"), runs=args.runs, batch=1, heads=16,
               dtype="bfloat16")
   print(json.dumps(meta), flush=True)
-  out = dict(meta=meta, checks=[] if args.skip_checks else checks(),
+  out = dict(meta=meta, checks=[] if args.skip_checks else checks(args.quick),
              timings=[] if args.skip_timings else timings(args.runs, args.quick,
                                                            not args.no_cross))
   print(f"\n{'pattern':8s} {'causal':6s} {'N':>7s} {'D':>4s} {'impl':12s} {'fwd ms':>8s} "

@@ -77,6 +77,8 @@ class Config:
     backward_stages: backward: blocks in flight (2..4; blocks of 64 queries and keys).
     fused_backward: backward: dq inside the dk/dv kernel (TMA reduce-add stores into a
       float32 accumulator), else a dq kernel of its own.
+    dq_columns: fused backward: head-dim columns per dq product (64 or 128; fewer live
+      registers with 64).
     interpret: run in Mosaic GPU interpret mode (CPU, JAX >= 0.11; slow: for tests).
   """
 
@@ -85,11 +87,13 @@ class Config:
   stages: int | None = None
   backward_stages: int | None = None
   fused_backward: bool = True
+  dq_columns: int | None = None
   interpret: bool = False
 
   def __post_init__(self):
     for name, allowed in (("block_q", (64, 128)), ("block_k", (64, 128)),
-                          ("stages", (2, 3, 4)), ("backward_stages", (2, 3, 4))):
+                          ("stages", (2, 3, 4)), ("backward_stages", (2, 3, 4)),
+                          ("dq_columns", (64, 128))):
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or value not in allowed):
         raise ValueError(f"{name} must be None or one of {allowed}, got {name}={value!r}")
@@ -765,6 +769,8 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   qk_scale = scale * _LOG2E
   interpret = config.interpret
   fused = dq_accs is not None
+  dq_cols = min(d, config.dq_columns or 64)
+  out_cols = dq_cols if fused else d
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref,
              do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dq_refs, dk_ref,
@@ -834,17 +840,23 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
         def _():
           plgpu.barrier_wait(ready.at[wg])
 
-          def product(acc):
-            for i in range(2):
-              plgpu.wgmma(acc, ds_smem.at[i].T, k_smem.at[i])
-            return acc[...]
-
-          dq = pl.run_scoped(product, plgpu.ACC((bq, d), jnp.float32))
-          plgpu.barrier_arrive(read.at[wg])
           h, acc_b = piece.head, b + wg * batch if interpret else b
-          _at_rows(*dq_refs, prog.base + piece.first, j * bq, bq, piece.stride, L,
-                   lambda rows, c: (acc_b, rows, h) if c is None else (acc_b, rows, c, h),
-                   lambda box: _add_to(box, dq * scale, o_tile, acc_bar.at[wg], interpret))
+          for c0 in range(0, d, dq_cols):  # column blocks: fewer live registers
+            cols = pl.ds(c0, dq_cols)
+
+            def product(acc):
+              for i in range(2):
+                plgpu.wgmma(acc, ds_smem.at[i].T, k_smem.at[i, :, cols])
+              return acc[...]
+
+            dq = pl.run_scoped(product, plgpu.ACC((bq, dq_cols), jnp.float32))
+            if c0 + dq_cols == d:
+              plgpu.barrier_arrive(read.at[wg])
+            _at_rows(*dq_refs, prog.base + piece.first, j * bq, bq, piece.stride, L,
+                     lambda rows, c: ((acc_b, rows, h, cols) if c is None else
+                                      (acc_b, rows, c, h, cols)),
+                     lambda box: _add_to(box, dq * scale, o_tile.at[c0 // dq_cols],
+                                         acc_bar.at[wg], interpret))
 
       def step(carry, piece, j, masked: bool):
         """One query block: s^T = k q^T and dp^T = v dout^T, p^T = exp2(s^T c + log2 m -
@@ -884,9 +896,12 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             lambda: plgpu.barrier_wait(ds_bars[1].at[1 - wg]))
         plgpu.wait_smem_to_gmem(0)
       for grad, out_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
-        o_tile[...] = grad
+        for c0 in range(0, d, out_cols):  # the tile holds column blocks
+          o_tile.at[c0 // out_cols][...] = grad[:, c0:c0 + out_cols]
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, k_rows, cls, head])
+        for c0 in range(0, d, out_cols):
+          plgpu.copy_smem_to_gmem(o_tile.at[c0 // out_cols],
+                                  out_ref.at[b, k_rows, cls, head, pl.ds(c0, out_cols)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(prog.start < prog.nrows)
@@ -905,7 +920,8 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
-            plgpu.SMEM((2, bk, d), jnp.float32, transforms=_swizzled(jnp.float32))]
+            plgpu.SMEM((2, d // out_cols, bk, out_cols), jnp.float32,
+                       transforms=_swizzled(jnp.float32))]
     bars = [(plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 4]
     if fused:
       smem.append(plgpu.SMEM((2, bk, bq), dtype, transforms=tiles))
