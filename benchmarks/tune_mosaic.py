@@ -31,10 +31,10 @@ from hilbert_ring_jax.api import _Dispatch
 from hilbert_ring_jax.backends import base, mosaic
 
 LONGNET = ((2048, 4096, 8192), (1, 2, 4))
-# Backward variants, by head dim (the default: dq fused into the dk/dv kernel, the most
-# stages that fit).
-VARIANTS = {64: {"unfused": dict(fused_backward=False), "bs2": dict(backward_stages=2)},
-            128: {"unfused": dict(fused_backward=False), "cols128": dict(dq_columns=128)}}
+# Backward variants, by head dim (the defaults: dq fused into the dk/dv kernel at 64, with
+# two stages; separate kernels at 128, with the most stages that fit).
+VARIANTS = {64: {"unfused": dict(fused_backward=False), "fused-bs3": dict(backward_stages=3)},
+            128: {"fused": dict(fused_backward=True)}}
 
 
 def cross(fwd, bwd):

@@ -46,8 +46,9 @@ def _both_passes_vs_reference(case, causal, dtype, config):
 @INTERPRET
 def test_interpret_nested_gqa_float16():
   """Two nested branches in one launch (strided rows and pieces), two query heads on one
-  key/value head, four programs; float16 output written by the kernel; the backward's dq
-  and dk/dv kernels (dk/dv summing the two query heads of the key/value head)."""
+  key/value head, four programs; float16 output written by the kernel; the backward's
+  dk/dv kernel adding dq (fused: the default at head dim 64), dk/dv summing the two query
+  heads of the key/value head."""
   case = Case(512, 2, 1, (256, 512), (1, 2), head_dim=64)
   _both_passes_vs_reference(case, False, jnp.float16, mosaic.Config(interpret=True))
 
@@ -62,12 +63,14 @@ def test_interpret_causal_partial_float32_partials():
 
 
 @INTERPRET
-def test_interpret_causal_partial_backward():
+@pytest.mark.parametrize("fused", [False, True])
+def test_interpret_causal_partial_backward(fused):
   """The backward of the case above: causal block ranges of the transposed schedule (query
-  blocks before, across and after a key block's diagonal), a partial segment, 3 stages."""
+  blocks before, across and after a key block's diagonal), a partial segment, 3 stages; dq
+  from its own kernel, or added by the dk/dv kernel (the default at head dim 64 only)."""
   case = Case(640, 1, 1, (256, 512), (1, 2), offsets="all", head_dim=128)
-  _both_passes_vs_reference(case, True, jnp.bfloat16,
-                            mosaic.Config(interpret=True, backward_stages=3))
+  _both_passes_vs_reference(case, True, jnp.bfloat16, mosaic.Config(
+      interpret=True, backward_stages=3, fused_backward=fused))
 
 
 def test_declines_off_hopper_and_on_unaligned_rows():
@@ -83,6 +86,10 @@ def test_declines_off_hopper_and_on_unaligned_rows():
     mosaic.Config(block_k=32)
   with pytest.raises(ValueError, match="backward_stages"):
     mosaic.Config(backward_stages=5)
+  with pytest.raises(ValueError, match="fused_backward"):
+    mosaic.Config(fused_backward=1)
+  assert mosaic.Config().resolved(64).fused_backward
+  assert not mosaic.Config().resolved(128).fused_backward
 
 
 def _aligned_case(data):

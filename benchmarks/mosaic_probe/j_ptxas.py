@@ -12,10 +12,7 @@ from hilbert_ring_jax.api import _Dispatch
 from hilbert_ring_jax.backends import base, mosaic
 
 for d in (128, 64):
-  for name, cfg in (("fused", {}), ("fused-cols128", {"dq_columns": 128}),
-                    ("unfused", {"fused_backward": False})):
-    if d == 64 and name == "fused-cols128":
-      continue
+  for name, cfg in (("fused", {"fused_backward": True}), ("unfused", {"fused_backward": False})):
     print(f"=== D={d} {name}", flush=True)
     pattern = DilatedPattern((2048, 4096, 8192), (1, 2, 4))
     kern = _Dispatch(pattern, d ** -0.5, "mosaic", "mosaic", mosaic.Config(**cfg))

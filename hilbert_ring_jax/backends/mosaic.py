@@ -35,7 +35,12 @@ rings, the same block walk), without the turn-taking, which measured slower ther
   their k and v tiles; the producer streams the query pieces of every query head reading that
   head (q, dout, lse, delta: a stride-1 piece from `[B, N, H, ...]`, a strided one from the
   view), s^T = k q^T, dp^T = v dout^T, dv += p^T dout, dk += ds^T q.
-Both write float32 through shared memory; several launches add up. Head dim 256 does not fit
+At head dim 64 (`Config.fused_backward`) dq moves into the dk/dv kernel: both consumers put
+their ds^T tiles in shared memory, one of them (taking turns) computes the query block's
+dq = ds_0 k_0 + ds_1 k_1 and adds it into a zeroed float32 accumulator with a TMA reduce-add
+store: five products per block pair instead of seven. (At 128 that kernel spills registers
+and measured slower than the two kernels, so there it stays split.)
+All write float32 through shared memory; several launches add up. Head dim 256 does not fit
 (its tiles exceed shared memory): there the backward is the "triton" backend's.
 `Config(interpret=True)` runs the kernels in Mosaic GPU interpret mode on a CPU (JAX >= 0.11),
 which is how the test suite checks them without a GPU.
@@ -76,9 +81,8 @@ class Config:
     stages: forward: key/value blocks in flight (2..4).
     backward_stages: backward: blocks in flight (2..4; blocks of 64 queries and keys).
     fused_backward: backward: dq inside the dk/dv kernel (TMA reduce-add stores into a
-      float32 accumulator), else a dq kernel of its own.
-    dq_columns: fused backward: head-dim columns per dq product (64 or 128; fewer live
-      registers with 64).
+      float32 accumulator), else a dq kernel of its own; None: fused at head dim 64 only
+      (at 128 the fused kernel spills registers and measured slower).
     interpret: run in Mosaic GPU interpret mode (CPU, JAX >= 0.11; slow: for tests).
   """
 
@@ -86,33 +90,35 @@ class Config:
   block_k: int | None = None
   stages: int | None = None
   backward_stages: int | None = None
-  fused_backward: bool = True
-  dq_columns: int | None = None
+  fused_backward: bool | None = None
   interpret: bool = False
 
   def __post_init__(self):
     for name, allowed in (("block_q", (64, 128)), ("block_k", (64, 128)),
-                          ("stages", (2, 3, 4)), ("backward_stages", (2, 3, 4)),
-                          ("dq_columns", (64, 128))):
+                          ("stages", (2, 3, 4)), ("backward_stages", (2, 3, 4))):
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or value not in allowed):
         raise ValueError(f"{name} must be None or one of {allowed}, got {name}={value!r}")
-    for name in ("fused_backward", "interpret"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
+    if not isinstance(self.fused_backward, (bool, type(None))):
+      raise ValueError(f"fused_backward must be None or a bool, got "
+                       f"fused_backward={self.fused_backward!r}")
+    if not isinstance(self.interpret, bool):
+      raise ValueError(f"interpret must be a bool, got interpret={self.interpret!r}")
 
   def resolved(self, head_dim: int, itemsize: int = 2, out_itemsize: int = 2) -> Config:
     """This config with the tuned defaults filled in: the first of the preferred tiles whose
     buffers fit in shared memory (float32 outputs take a tile of their own), and the most
     backward stages that fit (up to 3). `ValueError` if the chosen forward tiles do not
     fit; backward stages that do not fit are `backward_problem`'s to report."""
-    stages = self.backward_stages or max(
-        [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize, self.fused_backward)
-         <= _SMEM_BYTES] or [2])
+    fused = head_dim <= 64 if self.fused_backward is None else self.fused_backward
+    stages = self.backward_stages or (2 if fused else max(
+        [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize, fused)
+         <= _SMEM_BYTES] or [2]))
     preferred = [(64, 128 if head_dim <= 128 else 64, 2), (64, 64, 3), (64, 64, 2)]
     for bq, bk, fwd_stages in preferred:
       config = dataclasses.replace(self, block_q=self.block_q or bq, block_k=self.block_k or bk,
-                                   stages=self.stages or fwd_stages, backward_stages=stages)
+                                   stages=self.stages or fwd_stages, backward_stages=stages,
+                                   fused_backward=fused)
       if _smem_bytes(config, head_dim, itemsize, out_itemsize) <= _SMEM_BYTES:
         return config
     raise ValueError(
@@ -769,8 +775,6 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   qk_scale = scale * _LOG2E
   interpret = config.interpret
   fused = dq_accs is not None
-  dq_cols = min(d, config.dq_columns or 64)
-  out_cols = dq_cols if fused else d
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref,
              do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dq_refs, dk_ref,
@@ -820,43 +824,36 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       k_last = prog.first + L * (jnp.minimum(k_start + bk, prog.nrows) - 1)
       cols_of = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
 
-      def share_dq(ds_t, piece, j, step):
-        """Both consumers put ds^T in shared memory, and the one whose turn it is (`c`)
-        adds dq = ds_0 k_0 + ds_1 k_1 of the query block. `ready[c]`: both tiles written;
-        `read[c]`: c's products have read them (awaited by the other consumer, whose turn
-        is next, before it overwrites its tile)."""
-        ready, read, acc_bar = ds_bars
-        mine = lax.rem(step, 2) == wg
-
-        @pl.when(mine & (step > 0))
-        def _():
-          plgpu.barrier_wait(read.at[1 - wg])
-
-        ds_smem.at[wg][...] = ds_t.astype(dtype)
+      def put_ds(ds16, step):
+        """Both consumers put ds^T in shared memory (for `add_dq`). `ready[c]`: both tiles
+        written for consumer c's turn; `read[c]`: c's products have read them (awaited by
+        the other consumer, whose turn is next, before it overwrites its tile)."""
+        ready, read, _ = ds_bars
+        pl.when((lax.rem(step, 2) == wg) & (step > 0))(
+            lambda: plgpu.barrier_wait(read.at[1 - wg]))
+        ds_smem.at[wg][...] = ds16
         plgpu.commit_smem()
         plgpu.barrier_arrive(ready.at[lax.rem(step, 2)])
 
-        @pl.when(mine)
+      def add_dq(piece, j, step):
+        """The consumer whose turn it is adds dq = ds_0 k_0 + ds_1 k_1 of the query block."""
+        ready, read, acc_bar = ds_bars
+
+        @pl.when(lax.rem(step, 2) == wg)
         def _():
           plgpu.barrier_wait(ready.at[wg])
 
+          def product(acc):
+            for i in range(2):
+              plgpu.wgmma(acc, ds_smem.at[i].T, k_smem.at[i])
+            return acc[...]
+
+          dq = pl.run_scoped(product, plgpu.ACC((bq, d), jnp.float32))
+          plgpu.barrier_arrive(read.at[wg])
           h, acc_b = piece.head, b + wg * batch if interpret else b
-          for c0 in range(0, d, dq_cols):  # column blocks: fewer live registers
-            cols = pl.ds(c0, dq_cols)
-
-            def product(acc):
-              for i in range(2):
-                plgpu.wgmma(acc, ds_smem.at[i].T, k_smem.at[i, :, cols])
-              return acc[...]
-
-            dq = pl.run_scoped(product, plgpu.ACC((bq, dq_cols), jnp.float32))
-            if c0 + dq_cols == d:
-              plgpu.barrier_arrive(read.at[wg])
-            _at_rows(*dq_refs, prog.base + piece.first, j * bq, bq, piece.stride, L,
-                     lambda rows, c: ((acc_b, rows, h, cols) if c is None else
-                                      (acc_b, rows, c, h, cols)),
-                     lambda box: _add_to(box, dq * scale, o_tile.at[c0 // dq_cols],
-                                         acc_bar.at[wg], interpret))
+          _at_rows(*dq_refs, prog.base + piece.first, j * bq, bq, piece.stride, L,
+                   lambda rows, c: (acc_b, rows, h) if c is None else (acc_b, rows, c, h),
+                   lambda box: _add_to(box, dq * scale, o_tile, acc_bar.at[wg], interpret))
 
       def step(carry, piece, j, masked: bool):
         """One query block: s^T = k q^T and dp^T = v dout^T, p^T = exp2(s^T c + log2 m -
@@ -879,13 +876,15 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           if causal:
             visible = visible & (kpos <= piece.first + piece.stride * query)
           p_t = jnp.where(visible, p_t, 0.0)
-        ds_t = p_t * (dp_t - cols_of(delta_j))
+        ds16 = (p_t * (dp_t - cols_of(delta_j))).astype(dtype)
+        if fused:
+          put_ds(ds16, step)
         dv, dk = _accumulate([dv, dk], [(p_t.astype(dtype), do_smem.at[slot]),
-                                         (ds_t.astype(dtype), q_smem.at[slot])], interpret)
+                                         (ds16, q_smem.at[slot])], interpret)
         plgpu.barrier_arrive(do_free.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
         if fused:
-          share_dq(ds_t, piece, j, step)
+          add_dq(piece, j, step)
         return dk, dv, step + 1
 
       zeros = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
@@ -896,12 +895,9 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             lambda: plgpu.barrier_wait(ds_bars[1].at[1 - wg]))
         plgpu.wait_smem_to_gmem(0)
       for grad, out_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
-        for c0 in range(0, d, out_cols):  # the tile holds column blocks
-          o_tile.at[c0 // out_cols][...] = grad[:, c0:c0 + out_cols]
+        o_tile[...] = grad
         plgpu.commit_smem()
-        for c0 in range(0, d, out_cols):
-          plgpu.copy_smem_to_gmem(o_tile.at[c0 // out_cols],
-                                  out_ref.at[b, k_rows, cls, head, pl.ds(c0, out_cols)])
+        plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, k_rows, cls, head])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(prog.start < prog.nrows)
@@ -920,8 +916,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
-            plgpu.SMEM((2, d // out_cols, bk, out_cols), jnp.float32,
-                       transforms=_swizzled(jnp.float32))]
+            plgpu.SMEM((2, bk, d), jnp.float32, transforms=_swizzled(jnp.float32))]
     bars = [(plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 4]
     if fused:
       smem.append(plgpu.SMEM((2, bk, bq), dtype, transforms=tiles))
@@ -992,10 +987,11 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
 
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
              branches=None, config=None):
-  """float32 `(dq, dk, dv)` of `branches` from the global `lse` and `delta`: a dq kernel over
-  query rows (the forward's schedule) and a dk/dv kernel over key rows (the transposed one),
-  each launch adding to the previous launches' results; at head dim 256 (where their tiles
-  exceed shared memory) the "triton" backend's."""
+  """float32 `(dq, dk, dv)` of `branches` from the global `lse` and `delta`: a dk/dv kernel
+  over key rows (the transposed schedule) that also adds dq (`Config.fused_backward`), or
+  with a dq kernel over query rows (the forward's schedule); each launch adds to the
+  previous launches' results. At head dim 256 (where the tiles exceed shared memory) the
+  "triton" backend's."""
   if q.shape[-1] not in (64, 128):  # at 256 the tiles exceed shared memory
     from . import triton  # pylint: disable=g-import-not-at-top
     return triton.backward(q, k, v, dout, lse, delta, pattern, scale, branches=branches)
