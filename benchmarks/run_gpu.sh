@@ -43,7 +43,7 @@ for stage in "$@"; do
     checks-mosaic) timeout 280 python3 benchmarks/tune_mosaic.py --skip-timings \
                    --json "$OUT/mosaic_checks.json" 2>&1 | tee "$OUT/mosaic_checks.log" | \
                    grep -v '^{\|^  \|^Traceback' | tail -40 ;;
-    time-mosaic) timeout 560 python3 benchmarks/tune_mosaic.py --skip-checks \
+    time-mosaic) timeout 560 python3 benchmarks/tune_mosaic.py --skip-checks --no-cross \
                    --json "$OUT/mosaic.json" 2>&1 | tee "$OUT/mosaic.log" | \
                    grep -v '^{\|^  \|^Traceback' | tail -60 ;;
     quick-mosaic) timeout 380 python3 benchmarks/tune_mosaic.py --quick --no-cross \

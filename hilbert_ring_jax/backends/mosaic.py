@@ -298,21 +298,26 @@ def _at_rows(src, strided_src, at, n0, size, stride, L, index, use):
     pl.when(stride != 1)(strided)
 
 
-def _add_to(box, value, tile, bar, interpret: bool):
-  """`box += value` (float32 `[rows, D]`) through the shared-memory `tile`: a TMA reduce-add
-  store, once the previous store from `tile` has read it. Interpret mode has no reduction
-  stores: it reads, adds and writes back (each consumer into its own accumulator)."""
+def _add_rows(add_at, value, tile, bar, interpret: bool):
+  """`box += value` (float32 `[rows, D]`) through the shared-memory `tile`, where
+  `add_at(use)` calls `use(box)` (`_at_rows`): the value goes to `tile` once (after the
+  previous store from it has read it), then a TMA reduce-add store. Interpret mode has no
+  reduction stores: it reads, adds and writes back (each consumer into its own
+  accumulator)."""
   if interpret:
-    plgpu.copy_gmem_to_smem(box, tile, bar)
-    plgpu.barrier_wait(bar)
-    tile[...] = tile[...] + value
-  else:
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    tile[...] = value
+    def read_add_write(box):
+      plgpu.copy_gmem_to_smem(box, tile, bar)
+      plgpu.barrier_wait(bar)
+      tile[...] = tile[...] + value
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(tile, box)
+      plgpu.wait_smem_to_gmem(0)
+    add_at(read_add_write)
+    return
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  tile[...] = value
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(tile, box, reduction_op=None if interpret else "add")
-  if interpret:
-    plgpu.wait_smem_to_gmem(0)
+  add_at(lambda box: plgpu.copy_smem_to_gmem(tile, box, reduction_op="add"))
 
 
 def _produce(prog: _Program, blocks, streams, stages: int):
@@ -851,9 +856,10 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           dq = pl.run_scoped(product, plgpu.ACC((bq, d), jnp.float32))
           plgpu.barrier_arrive(read.at[wg])
           h, acc_b = piece.head, b + wg * batch if interpret else b
-          _at_rows(*dq_refs, prog.base + piece.first, j * bq, bq, piece.stride, L,
-                   lambda rows, c: (acc_b, rows, h) if c is None else (acc_b, rows, c, h),
-                   lambda box: _add_to(box, dq * scale, o_tile, acc_bar.at[wg], interpret))
+          add_at = functools.partial(
+              _at_rows, *dq_refs, prog.base + piece.first, j * bq, bq, piece.stride, L,
+              lambda rows, c: (acc_b, rows, h) if c is None else (acc_b, rows, c, h))
+          _add_rows(add_at, dq, o_tile, acc_bar.at[wg], interpret)
 
       def step(carry, piece, j, masked: bool):
         """One query block: s^T = k q^T and dp^T = v dout^T, p^T = exp2(s^T c + log2 m -
@@ -1046,4 +1052,4 @@ def _fused_backward(x, stats, transposed: schedule.Schedule, n, causal, scale, c
   dk, dv = _dkdv_launch(*x, stats, transposed.arrays(), transposed, n, causal, scale, config,
                         dq_accs=accs)
   dq = sum(acc[...].reshape(copies, batch, n_acc, num_heads, d).sum(0) for acc in accs)
-  return dq, dk, dv
+  return dq * scale, dk, dv
