@@ -68,6 +68,9 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
 _MAX_GRID_Y = 65535
+# Registers per thread of the producer and of each consumer warpgroup (`setmaxnreg`; the
+# three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
+_REGISTERS = (40, 232)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -326,7 +329,7 @@ def _produce(prog: _Program, blocks, streams, stages: int):
   first round), then `load(piece, j, slot)`, which issues the stream's TMA copies. The
   consumers walk the same blocks in the same order (`_walk`) and arrive on `free` (two
   arrivals) when done with a buffer."""
-  plgpu.set_max_registers(40, action="decrease")
+  plgpu.set_max_registers(_REGISTERS[0], action="decrease")
 
   def per_piece(p, step):
     piece, lo, hi = blocks(p)
@@ -541,7 +544,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
                    stages)
 
     def consumer():
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(_REGISTERS[1], action="increase")
       q_tile = q_smem.at[wg]
       q_start = prog.start + wg * bq
       q_rows = pl.ds(_aligned(prog.row0 + q_start), bq)
@@ -674,7 +677,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
                    stages)
 
     def consumer():
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(_REGISTERS[1], action="increase")
       q_start = prog.start + wg * bq
       q_rows = pl.ds(_aligned(prog.row0 + q_start), bq)
       q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
@@ -814,7 +817,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
                 (do_free, stream(do4_ref, do5_ref, do_smem, do_bar))], stages)
 
     def consumer():
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(_REGISTERS[1], action="increase")
       k_start = prog.start + wg * bk
       k_rows = pl.ds(_aligned(prog.row0 + k_start), bk)
       k_tile, v_tile, o_tile = k_smem.at[wg], v_smem.at[wg], o_smem.at[wg]
