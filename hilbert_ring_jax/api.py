@@ -81,7 +81,8 @@ class _Dispatch:
   def backward(self, q, k, v, dout, lse, delta):
     backend = backends.load(self.backward_backend)
     return backend.backward(q, k, v, dout, lse, delta, self.pattern, self.scale,
-                            config=backends.config_for(backend, self.config))
+                            config=backends.config_for(backend, self.config),
+                            grad_dtype=q.dtype)
 
 
 # Compiled as one program even when called eagerly; inlined under an outer jit.

@@ -125,3 +125,21 @@ def test_cross_pass_gpu(fwd, bwd):
   kernel = _Dispatch(pattern, case.head_dim ** -0.5, fwd, bwd)  # one backend per pass
   helpers.check_case(case, True, jnp.bfloat16, None,
                      fn=lambda q, k, v: base.attention(q, k, v, kernel))
+
+
+@INTERPRET
+def test_interpret_bfloat16_gradients_when_final():
+  """`grad_dtype=bfloat16` (what `dilated_attention` asks for): one launch with separate
+  kernels writes bf16 gradients, the float32 ones rounded; without it, float32."""
+  case = Case(512, 1, 1, (256, 512), (1, 2), head_dim=128)
+  q, k, v, dout, _ = helpers.random_inputs(case, jnp.bfloat16, 0)
+  pattern, scale = case.pattern(True), case.head_dim ** -0.5
+  config = mosaic.Config(interpret=True, fused_backward=False)
+  out, lse = mosaic.forward(q, k, v, pattern, scale, config=config)
+  delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1)
+  wide = mosaic.backward(q, k, v, dout, lse, delta, pattern, scale, config=config)
+  final = mosaic.backward(q, k, v, dout, lse, delta, pattern, scale, config=config,
+                          grad_dtype=jnp.bfloat16)
+  for w, f in zip(wide, final):
+    assert w.dtype == jnp.float32 and f.dtype == jnp.bfloat16
+    assert jnp.array_equal(w.astype(jnp.bfloat16), f)

@@ -11,10 +11,13 @@ A backend is a module of `hilbert_ring_jax.backends` that provides (see `Backend
   `pattern.branches`; None: all), merged. Both are float32 *partials*, ready for `merge`;
   a caller whose result is final (no merge follows) may ask for `out_dtype=q.dtype`, so no
   float32 copy of the output is ever materialized;
-- `backward(q, k, v, dout, lse, delta, pattern, scale, *, branches=None, config=None)` ->
-  float32 `(dq, dk, dv)`: the contribution of `branches`, given the *global* `lse` and
-  `delta = rowsum(dout * out) - dlse`, so that branches, launches and ring steps add up to the
-  exact gradient (docs/SPEC.md, sections 5 and 6).
+- `backward(q, k, v, dout, lse, delta, pattern, scale, *, branches=None, config=None,
+  grad_dtype=None)` -> float32 `(dq, dk, dv)`: the contribution of `branches`, given the
+  *global* `lse` and `delta = rowsum(dout * out) - dlse`, so that branches, launches and ring
+  steps add up to the exact gradient (docs/SPEC.md, sections 5 and 6); a caller whose
+  gradients are final may pass `grad_dtype=q.dtype`, and a backend may then return them in
+  that dtype directly (bfloat16 only: float16 needs `attention`'s saturating cast), so no
+  float32 copy of them is materialized.
 
 `resolve` picks the first candidate whose `supports` says yes, once per call (or per ring
 branch): forward and backward are resolved from the same facts, and when every candidate
@@ -107,7 +110,7 @@ class Backend(Protocol):
               config=None, out_dtype=None): ...
 
   def backward(self, q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
-               branches=None, config=None): ...
+               branches=None, config=None, grad_dtype=None): ...
 
 
 class NoBackendError(NotImplementedError):
@@ -204,7 +207,7 @@ class Kernel(Protocol):
 
   def forward(self, q, k, v): ...  # -> (out, lse)
 
-  def backward(self, q, k, v, dout, lse, delta): ...  # -> float32 (dq, dk, dv)
+  def backward(self, q, k, v, dout, lse, delta): ...  # -> (dq, dk, dv), float32 or q's dtype
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

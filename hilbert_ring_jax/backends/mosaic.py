@@ -649,9 +649,9 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
 
 
 def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: int,
-               causal: bool, scale: float, config: Config):
+               causal: bool, scale: float, config: Config, out_dtype=jnp.float32):
   """dq of one launch over the padded `[B, Np, ...]` inputs (lse2, delta `[B, H, L, Np/L]`,
-  lse2 in base 2, +inf where no key is seen): float32 `[B, No, H, D]`."""
+  lse2 in base 2, +inf where no key is seen): `[B, No, H, D]` in `out_dtype`."""
   batch, n_pad, num_heads, d = q.shape
   dtype = q.dtype
   L = sched.stride
@@ -724,7 +724,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
       ranges = _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first)
       dq, _ = _walk(prog, ranges, step, (dq, jnp.int32(0)))
       o_tile = o_smem.at[wg]
-      o_tile[...] = dq * scale
+      o_tile[...] = (dq * scale).astype(o_tile.dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_tile, dq_ref.at[b, q_rows, cls, head])
       plgpu.wait_smem_to_gmem(0)
@@ -742,7 +742,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
             plgpu.SMEM((2, bq), jnp.float32), plgpu.SMEM((2, bq), jnp.float32),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
-            plgpu.SMEM((2, bq, d), jnp.float32, transforms=_swizzled(jnp.float32))]
+            plgpu.SMEM((2, bq, d), out_dtype, transforms=_swizzled(out_dtype))]
     pl.run_scoped(
         lambda smem, bars, free: kernel(
             origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
@@ -754,7 +754,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
         collective_axes="wg")
 
   n_out = _n_out(sched, n_pad)
-  out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_heads, d), jnp.float32),)
+  out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_heads, d), out_dtype),)
   rows, pieces, bias = tables
   view = functools.partial(_strided_view, stride=L)
   args = (rows.reshape(-1), pieces.reshape(-1), bias, view(q), view(dout), lse2, delta,
@@ -764,10 +764,12 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
 
 
 def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
-                 causal: bool, scale: float, config: Config, dq_accs=None):
+                 causal: bool, scale: float, config: Config, dq_accs=None,
+                 out_dtype=jnp.float32):
   """dk, dv of one launch (the transposed schedule: key rows of each key/value head, query
   pieces of the query heads reading it) over the padded `[B, Np, ...]` inputs (`stats`:
-  lse2 and delta as `[B, H, Np]` and `[B, H, L, Np/L]`): float32 `[B, No, Hkv, D]` each.
+  lse2 and delta as `[B, H, Np]` and `[B, H, L, Np/L]`): `[B, No, Hkv, D]` each, in
+  `out_dtype` (float32 when fused: the output tile stages dq too).
 
   With `dq_accs` (float32 refs `[C B, Na, H, D]` and, for L > 1, `[C B, Na/L, L, H, D]`,
   C = 2 in interpret mode, else 1) the kernel also adds dq into them: each step both
@@ -783,6 +785,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   qk_scale = scale * _LOG2E
   interpret = config.interpret
   fused = dq_accs is not None
+  assert not fused or out_dtype == jnp.float32, "the fused kernel stages dq in float32"
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref,
              do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dq_refs, dk_ref,
@@ -904,7 +907,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             lambda: plgpu.barrier_wait(ds_bars[1].at[1 - wg]))
         plgpu.wait_smem_to_gmem(0)
       for grad, out_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
-        o_tile[...] = grad
+        o_tile[...] = grad.astype(o_tile.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, k_rows, cls, head])
         plgpu.wait_smem_to_gmem(0)
@@ -925,7 +928,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
-            plgpu.SMEM((2, bk, d), jnp.float32, transforms=_swizzled(jnp.float32))]
+            plgpu.SMEM((2, bk, d), out_dtype, transforms=_swizzled(out_dtype))]
     bars = [(plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 4]
     if fused:
       smem.append(plgpu.SMEM((2, bk, bq), dtype, transforms=tiles))
@@ -941,7 +944,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
         collective_axes="wg")
 
   n_out = _n_out(sched, n_pad)
-  out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_kv, d), jnp.float32),) * 2
+  out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_kv, d), out_dtype),) * 2
   rows, pieces, bias = tables
   view = functools.partial(_strided_view, stride=L)
   args = (rows.reshape(-1), pieces.reshape(-1), bias, view(k), view(v), q, view(q), dout,
@@ -995,21 +998,23 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
 
 
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
-             branches=None, config=None):
+             branches=None, config=None, grad_dtype=None):
   """float32 `(dq, dk, dv)` of `branches` from the global `lse` and `delta`: a dk/dv kernel
   over key rows (the transposed schedule) that also adds dq (`Config.fused_backward`), or
   with a dq kernel over query rows (the forward's schedule); each launch adds to the
-  previous launches' results. At head dim 256 (where the tiles exceed shared memory) the
-  "triton" backend's."""
+  previous launches' results. With `grad_dtype` bfloat16, one launch and separate kernels,
+  the kernels write the gradients in bfloat16 (no float32 copy). At head dim 256 (where the
+  tiles exceed shared memory) the "triton" backend's."""
   if q.shape[-1] not in (64, 128):  # at 256 the tiles exceed shared memory
     from . import triton  # pylint: disable=g-import-not-at-top
     return triton.backward(q, k, v, dout, lse, delta, pattern, scale, branches=branches)
   config = (config or Config()).resolved(q.shape[-1], q.dtype.itemsize)
-  fn = lambda *a: _backward(*a, pattern, scale, branches, config)
+  final = grad_dtype is not None and jnp.dtype(grad_dtype) == jnp.bfloat16
+  fn = lambda *a: _backward(*a, pattern, scale, branches, config, final)
   return batched(fn)(q, k, v, dout, lse, delta)
 
 
-def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config):
+def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config, final):
   batch, n, num_heads, _ = q.shape
   num_kv = k.shape[2]
   if why := geometry_problem(pattern, n, num_heads, num_kv, branches, config, batch):
@@ -1018,8 +1023,10 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config):
   # lse in base 2, +inf where a query sees no key (p = 0 there); [B, H, N] like delta.
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32)) * _LOG2E
   lse2, delta = lse2.transpose(0, 2, 1), delta.astype(jnp.float32).transpose(0, 2, 1)
+  launches = schedule.launches(pattern, n, num_heads, branches)
+  out_dtype = jnp.bfloat16 if final and len(launches) == 1 else jnp.float32
   grads = None
-  for fused in schedule.launches(pattern, n, num_heads, branches):
+  for fused in launches:
     sched = schedule.build(pattern, n, num_heads, num_kv, fused, False)
     n_pad, pad = _padded(n, sched)
     L = sched.stride
@@ -1031,9 +1038,10 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config):
     if config.fused_backward:
       dq, dk, dv = _fused_backward(x, stats, transposed, n, pattern.causal, scale, config)
     else:
-      dq = _dq_launch(*x, *strided, sched.arrays(), sched, n, pattern.causal, scale, config)
+      dq = _dq_launch(*x, *strided, sched.arrays(), sched, n, pattern.causal, scale, config,
+                      out_dtype)
       dk, dv = _dkdv_launch(*x, stats, transposed.arrays(), transposed, n, pattern.causal,
-                            scale, config)
+                            scale, config, out_dtype=out_dtype)
     now = (dq[:, :n], dk[:, :n], dv[:, :n])
     grads = now if grads is None else tuple(a + b for a, b in zip(grads, now))
   return grads

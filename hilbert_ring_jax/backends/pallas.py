@@ -610,8 +610,9 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg):
 
 
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
-             branches=None, config=None):
-  """float32 `(dq, dk, dv)` from the global `lse` and `delta = rowsum(dout * out) - dlse`."""
+             branches=None, config=None, grad_dtype=None):
+  """float32 `(dq, dk, dv)` from the global `lse` and `delta = rowsum(dout * out) - dlse`
+  (whatever `grad_dtype`)."""
   cfg = (config or Config()).resolved(q.shape[-1], q.dtype)
   n, h, hkv = q.shape[1], q.shape[2], k.shape[2]
   per_kv = heads_per_kv(h, hkv)

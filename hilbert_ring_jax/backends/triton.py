@@ -225,8 +225,9 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
 
 
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
-             branches=None, config=None):
-  """float32 `(dq, dk, dv)` of `branches` from the global `lse` and `delta`."""
+             branches=None, config=None, grad_dtype=None):
+  """float32 `(dq, dk, dv)` of `branches` from the global `lse` and `delta` (whatever
+  `grad_dtype`)."""
   config = config or Config()
   fn = lambda *a: _backward(*a, pattern, scale, branches, config)
   return batched(fn)(q, k, v, dout, lse, delta)

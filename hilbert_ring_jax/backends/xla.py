@@ -211,8 +211,9 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
 
 
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
-             branches=None, config=None):
-  """`(dq, dk, dv)` from the global `lse` and `delta = rowsum(dout * out) - dlse`."""
+             branches=None, config=None, grad_dtype=None):
+  """float32 `(dq, dk, dv)` from the global `lse` and `delta = rowsum(dout * out) - dlse`
+  (whatever `grad_dtype`)."""
   config = config or Config()
   acc = jnp.promote_types(q.dtype, jnp.float32)
   # p = exp(s - lse) must vanish on rows with no visible key (lse = -inf) and on padding.
