@@ -110,13 +110,14 @@ class Config:
 
   def resolved(self, head_dim: int, itemsize: int = 2, out_itemsize: int = 2) -> Config:
     """This config with the tuned defaults filled in: the first of the preferred tiles whose
-    buffers fit in shared memory (float32 outputs take a tile of their own), and the most
-    backward stages that fit (up to 3). `ValueError` if the chosen forward tiles do not
-    fit; backward stages that do not fit are `backward_problem`'s to report."""
+    buffers fit in shared memory (float32 outputs take a tile of their own); the backward
+    fused at head dim 64 with 2 stages, else split with the most stages that fit (up to 3).
+    `ValueError` if the chosen forward tiles do not fit; explicit backward stages that do
+    not fit fail when the kernel lowers."""
     fused = head_dim <= 64 if self.fused_backward is None else self.fused_backward
     stages = self.backward_stages or (2 if fused else max(
-        [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize, fused)
-         <= _SMEM_BYTES] or [2]))
+        [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize) <= _SMEM_BYTES]
+        or [2]))
     preferred = [(64, 128 if head_dim <= 128 else 64, 2), (64, 64, 3), (64, 64, 2)]
     for bq, bk, fwd_stages in preferred:
       config = dataclasses.replace(self, block_q=self.block_q or bq, block_k=self.block_k or bk,
@@ -140,15 +141,14 @@ def _smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int)
 _BWD_BLOCK = 64  # queries and keys per backward block (a program: two blocks of a row)
 
 
-def _backward_smem_bytes(stages: int, head_dim: int, itemsize: int, fused: bool) -> int:
-  """Both backward kernels hold, per consumer, two resident tiles (q and dout, or k and v)
-  and a float32 output tile, and a ring of two streamed tiles (k and v, or q and dout) and
-  two row statistics; fused, the dk/dv kernel adds a ds tile per consumer."""
+def _backward_smem_bytes(stages: int, head_dim: int, itemsize: int) -> int:
+  """Both split backward kernels hold, per consumer, two resident tiles (q and dout, or k
+  and v) and a float32 output tile, and a ring of two streamed tiles (k and v, or q and
+  dout) and two row statistics."""
   tile = _BWD_BLOCK * head_dim
   resident = 2 * 2 * tile * itemsize + 2 * tile * 4
   ring = stages * (2 * tile * itemsize + 2 * _BWD_BLOCK * 4)
-  ds = 2 * _BWD_BLOCK * _BWD_BLOCK * itemsize if fused else 0
-  return resident + ring + ds + 2 * 2 * _BWD_BLOCK * 4 + 3072
+  return resident + ring + 2 * 2 * _BWD_BLOCK * 4 + 3072
 
 
 def _is_hopper() -> bool:
@@ -790,8 +790,9 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref,
              do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dq_refs, dk_ref,
              dv_ref, smem, bars, free):
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem, ds_smem = smem
-    row_bars, q_bar, do_bar, lse_bar, delta_bar, ds_bars = bars
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem = smem[:7]
+    row_bars, q_bar, do_bar, lse_bar, delta_bar = bars[:5]
+    ds_smem, ds_bars = (smem[7], bars[5]) if fused else (None, None)
     q_free, do_free, stat_free = free
     wg = lax.axis_index("wg")
     prog = _Program.decode(origin_ref, rows_ref, sched, block_rows, n)
@@ -938,7 +939,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
         lambda smem, bars, free: kernel(
             origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref, do4_ref,
             do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dq_refs, dk_ref, dv_ref,
-            (*smem, None)[:8], (*bars, None)[:6], free),
+            smem, bars, free),
         smem, bars,
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 3,
         collective_axes="wg")
