@@ -71,13 +71,6 @@ _MAX_GRID_Y = 65535
 # Registers per thread of the producer and of each consumer warpgroup (`setmaxnreg`; the
 # three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
 _REGISTERS = (40, 232)
-# Mosaic GPU compiler parameters of every launch (`_run`). `reduction_scratch_bytes`: shared
-# memory kept for cross-warp reductions, which none of the kernels does (their row and column
-# statistics reduce within a warp); `unsafe_no_auto_barriers`: no warpgroup barrier around
-# each shared-memory load and store: the kernels order those themselves (barriers and
-# `commit_smem` before TMA reads), and no thread reads what it wrote.
-_COMPILER = dict(approx_math=True)
-_PROBE = frozenset()  # PROBE: variants of the fused dk/dv kernel (ptxas spill diagnosis)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,12 +135,7 @@ def _smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int)
   q = 2 * config.block_q * head_dim * itemsize
   kv = 2 * config.stages * config.block_k * head_dim * itemsize
   out = 0 if out_itemsize == itemsize else 2 * config.block_q * head_dim * out_itemsize
-  return q + kv + out + 2 * config.block_q * 4 + _smem_reserved()  # + lse tiles
-
-
-def _smem_reserved() -> int:
-  """Shared memory besides the tiles: barriers and alignment, and the reduction scratch."""
-  return 1024 + _COMPILER.get("reduction_scratch_bytes", 2048)
+  return q + kv + out + 2 * config.block_q * 4 + 3072  # + lse tiles, barriers, alignment
 
 
 _BWD_BLOCK = 64  # queries and keys per backward block (a program: two blocks of a row)
@@ -160,7 +148,7 @@ def _backward_smem_bytes(stages: int, head_dim: int, itemsize: int) -> int:
   tile = _BWD_BLOCK * head_dim
   resident = 2 * 2 * tile * itemsize + 2 * tile * 4
   ring = stages * (2 * tile * itemsize + 2 * _BWD_BLOCK * 4)
-  return resident + ring + 2 * 2 * _BWD_BLOCK * 4 + _smem_reserved()
+  return resident + ring + 2 * 2 * _BWD_BLOCK * 4 + 3072
 
 
 def _is_hopper() -> bool:
@@ -503,7 +491,7 @@ def _run(entry, out_type, grid, args, interpret: bool):
   its coordinates as the `origin` input, each writing its own rows into zeroed buffers."""
   launch = functools.partial(
       plgpu.kernel, entry, out_type=out_type, grid_names=("row", "bp"), num_threads=3,
-      thread_name="wg", compiler_params=plgpu.CompilerParams(**_COMPILER))
+      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
   if not interpret:
     return launch(grid=grid)(jnp.zeros((2,), jnp.int32), *args)
   call = launch(grid=(1, 1), interpret=plgpu.InterpretGPUParams(
@@ -805,7 +793,6 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem = smem[:7]
     row_bars, q_bar, do_bar, lse_bar, delta_bar = bars[:5]
     ds_smem, ds_bars = (smem[7], bars[5]) if fused else (None, None)
-    p_smem = smem[8] if fused and "ss-all" in _PROBE else None
     q_free, do_free, stat_free = free
     wg = lax.axis_index("wg")
     prog = _Program.decode(origin_ref, rows_ref, sched, block_rows, n)
@@ -863,16 +850,6 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       def add_dq(piece, j, step):
         """The consumer whose turn it is adds dq = ds_0 k_0 + ds_1 k_1 of the query block."""
         ready, read, acc_bar = ds_bars
-        if "no-when" in _PROBE:  # every step, no barriers (wrong results: ptxas only)
-          def product_all(acc):
-            for i in range(2):
-              plgpu.wgmma(acc, ds_smem.at[i].T, k_smem.at[i])
-            return acc[...]
-          o_tile[...] = pl.run_scoped(product_all, plgpu.ACC((bq, d), jnp.float32))
-          return
-        if "store-zero" in _PROBE:
-          o_tile[...] = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
-          return
 
         @pl.when(lax.rem(step, 2) == wg)
         def _():
@@ -883,33 +860,13 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
               plgpu.wgmma(acc, ds_smem.at[i].T, k_smem.at[i])
             return acc[...]
 
+          dq = pl.run_scoped(product, plgpu.ACC((bq, d), jnp.float32))
+          plgpu.barrier_arrive(read.at[wg])
           h, acc_b = piece.head, b + wg * batch if interpret else b
           add_at = functools.partial(
               _at_rows, *dq_refs, prog.base + piece.first, j * bq, bq, piece.stride, L,
               lambda rows, c: (acc_b, rows, h) if c is None else (acc_b, rows, c, h))
-          if "dq-halves" in _PROBE and not interpret:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            for c in range(d // 64):
-              cols = pl.ds(c * 64, 64)
-
-              def half(acc):
-                for i in range(2):
-                  plgpu.wgmma(acc, ds_smem.at[i].T, k_smem.at[i].at[:, cols])
-                return acc[...]
-
-              o_tile.at[:, cols][...] = pl.run_scoped(half, plgpu.ACC((bq, 64), jnp.float32))
-            plgpu.barrier_arrive(read.at[wg])
-            plgpu.commit_smem()
-            add_at(lambda box: plgpu.copy_smem_to_gmem(o_tile, box, reduction_op="add"))
-            return
-          dq = pl.run_scoped(product, plgpu.ACC((bq, d), jnp.float32))
-          plgpu.barrier_arrive(read.at[wg])
-          if "no-store" in _PROBE:
-            pass
-          elif "no-reduce" in _PROBE:
-            o_tile[...] = dq
-          else:
-            _add_rows(add_at, dq, o_tile, acc_bar.at[wg], interpret)
+          _add_rows(add_at, dq, o_tile, acc_bar.at[wg], interpret)
 
       def step(carry, piece, j, masked: bool):
         """One query block: s^T = k q^T and dp^T = v dout^T, p^T = exp2(s^T c + log2 m -
@@ -935,24 +892,11 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
         ds16 = (p_t * (dp_t - cols_of(delta_j))).astype(dtype)
         if fused:
           put_ds(ds16, step)
-        if p_smem is not None and not interpret:
-          p_smem.at[wg][...] = p_t.astype(dtype)
-          plgpu.commit_smem()
-          def dkdv_products(accs):
-            plgpu.wgmma(accs[0], p_smem.at[wg], do_smem.at[slot])
-            plgpu.wgmma(accs[1], ds_smem.at[wg], q_smem.at[slot])
-          dv, dk = pl.run_state(dkdv_products)([plgpu.ACC.init(dv), plgpu.ACC.init(dk)])
-        elif fused and "ss-dk" in _PROBE and not interpret:
-          dv, = _accumulate([dv], [(p_t.astype(dtype), do_smem.at[slot])], interpret)
-          def dk_product(acc):
-            plgpu.wgmma(acc, ds_smem.at[wg], q_smem.at[slot])
-          dk = pl.run_state(dk_product)(plgpu.ACC.init(dk))
-        else:
-          dv, dk = _accumulate([dv, dk], [(p_t.astype(dtype), do_smem.at[slot]),
-                                           (ds16, q_smem.at[slot])], interpret)
+        dv, dk = _accumulate([dv, dk], [(p_t.astype(dtype), do_smem.at[slot]),
+                                         (ds16, q_smem.at[slot])], interpret)
         plgpu.barrier_arrive(do_free.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
-        if fused and "no-dq" not in _PROBE:
+        if fused:
           add_dq(piece, j, step)
         return dk, dv, step + 1
 
@@ -985,13 +929,10 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
-            plgpu.SMEM((2, bk, d), out_dtype, transforms=(
-                () if "plain" in _PROBE else _swizzled(out_dtype)))]
+            plgpu.SMEM((2, bk, d), out_dtype, transforms=_swizzled(out_dtype))]
     bars = [(plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 4]
     if fused:
       smem.append(plgpu.SMEM((2, bk, bq), dtype, transforms=tiles))
-      if "ss-all" in _PROBE:
-        smem.append(plgpu.SMEM((2, bk, bq), dtype, transforms=tiles))
       bars.append((plgpu.Barrier(num_arrivals=2, num_barriers=2),
                    plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)))
     pl.run_scoped(
