@@ -6,9 +6,13 @@ gradients, relative L2 errors. Timings: forward and forward+backward of "mosaic"
 "mosaic+triton" (this forward with triton's backward), cuDNN (full attention),
 tokamax's Mosaic GPU attention (full attention, when importable) and folded cuDNN (LongNet),
 and forward+backward of each backward `mosaic.Config` variant, all in one run; medians over
-`--runs`. JSON lines on stdout, a table at the end, `--json` for all.
+`--runs`. JSON lines on stdout, a table at the end, `--json` for all. The "lm" shape is the
+attention of examples/lm_real.py's `--preset gpu` (B=8, N=8192, H=6/2, D=128, causal,
+offsets="all", (512, 2048, 8192) x (1, 4, 16): two mosaic launches), timed next to "triton";
+`--only lm` checks and times just that shape.
 
   python benchmarks/tune_mosaic.py --json out/mosaic.json
+  python benchmarks/tune_mosaic.py --only lm --json out/mosaic_lm.json
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from hilbert_ring_jax.api import _Dispatch
 from hilbert_ring_jax.backends import base, mosaic
 
 LONGNET = ((2048, 4096, 8192), (1, 2, 4))
+# The attention of examples/lm_real.py's `--preset gpu`: (batch, heads, kv_heads, head dim).
+LM = ((512, 2048, 8192), (1, 4, 16))
+LM_SHAPE = dict(b=8, h=6, hkv=2, d=128)
 # Backward variants, by head dim (the defaults: dq fused into the dk/dv kernel at 64, with
 # two stages; separate kernels at 128, with the most stages that fit).
 VARIANTS = {64: {"unfused": dict(fused_backward=False), "fused-bs3": dict(backward_stages=3)},
@@ -59,17 +66,21 @@ def diagnose():
           f"{lse['xla'][tuple(bad[:4].T)].tolist()}", flush=True)
 
 
-def checks(quick=False):
-  if not quick:
+def checks(quick=False, only=None):
+  if not quick and only is None:
     diagnose()
   rows = []
+  lm = (8192, LM_SHAPE["h"], LM_SHAPE["hkv"], LM_SHAPE["d"], LM, {"offsets": "all"})
   shapes = [(4096, 4, 4, 128, LONGNET, {}), (8192, 4, 2, 128, ((8192,), (1,)), {}),
             (4096, 4, 1, 64, ((1024, 2048, 4096), (1, 2, 4)), {"offsets": "all"}),
             (4099, 4, 4, 128, ((1024, 2048), (1, 2)), {}),   # N % L != 0: padded copy
             (2048, 4, 4, 256, ((512, 2048), (1, 4)), {}),
-            (4096, 6, 6, 128, ((512, 1024, 2048), (1, 2, 4)), {"head_groups": True})]
-  if quick:  # LongNet, N % L != 0, and GQA with a stride-1 row
-    shapes = [shapes[0], shapes[3], shapes[1]]
+            (4096, 6, 6, 128, ((512, 1024, 2048), (1, 2, 4)), {"head_groups": True}),
+            lm]  # two launches
+  if quick:  # LongNet, N % L != 0, GQA with a stride-1 row, and the LM's two launches
+    shapes = [shapes[0], shapes[3], shapes[1], lm]
+  if only == "lm":
+    shapes = [lm]
   for n, h, hkv, d, (segs, rates), extra in shapes:
     for causal, dtype in ((False, jnp.bfloat16), (True, jnp.float16)):
       if True:
@@ -99,34 +110,41 @@ def checks(quick=False):
   return rows
 
 
-def timings(runs, quick=False, cross_pass=True):
-  plan = []
+def timings(runs, quick=False, cross_pass=True, only=None):
+  plan = []  # kind, N, D, pattern, peers, shape (batch, heads, kv heads; default 1, 16, 16)
   full = ((32768, False), (32768, True)) if quick else (
       (32768, False), (32768, True), (131072, False), (131072, True))
   for n, causal in full:
     plan.append(("full", n, 128, DilatedPattern((n,), (1,), causal=causal),
-                 ["cudnn"] if quick else ["cudnn", "tokamax"]))
+                 ["cudnn"] if quick else ["cudnn", "tokamax"], {}))
   for n, causal in ((131072, False), (131072, True)) if quick else (
       (32768, False), (131072, False), (131072, True)):
     plan.append(("longnet", n, 128, DilatedPattern(*LONGNET, causal=causal),
-                 ["folded_cudnn"]))
-  plan.append(("longnet", 131072, 64, DilatedPattern(*LONGNET), ["folded_cudnn"]))
+                 ["folded_cudnn"], {}))
+  plan.append(("longnet", 131072, 64, DilatedPattern(*LONGNET), ["folded_cudnn"], {}))
   if not quick:
     plan.append(("longnet", 131072, 64, DilatedPattern(*LONGNET, causal=True),
-                 ["folded_cudnn"]))
+                 ["folded_cudnn"], {}))
+  lm_shape = {key: LM_SHAPE[key] for key in ("b", "h", "hkv")}
+  plan.append(("lm", 8192, LM_SHAPE["d"], DilatedPattern(*LM, causal=True, offsets="all"),
+               ["triton"], lm_shape))
+  if only is not None:
+    plan = [entry for entry in plan if entry[0] == only]
   rows = []
-  for kind, n, d, pattern, peers in plan:
+  for kind, n, d, pattern, peers, shape in plan:
+    b, h, hkv = shape.get("b", 1), shape.get("h", 16), shape.get("hkv", 16)
     rng = np.random.default_rng(1)
-    q, k, v, dout = (jnp.asarray(rng.standard_normal((1, n, 16, d)), jnp.bfloat16)
-                     for _ in range(4))
+    q, dout = (jnp.asarray(rng.standard_normal((b, n, h, d)), jnp.bfloat16) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((b, n, hkv, d)), jnp.bfloat16) for _ in range(2))
     s = d ** -0.5
-    flops = 4 * d * pattern.visible_pairs(n, 16)
+    flops = 4 * b * d * pattern.visible_pairs(n, h)
     variants = VARIANTS[d]
     impls = [("mosaic", None)] + [("mosaic+triton", None)] * cross_pass
     impls += [(p, None) for p in peers]
     impls += [(name, mosaic.Config(**cfg)) for name, cfg in variants.items()]
     for name, config in impls:
-      row = dict(pattern=kind, n=n, head_dim=d, causal=pattern.causal, impl=name)
+      row = dict(pattern=kind, n=n, head_dim=d, causal=pattern.causal, impl=name, batch=b,
+                 heads=h, kv_heads=hkv)
       try:
         if name in variants or name == "mosaic":
           fn = ours("mosaic", config)
@@ -158,15 +176,17 @@ def main():
   ap.add_argument("--skip-timings", action="store_true")
   ap.add_argument("--quick", action="store_true", help="fewer checks and shapes, no tokamax")
   ap.add_argument("--no-cross", action="store_true", help="skip mosaic+triton")
+  ap.add_argument("--only", choices=["full", "longnet", "lm"], default=None,
+                  help="time one kind of shape only (with --only lm, check only that shape)")
   args = ap.parse_args()
   dev = jax.devices()[0]
   meta = dict(device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__,
-              date=time.strftime("%Y-%m-%d %H:%M:%S"), runs=args.runs, batch=1, heads=16,
-              dtype="bfloat16")
+              date=time.strftime("%Y-%m-%d %H:%M:%S"), runs=args.runs, dtype="bfloat16",
+              only=args.only)  # batch, heads, kv_heads: per timing row
   print(json.dumps(meta), flush=True)
-  out = dict(meta=meta, checks=[] if args.skip_checks else checks(args.quick),
+  out = dict(meta=meta, checks=[] if args.skip_checks else checks(args.quick, args.only),
              timings=[] if args.skip_timings else timings(args.runs, args.quick,
-                                                           not args.no_cross))
+                                                           not args.no_cross, args.only))
   print(f"\n{'pattern':8s} {'causal':6s} {'N':>7s} {'D':>4s} {'impl':12s} {'fwd ms':>8s} "
         f"{'TFLOP/s':>8s} {'fwd+bwd':>8s} {'TFLOP/s':>8s}")
   for r in out["timings"]:

@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 import helpers
 from helpers import Case
 from hilbert_ring_jax.api import _Dispatch
-from hilbert_ring_jax.backends import base, mosaic
+from hilbert_ring_jax.backends import base, mosaic, schedule
 
 INTERPRET = pytest.mark.skipif(
     jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",
@@ -51,6 +51,21 @@ def test_interpret_nested_gqa_float16():
   heads of the key/value head."""
   case = Case(512, 2, 1, (256, 512), (1, 2), head_dim=64)
   _both_passes_vs_reference(case, False, jnp.float16, mosaic.Config(interpret=True))
+
+
+@INTERPRET
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_interpret_launches_in_whole_blocks(head_dim):
+  """Rows of 32 all together (w0 / L = 128 / 4), so the kernels' launches group the branches
+  in rows of 128: {128/1, 256/1} and {512/4} (the LM preset's grouping in small), float32
+  partials merged, the gradients of the two launches added (dq from the dk/dv kernel at head
+  dim 64, from a kernel of its own at 128)."""
+  case = Case(512, 2, 1, (128, 256, 512), (1, 1, 4), head_dim=head_dim)
+  pattern = case.pattern(True)
+  assert schedule.launches(pattern, case.n, case.heads, min_row=128) == [(0, 1), (2,)]
+  assert mosaic.geometry_problem(pattern, case.n, case.heads, case.kv_heads, None,
+                                 mosaic.Config().resolved(head_dim)) is None
+  _both_passes_vs_reference(case, True, jnp.float16, mosaic.Config(interpret=True))
 
 
 @INTERPRET

@@ -20,6 +20,7 @@ CASES = [  # n, H, Hkv, segments, rates, offsets, head_groups
     (300, 4, 2, (64, 128, 256), (1, 2, 4), "head", False),  # scheduled together
     (300, 2, 2, (64, 128, 192), (1, 2, 4), "all", False),  # period 384 > n
     (200, 2, 1, (64, 200), (2, 4), "head", True),  # together, w == n
+    (128, 4, 2, (32, 64, 128), (1, 2, 8), "head", False),  # launches (0, 1) and (2,)
 ]
 
 
@@ -41,12 +42,12 @@ def block_ranges(first, stride, count, lo, hi, block, causal, transposed):
   return s_any // block, mid, max(count // block, mid), cdiv(count, block)
 
 
-def replay(pattern, n, h, hkv, branches, row_block, block, transposed):
+def replay(pattern, n, h, hkv, branches, row_block, block, transposed, **launches):
   """`m[h, i, j]` as the kernels accumulate it, checking that unmasked blocks need no mask."""
   m = np.zeros((h, n, n))
   group = h // hkv
   clip = lambda x: np.minimum(x, n - 1)  # positions >= n are masked (ok is False)
-  for fused in schedule.launches(pattern, n, h, branches):
+  for fused in schedule.launches(pattern, n, h, branches, **launches):
     s = schedule.build(pattern, n, h, hkv, fused, transposed)
     for p in range(s.periods):
       base = p * s.period
@@ -97,6 +98,39 @@ def test_launches():
   assert not together(DilatedPattern((12, 20), (3, 4)), 45)  # not nested
   assert not together(DilatedPattern((16, 32), (1, 2)), 45)  # rows of 8
   assert not together(DilatedPattern((64, 1 << 20), (1, 2)), 1 << 20)  # 16384 intervals
+
+
+def test_launches_group_greedily():
+  """Consecutive branches, each launch as many as qualify: the LM preset of
+  examples/lm_real.py in the mosaic backend's blocks of 128 (rows 512 / 4 = 128, then
+  8192 / 16 = 512; all three together would have rows of 512 / 16 = 32)."""
+  launches = lambda p, n, **kw: schedule.launches(p, n, 6, None, **kw)
+  lm = DilatedPattern((512, 2048, 8192), (1, 4, 16), causal=True)
+  assert launches(lm, 8192, min_row=128) == [(0, 1), (2,)]
+  assert launches(lm, 8192) == [(0, 1, 2)]  # rows of 32 are long enough by default
+  longnet = DilatedPattern((2048, 4096, 8192), (1, 2, 4))
+  assert launches(longnet, 8192, min_row=128) == launches(longnet, 8192) == [(0, 1, 2)]
+  assert launches(DilatedPattern((12, 20), (3, 4)), 45) == [(0,), (1,)]  # not nested
+  # Rows of 4 for all three; the first two together (rows of 16), or none in blocks of 32.
+  three = DilatedPattern((32, 64, 128), (1, 2, 8))
+  assert launches(three, 128) == [(0, 1), (2,)]
+  assert launches(three, 128, min_row=32) == [(0,), (1,), (2,)]
+  # The longest run is taken even where a shorter one does not qualify: 96 and 160 do not
+  # nest, with 32 they do.
+  assert launches(DilatedPattern((96, 160, 32), (1, 1, 1)), 480) == [(0, 1, 2)]
+  assert launches(DilatedPattern((48, 160, 32), (1, 1, 1)), 480) == [(0,), (1, 2)]
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_lm_like_launches_reproduce_multiplicity(transposed):
+  """The LM preset's shape at a 16th of its size, in rows of 8: launches (0, 1) and (2,)
+  (the grouping the mosaic backend gets for the full size) sum to SPEC's multiplicities."""
+  segs, rates = (32, 128, 512), (1, 4, 16)
+  pattern = DilatedPattern(segs, rates, causal=True)
+  assert schedule.launches(pattern, 512, 2, min_row=8) == [(0, 1), (2,)]
+  ref = reference_np.multiplicity(512, 2, segs, rates, True, "head")
+  got = replay(pattern, 512, 2, 1, None, 8, 8, transposed, min_row=8)
+  np.testing.assert_allclose(got, ref, atol=1e-5)
 
 
 def test_subset_of_branches():

@@ -3,7 +3,12 @@
 The forward walks the same host block schedule as the "triton" backend (`schedule.py`): the
 branches whose segments nest run in one launch, each (query, key) pair scored once with the
 bias `log m` of its multiplicity, causal blocks past the diagonal skipped, GQA by reading the
-shared key/value head. What changes is the engine, built from Hopper's own parts:
+shared key/value head. Launches group branches whose rows are at least one program block
+long (`_ROW_BLOCK`, 128 positions), so a pattern whose rows would be short all together runs
+as a few launches merged like branch-by-branch ones: the LM preset of examples/lm_real.py,
+`w = (512, 2048, 8192), r = (1, 4, 16)` (rows of 32 all together), as {512/1, 2048/4} (rows
+of 128) and {8192/16} (rows of 512). What changes is the engine, built from Hopper's own
+parts:
 
 - a program owns `2 * block_q` positions of one strided query row and runs three warpgroups:
   two consumers (`block_q` query rows each) and one producer that issues the TMA copies of
@@ -22,9 +27,9 @@ The output goes back through shared memory with TMA stores; lse is written as
 `[B, H, L, N/L]` (contiguous per row, so TMA can store it) and transposed outside.
 Boxes past the end of an input read zeros (the kernel masks keys past each piece's end);
 outputs are allocated in whole periods, so that no store runs past their end, and sliced.
-Rows must come in whole program blocks (`2 * block_q` positions per row and period), else
-`supports` declines; a length that `8 * L` does not divide is zero-padded (a copy, only then:
-the views' row axes must be whole tiles of 8).
+Each launch's rows must come in whole program blocks (`2 * block_q` positions per row and
+period, and the backward's 128), else `supports` declines; a length that `8 * L` does not
+divide is zero-padded (a copy, only then: the views' row axes must be whole tiles of 8).
 
 The backward has two kernels built the same way (producer and consumer warpgroups, TMA
 rings, the same block walk), without the turn-taking, which measured slower there:
@@ -139,6 +144,9 @@ def _smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int)
 
 
 _BWD_BLOCK = 64  # queries and keys per backward block (a program: two blocks of a row)
+# The shortest row of a launch of several branches: a backward program's, and a forward one's
+# at the default block_q. One value for both passes, so that they make the same launches.
+_ROW_BLOCK = 2 * _BWD_BLOCK
 
 
 def _backward_smem_bytes(stages: int, head_dim: int, itemsize: int) -> int:
@@ -158,16 +166,22 @@ def _is_hopper() -> bool:
     return False
 
 
+def _launches(pattern: DilatedPattern, n: int, num_heads: int, branches):
+  """The branches of each launch: `schedule.launches` in rows of at least `_ROW_BLOCK`."""
+  return schedule.launches(pattern, n, num_heads, branches, min_row=_ROW_BLOCK)
+
+
 def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_heads: int,
                      branches, config: Config, batch: int = 1) -> str | None:
-  """Why the schedule of this problem does not fit the kernel's blocks or grid, or None."""
-  rows = 2 * config.block_q
-  for fused in schedule.launches(pattern, n, num_heads, branches):
+  """Why the schedule of this problem does not fit the kernels' blocks or grid, or None."""
+  rows = math.lcm(2 * config.block_q, 2 * _BWD_BLOCK)  # a forward and a backward program
+  for fused in _launches(pattern, n, num_heads, branches):
     s = schedule.build(pattern, n, num_heads, num_kv_heads, fused, False)
     if s.period % s.stride or np.any(s.rows[:, schedule.ROW_LENGTH] % rows):
       return (f"the mosaic backend needs query rows of whole blocks of {rows} positions "
-              f"(the shortest segment over the rates' lcm a multiple of {rows}); got rows of "
-              f"{sorted(set(s.rows[:, schedule.ROW_LENGTH].tolist()))}")
+              f"(per launch, the shortest segment over the rates' lcm a multiple of {rows}); "
+              f"got rows of {sorted(set(s.rows[:, schedule.ROW_LENGTH].tolist()))} for "
+              f"branches {fused}")
     if s.periods * batch > _MAX_GRID_Y:
       return (f"the mosaic backend launches at most {_MAX_GRID_Y} batch x period programs; "
               f"got {batch} x {s.periods}")
@@ -197,10 +211,10 @@ def supports(problem: Problem) -> Support:
     if not (support := triton.supports(problem)):
       return no(f"the mosaic backend's backward at head dim 256 is the triton backend's: "
                 f"{support.reason}")
-  launches = schedule.launches(problem.pattern, n, h, problem.branches)
+  launches = _launches(problem.pattern, n, h, problem.branches)
   if d == 256 and (problem.varying or len(launches) > 1):
-    return no("the mosaic backend writes float32 partials (ring steps, branch-by-branch "
-              "launches) only up to head dim 128: at 256 their tiles exceed shared memory")
+    return no("the mosaic backend writes float32 partials (ring steps, several launches) "
+              "only up to head dim 128: at 256 their tiles exceed shared memory")
   if why := geometry_problem(problem.pattern, n, h, problem.kv_shape[2], problem.branches,
                              Config().resolved(d), b):
     return no(why)
@@ -958,7 +972,7 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
             out_dtype=None):
   """`(out, lse)` of `branches` (all if None): float32 partials, or `out` in `out_dtype` when
   given (written by the kernel when one launch covers the branches)."""
-  multi = len(schedule.launches(pattern, q.shape[1], q.shape[2], branches)) > 1
+  multi = len(_launches(pattern, q.shape[1], q.shape[2], branches)) > 1
   out_itemsize = 4 if out_dtype is None or multi else jnp.dtype(out_dtype).itemsize
   config = (config or Config()).resolved(q.shape[-1], q.dtype.itemsize, out_itemsize)
   fn = lambda q, k, v: _forward(q, k, v, pattern, scale, branches, config, out_dtype)
@@ -985,7 +999,7 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
   batch, n, num_heads, _ = q.shape
   if why := geometry_problem(pattern, n, num_heads, k.shape[2], branches, config, batch):
     raise NotImplementedError(why)
-  launches = schedule.launches(pattern, n, num_heads, branches)
+  launches = _launches(pattern, n, num_heads, branches)
   dtype = (out_dtype or jnp.float32) if len(launches) == 1 else jnp.float32
   parts = []
   for fused in launches:
@@ -1024,7 +1038,7 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config, final
   # lse in base 2, +inf where a query sees no key (p = 0 there); [B, H, N] like delta.
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32)) * _LOG2E
   lse2, delta = lse2.transpose(0, 2, 1), delta.astype(jnp.float32).transpose(0, 2, 1)
-  launches = schedule.launches(pattern, n, num_heads, branches)
+  launches = _launches(pattern, n, num_heads, branches)
   out_dtype = jnp.bfloat16 if final and len(launches) == 1 else jnp.float32
   grads = None
   for fused in launches:

@@ -19,9 +19,13 @@ piece's `log2 m`. The kernels walk each piece in blocks with plain strided addre
 work out under a causal mask which blocks need masking. For dk/dv the roles swap: key rows (per
 key/value head) and query pieces (from each query head that reads the row's kv head).
 
-Patterns whose segments do not nest (every `w` a multiple of the shortest) or whose rows
-would be short are scheduled branch by branch (one schedule per branch, merged by the
-caller).
+Branches are scheduled together when their segments nest (every `w` a multiple of the
+shortest), their rows are long enough (`min_row`: 16 positions, or a backend's block) and a
+period holds few intervals. `launches` cuts the branches, in order, greedily into the
+longest runs that qualify (a single branch always does: one schedule per run, merged by the
+caller): all at once where that qualifies, else e.g. the LM pattern
+`w = (512, 2048, 8192), r = (1, 4, 16)` in blocks of 128 as {512/1, 2048/4} (rows of 128)
+and {8192/16} (rows of 512).
 """
 
 from __future__ import annotations
@@ -78,17 +82,29 @@ class Schedule:
     return tuple(jnp.asarray(x) for x in (self.rows, pieces, self.bias))
 
 
-def launches(pattern: DilatedPattern, n: int, num_heads: int,
-             branches=None) -> list[tuple[int, ...]]:
-  """The branches of each launch: all at once when their segments nest and their rows are
-  long enough, else one by one (the caller merges the results)."""
+def launches(pattern: DilatedPattern, n: int, num_heads: int, branches=None, *,
+             min_row: int = _MIN_UNION_ROW) -> list[tuple[int, ...]]:
+  """The branches of each launch (the caller merges the launches' results): consecutive
+  branches, in layout order, grouped greedily, each group the longest run from where the
+  last one ended that `_fits` (a single branch always does). `min_row`: the shortest strided
+  row of a group of several branches (a backend whose programs take rows in blocks passes
+  its block)."""
   layout = pattern.layout(n, num_heads, branches)
-  if len(layout) > 1:
-    w0, stride, period = _geometry(layout)
-    nested = all(br.w % w0 == 0 or br.w == n for br in layout) and w0 % stride == 0
-    if nested and w0 // stride >= _MIN_UNION_ROW and period // w0 <= _MAX_INTERVALS:
-      return [tuple(br.index for br in layout)]
-  return [(br.index,) for br in layout]
+  groups, start = [], 0
+  while start < len(layout):
+    end = next(e for e in range(len(layout), start, -1)
+               if e - start == 1 or _fits(layout[start:e], n, min_row))
+    groups.append(tuple(br.index for br in layout[start:end]))
+    start = end
+  return groups
+
+
+def _fits(layout, n: int, min_row: int) -> bool:
+  """Whether these branches can be scheduled together: their segments nest, their strided
+  rows are at least `min_row` long, and a period holds at most `_MAX_INTERVALS` intervals."""
+  w0, stride, period = _geometry(layout)
+  nested = all(br.w % w0 == 0 or br.w == n for br in layout) and w0 % stride == 0
+  return nested and w0 // stride >= min_row and period // w0 <= _MAX_INTERVALS
 
 
 def _geometry(layout):

@@ -3,7 +3,8 @@
 The GPU fast path. Kernels (`_triton_kernels.py`) walk a host-built block schedule
 (`schedule.py`): branches whose segments nest are computed together, each (query, key) pair
 scored once with the bias `log m` of its multiplicity, so one launch writes the final output
-and lse (other patterns run branch by branch and are merged). Rows and entries are strided
+and lse (other patterns run in several launches, each a run of consecutive branches that
+qualify together or a single branch: `schedule.launches`, merged). Rows and entries are strided
 runs of tokens, so no input is padded, gathered or copied. Backward: a dq kernel over query
 rows and a dk/dv kernel over key rows, in float32. Block sizes, warps and stages come from
 `Config` when the caller gives them, else from the read-only table `TUNED`, per pass, head
