@@ -4,7 +4,7 @@ Times (medians, device-synchronized) of the parts of one step of each model at t
 shapes (8 windows of 8192 bytes, d = 768, 6 heads, 2 kv heads, 8 layers, bf16): the attention
 layer alone (projections, rotary, kernel) forward+backward, the attention kernel alone
 (`dilated_attention` or cuDNN on q, k, v) forward and forward+backward, one block's MLP
-forward+backward, the whole model's loss and gradients, and the training step (AdamW). For the
+forward+backward, and the training step (loss, gradients, AdamW). For the
 dilated model, once per `--impls` backend. JSON lines, `--json` for all.
 
   python benchmarks/profile_lm.py --impls mosaic,triton --json out/profile_lm.json
@@ -44,6 +44,11 @@ def main():
   ap.add_argument("--runs", type=int, default=5)
   ap.add_argument("--json")
   ap.add_argument("--preset", default="gpu")
+  ap.add_argument("--loops", action="store_true", help="only: the local model's step in a loop "
+                  "on one batch of uniform random bytes, on a text batch drawn each step, and "
+                  "on one text batch (the embedding's gradient used to depend on the data)")
+  ap.add_argument("--loop", action="store_true", help="also time examples/common.train's loop "
+                  "(the dilated model's first backend and the local model)")
   args = ap.parse_args()
   cfg = lm_real.parse_args(["--preset", args.preset])
   cfg.segments = lm_real.int_list("--segments", cfg.segments)
@@ -71,6 +76,31 @@ def main():
   tokens = jnp.asarray(rng.integers(0, 256, (b, n)), jnp.int32)
   batch = (tokens, jnp.roll(tokens, -1, axis=1))
 
+  if args.loops:  # the local model's step on uniform random bytes vs text
+    corpus = lm_real.load_corpus(cfg.heldout_fraction, cfg.split_seed)
+    model, _ = lm_real.build_model("local", cfg, "cudnn", seed=0)
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    step, _ = common._functions(graph, lm_real.loss_fn, cfg.lr, cfg.steps)  # pylint: disable=protected-access
+    opt_state = common.adamw(cfg.lr, cfg.steps).init(params)
+    state = [params, opt_state]
+    host = lambda i: lm_real.train_batch(corpus["train"], n, b, 0, i)
+    fixed = lambda i: batch
+    text = host(0)
+    for label, batches in (("uniform random bytes", fixed), ("text, drawn each step", host),
+                           ("one text batch", lambda i: text)):
+      for i in range(2):
+        state[0], state[1], loss_v, _ = step(state[0], rest, state[1], batches(i))
+      jax.block_until_ready(loss_v)
+      t = time.perf_counter()
+      for i in range(10):
+        state[0], state[1], loss_v, _ = step(state[0], rest, state[1], batches(i))
+      jax.block_until_ready(loss_v)
+      record(part=f"loop: {label}", ms=(time.perf_counter() - t) * 100, model="local")
+    t = time.perf_counter()
+    for i in range(10):
+      jax.block_until_ready(host(i))
+    record(part="host batch alone", ms=(time.perf_counter() - t) * 100)
+    return
   full_impl = "cudnn" if lm_real.cudnn_runs(b, n, h, hkv, hd, dtype) is None else "ours"
   variants = [("dilated", impl) for impl in args.impls.split(",")] + [
       ("full", full_impl), ("local", "auto")]
@@ -98,11 +128,8 @@ def main():
         norm, up, down = nnx.merge(mlp_graph, state)
         return down(nnx.gelu(up(norm(x))))
       timed("MLP fwd+bwd", grad_of_sum(mlp), (mlp_state, x), **tag)
-    # the whole model: loss and gradients, and the training step
+    # the training step
     graph, params, rest = nnx.split(model, nnx.Param, ...)
-    loss = lambda params, rest, batch: lm_real.loss_fn(nnx.merge(graph, params, rest), batch)[0]
-    timed("model loss fwd", jax.jit(loss), (params, rest, batch), **tag)
-    timed("model loss+grads", jax.jit(jax.grad(loss)), (params, rest, batch), **tag)
     step, _ = common._functions(graph, lm_real.loss_fn, cfg.lr, cfg.steps)  # pylint: disable=protected-access
     opt_state = common.adamw(cfg.lr, cfg.steps).init(params)
     try:
@@ -122,6 +149,18 @@ def main():
     except Exception as e:
       traceback.print_exc(limit=2)
       record(part="train step", error=f"{type(e).__name__}: {str(e)[:300]}", **tag)
+    if args.loop and (name, impl) in ((variants[0]), ("local", "auto")):
+      # examples/common.train's loop (a batch drawn on the host each step, the compiled step
+      # called through jax.stages.Compiled), on the real corpus: its steady-state step time
+      corpus = lm_real.load_corpus(cfg.heldout_fraction, cfg.split_seed)
+      model, _ = lm_real.build_model(name, cfg, full_impl, seed=0)
+      steps = 3 * args.runs + 1
+      history = common.train(
+          model, lm_real.loss_fn,
+          lambda step: lm_real.train_batch(corpus["train"], n, b, 0, step), steps=steps,
+          lr=cfg.lr, eval_batch=batch, eval_every=steps, ckpt_dir=None, desc=name)
+      record(part="train loop (common.train)", ms=1e3 * history["step_seconds"],
+             tokens_per_s=b * n / history["step_seconds"], **tag)
   if args.json:
     with open(args.json, "w") as fh:
       json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
