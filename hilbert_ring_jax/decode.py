@@ -4,8 +4,8 @@ For a causal pattern, branch `(w, r)` lets query `t` see only keys of its own se
 tokens, of its residue `(t % w) % r`. So each branch keeps just the current segment, and only
 the residue classes that some query head of a kv head reads: the cache size is fixed by the
 pattern, not by the sequence length. Branch `b` holds `k[b], v[b]` of shape
-`[B, Hkv, R_b, rows_b, D]` (`rows_b = ceil(w_b / r_b)`, `R_b` the most residues one kv head
-needs); position `p` lives at row `(p % w) // r` of the slot that `(kv head, (p % w) % r)` maps
+`[B, Hkv, R_b, rows_b, D]` (`rows_b = ceil(w_b / r_b)` rounded up to a multiple of 8, the
+tiles the token-step kernel reads; `R_b` the most residues one kv head needs); position `p` lives at row `(p % w) // r` of the slot that `(kv head, (p % w) % r)` maps
 to. Rows left over from earlier segments need no clearing: each query masks cached rows by
 position (`< length`, in its own segment), computed from its own segment start.
 
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .api import check_inputs, check_scale, dilated_attention
+from .backends import base
 from .merge import merge
 from .pattern import DilatedPattern, heads_per_kv
 
@@ -52,12 +53,14 @@ class KVCache:
 class _BranchTable:
   w: int
   r: int
-  rows: int
+  rows: int               # of a slot: ceil(w / r), rounded up to a multiple of 8
   slots: int              # R_b
   slot: np.ndarray        # [Hkv, r]: slot of (kv head, residue), -1 where not needed
   residue: np.ndarray     # [Hkv, R_b]: residue held by each slot, -1 for unused slots
   takes_part: np.ndarray  # [H, r] bool: query head h reads residue c in this branch
   uniform: np.ndarray | None  # [r]: the slot of residue c when all kv heads agree, else None
+  heads: range            # the query heads the branch covers
+  per_head: bool          # each head reads only its residue h % r (offsets="head")
 
 
 @functools.lru_cache(maxsize=256)
@@ -80,7 +83,9 @@ def _tables(pattern: DilatedPattern, num_heads: int, num_kv_heads: int):
     agree = [set(slot[needed[:, c], c]) for c in range(br.r)]
     uniform = (np.array([min(a, default=0) for a in agree], np.int32)
                if all(len(a) <= 1 for a in agree) else None)
-    out.append(_BranchTable(br.w, br.r, br.rows, slots, slot, residue, takes_part, uniform))
+    rows = -(-br.rows // 8) * 8  # whole tiles of 8 rows (TMA reads tiles): rows j r + c >= w
+    out.append(_BranchTable(br.w, br.r, rows, slots, slot, residue, takes_part, uniform,
+                            br.heads, br.per_head))
   return tuple(out)
 
 
@@ -101,8 +106,8 @@ def init_kv_cache(pattern: DilatedPattern, *, batch: int, num_heads: int, num_kv
     >>> p = DilatedPattern((8, 16), (1, 4), causal=True)
     >>> cache = init_kv_cache(p, batch=1, num_heads=4, num_kv_heads=2, head_dim=16,
     ...                       dtype=jnp.float32)
-    >>> [x.shape for x in cache.k]  # [B, Hkv, R_b, ceil(w_b / r_b), D]
-    [(1, 2, 1, 8, 16), (1, 2, 2, 4, 16)]
+    >>> [x.shape for x in cache.k]  # [B, Hkv, R_b, ceil(w_b / r_b) in whole 8s, D]
+    [(1, 2, 1, 8, 16), (1, 2, 2, 8, 16)]
   """
   _check_pattern(pattern)
   for name, x in (("batch", batch), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
@@ -266,7 +271,8 @@ def _branch_partial(qg, k_new, v_new, kb, vb, length, table: _BranchTable, scale
 
 
 def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
-                           scale: float | None = None, return_lse: bool = False):
+                           scale: float | None = None, return_lse: bool = False,
+                           implementation=None, config=None):
   """Attention of `T` new tokens to everything seen so far, and the updated cache.
 
   The new tokens sit at positions `cache.length .. cache.length + T - 1`; `out` equals those
@@ -276,6 +282,10 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
   reads `rows_b = ceil(w_b / r_b)` cached rows per branch and kv head. Works under `jax.jit`
   with `pattern` static; the cache can be donated.
 
+  A token step (`T = 1`) on a Hopper GPU runs as one Pallas Mosaic GPU launch ("mosaic":
+  all branches and query heads of a kv head together, the cached rows split over the GPU);
+  chunks, and every other platform, run the portable jnp step ("xla").
+
   Args:
     q: `[B, T, H, D]` new queries.
     k, v: `[B, T, Hkv, D]` new keys and values.
@@ -284,6 +294,11 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
     pattern: a causal `DilatedPattern`.
     scale: score scale, default `D ** -0.5`.
     return_lse: also return the float32 `[B, T, H]` log-denominators.
+    implementation: None (the platform's defaults), a backend name or a sequence of them, as
+      for `dilated_attention`: "mosaic" is the token-step kernel; every other name runs the
+      jnp step, which is also what chunks (`T > 1`) always run. `NoBackendError` if only
+      "mosaic" is named and it cannot run this step.
+    config: None, or a `hilbert_ring_jax.backends.mosaic_decode.Config` for the kernel.
 
   Returns:
     `(out, cache)` (or `(out, lse, cache)`), `out` in q's dtype, `cache.length` grown by T.
@@ -302,22 +317,61 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
   check_inputs(q, k, v, pattern)
   scale = check_scale(scale, q.shape[-1])
   _check_cache(cache, q, k, pattern)
-  return _step(q, k, v, cache, pattern, scale, bool(return_lse))
+  kernel = _step_kernel(q, k, implementation, config)
+  return _step(q, k, v, cache, pattern, scale, bool(return_lse), kernel)
+
+
+def _step_kernel(q, k, implementation, config):
+  """The token-step kernel's config if it runs this step (`T = 1`, "mosaic" the first
+  candidate that runs it), else None (the jnp step, which every other name runs)."""
+  names = base.candidates(implementation)
+  if config is not None:
+    from .backends import mosaic_decode  # pylint: disable=g-import-not-at-top
+    if not isinstance(config, mosaic_decode.Config):
+      raise ValueError(f"config must be None or a mosaic_decode.Config, got {config=!r}")
+  if q.shape[1] != 1:  # chunks: the jnp step
+    return None
+  reasons = {}
+  for name in names:
+    if name != "mosaic":
+      return None
+    try:
+      from .backends import mosaic_decode  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      reasons[name] = f"unavailable here ({e})"
+      continue
+    config = config or mosaic_decode.Config()
+    support = mosaic_decode.supports(q.dtype, q.shape[-1],
+                                     heads_per_kv(q.shape[2], k.shape[2]), config.interpret)
+    if support:
+      return config
+    reasons[name] = support.reason
+  raise base.NoBackendError(reasons)
 
 
 # Jitted inside, so that calls outside jit compile once rather than op by op; under an outer
 # jit (with the cache donated there) this one is inlined.
-@functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _step(q, k, v, cache: KVCache, pattern: DilatedPattern, scale: float, return_lse: bool):
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
+def _step(q, k, v, cache: KVCache, pattern: DilatedPattern, scale: float, return_lse: bool,
+          kernel):
   batch, steps, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
   tables = _tables(pattern, num_heads, num_kv_heads)
   group = heads_per_kv(num_heads, num_kv_heads)
   length = cache.length.astype(jnp.int32)
+  pos = length + jnp.arange(steps)
+  if kernel is not None:  # the token's row written, then one launch reads every branch
+    from .backends import mosaic_decode  # pylint: disable=g-import-not-at-top
+    new = [_write(kb, vb, k, v, pos, jnp.ones((1,), bool), table)
+           for table, kb, vb in zip(tables, cache.k, cache.v)]
+    new_k, new_v = (tuple(x) for x in zip(*new))
+    out, lse = mosaic_decode.step(q[:, 0], new_k, new_v, length, tables, scale, kernel)
+    cache = KVCache(length + 1, new_k, new_v, num_heads)
+    out, lse = out[:, None].astype(q.dtype), lse[:, None]
+    return (out, lse, cache) if return_lse else (out, cache)
   qg = q.reshape(batch, steps, num_kv_heads, group, head_dim)
   qg = qg.transpose(0, 2, 3, 1, 4)                       # [B, Hkv, G, T, D]
   outs, lses, new_k, new_v = [], [], [], []
-  pos = length + jnp.arange(steps)
   for table, kb, vb in zip(tables, cache.k, cache.v):
     # Only the last new token's segment stays readable; earlier segments are over.
     keep = pos // table.w == (length + steps - 1) // table.w

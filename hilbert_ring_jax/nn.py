@@ -205,7 +205,7 @@ def decode_attend(q, k, v, cache: KVCache, pattern, *, prefill: bool, implementa
     y, cache = dilated_attention_prefill(q, k, v, pattern, cache=cache,
                                          implementation=implementation)
   else:
-    y, cache = dilated_attention_step(q, k, v, cache, pattern)
+    y, cache = dilated_attention_step(q, k, v, cache, pattern, implementation=implementation)
   return y.astype(q_dtype), cache
 
 

@@ -90,13 +90,13 @@ def test_cache_shapes_follow_the_pattern():
   cache = init_kv_cache(p, batch=2, num_heads=4, num_kv_heads=2, head_dim=16,
                         dtype=jnp.bfloat16)
   # Branch 0 (r=3): kv head 0 reads residues {0, 1}, kv head 1 {2, 0} -> 2 slots of 3 rows.
-  # Branch 1 (r=4): {0, 1} and {2, 3} -> 2 slots of 4 rows.
-  assert [x.shape for x in cache.k] == [(2, 2, 2, 3, 16), (2, 2, 2, 4, 16)]
+  # Branch 1 (r=4): {0, 1} and {2, 3} -> 2 slots of 4 rows. Slots hold whole tiles of 8 rows.
+  assert [x.shape for x in cache.k] == [(2, 2, 2, 8, 16), (2, 2, 2, 8, 16)]
   assert all(x.dtype == jnp.bfloat16 for x in cache.k + cache.v)
   all_offsets = DilatedPattern((8, 16), (3, 4), causal=True, offsets="all")
   cache = init_kv_cache(all_offsets, batch=1, num_heads=4, num_kv_heads=1, head_dim=8,
                         dtype=jnp.float32)
-  assert [x.shape for x in cache.v] == [(1, 1, 3, 3, 8), (1, 1, 4, 4, 8)]
+  assert [x.shape for x in cache.v] == [(1, 1, 3, 8, 8), (1, 1, 4, 8, 8)]
   # The prefill of any prompt length gives the same shapes and bytes (traced, not compiled).
   sizes = set()
   for n in (3, 17, 40):
@@ -182,3 +182,58 @@ def test_bad_step_inputs():
   with pytest.raises(ValueError, match="scale"):
     dilated_attention_step(q, kv, kv, _cache(), P, scale="big")
   np.testing.assert_array_equal(_step(q, kv, kv, _cache(), P)[0], 1.0)  # all-ones values
+
+
+MOSAIC_INTERPRET = pytest.mark.skipif(
+    jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",
+    reason="Mosaic GPU interpret mode: CPU only (on a GPU the kernel itself runs), JAX >= 0.11")
+
+
+@MOSAIC_INTERPRET
+@pytest.mark.parametrize("case,prefill,dtype", [
+    # Three blocks of 64 rows in the long branch, split over two programs; GQA (2 per kv head).
+    (Case(176, 4, 2, (160, 48), (1, 3), head_dim=64), 150, jnp.float16),
+    # MQA, offsets="all", head groups: the query heads of one kv head read different branches.
+    (Case(112, 4, 1, (96, 40), (1, 2), offsets="all", head_groups=True, head_dim=64), 90,
+     jnp.bfloat16),
+    # H = Hkv < r: residues no head reads (those kv heads read nothing in that branch).
+    (Case(84, 2, 2, (72, 24), (1, 4), head_dim=128, batch=2), 66, jnp.bfloat16),
+])
+def test_mosaic_token_steps_interpret(case, prefill, dtype):
+  """The token-step kernel (interpret mode) across segment boundaries against the float64
+  reference: outputs and log-denominators."""
+  from hilbert_ring_jax.backends import mosaic_decode
+  config = mosaic_decode.Config(interpret=True, block_k=64, splits=2)
+  q, k, v, dout, dlse = random_inputs(case, dtype, 3)
+  pattern = case.pattern(True)
+  out, lse, cache = _prefill(q[:, :prefill], k[:, :prefill], v[:, :prefill], pattern,
+                             return_lse=True)
+  outs, lses = [out], [lse]
+  for i in range(prefill, case.n):
+    out, lse, cache = dilated_attention_step(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], cache,
+                                             pattern, return_lse=True, implementation="mosaic",
+                                             config=config)
+    outs.append(out)
+    lses.append(lse)
+  assert out.dtype == dtype and int(cache.length) == case.n
+  ref_out, ref_lse, _ = reference(case, True, q, k, v, dout, dlse)
+  out, lse = jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
+  assert rel_err(out[:, prefill:], ref_out[:, prefill:]) < TOL[dtype]
+  check_lse(lse[:, prefill:], ref_lse[:, prefill:], 1e-5)
+
+
+def test_step_kernel_choice():
+  """"mosaic" alone where it cannot run names why; other names and chunks run the jnp step."""
+  from hilbert_ring_jax.backends import base
+  q, kv = jnp.ones((1, 1, 4, 8)), jnp.ones((1, 1, 2, 8))
+  with pytest.raises(base.NoBackendError, match="mosaic"):
+    dilated_attention_step(q, kv, kv, _cache(), P, implementation="mosaic")
+  out, _ = dilated_attention_step(q, kv, kv, _cache(), P, implementation=("mosaic", "xla"))
+  np.testing.assert_array_equal(out, 1.0)
+  out, _ = dilated_attention_step(jnp.ones((1, 2, 4, 8)), jnp.ones((1, 2, 2, 8)),
+                                  jnp.ones((1, 2, 2, 8)), _cache(), P, implementation="mosaic")
+  np.testing.assert_array_equal(out, 1.0)
+  with pytest.raises(ValueError, match="implementation"):
+    dilated_attention_step(q, kv, kv, _cache(), P, implementation="cuda")
+  with pytest.raises(ValueError, match="config"):
+    dilated_attention_step(q, kv, kv, _cache(), P, config="fast")

@@ -499,12 +499,13 @@ def _turns(turn, wg):
   return take, give, lambda: pl.when(wg == 1)(take), lambda: pl.when(wg == 0)(take)
 
 
-def _run(entry, out_type, grid, args, interpret: bool):
-  """Launch `entry` over `grid` (names "row", "bp"; 3 warpgroups "wg"). Interpret mode runs
-  one block at a time only (barriers of concurrent blocks collide): one launch per program,
-  its coordinates as the `origin` input, each writing its own rows into zeroed buffers."""
+def _run(entry, out_type, grid, args, interpret: bool, num_threads: int = 3):
+  """Launch `entry` over `grid` (names "row", "bp"; `num_threads` warpgroups "wg").
+  Interpret mode runs one block at a time only (barriers of concurrent blocks collide): one
+  launch per program, its coordinates as the `origin` input, each writing its own rows into
+  zeroed buffers."""
   launch = functools.partial(
-      plgpu.kernel, entry, out_type=out_type, grid_names=("row", "bp"), num_threads=3,
+      plgpu.kernel, entry, out_type=out_type, grid_names=("row", "bp"), num_threads=num_threads,
       thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
   if not interpret:
     return launch(grid=grid)(jnp.zeros((2,), jnp.int32), *args)
