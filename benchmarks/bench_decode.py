@@ -3,12 +3,16 @@
 For each batch size, kv head count and prompt length `L` (the cache holds `L` tokens; the timed
 token is at position `L`, then `L + 1`, ...):
 
+- checks: the relative error of 3 token steps after a prompt of the longest length, against
+  `dilated_attention`'s rows, for each of `--steps` ("default": the platform's token step,
+  the "mosaic" kernel on Hopper; "xla": the jnp step).
 - ours: `dilated_attention_step` with one new token (`T = 1`) on the compressed cache of
   `init_kv_cache` (filled with random rows, `length = L`; a step's cost does not depend on the
   position), donated and threaded through the calls. `step_ms`: the median of single jitted
   calls, each waited for (what a Python generation loop sees, dispatch included);
   `loop_step_ms`: the median over `--loops` runs of `--inner` steps in one `lax.fori_loop`,
-  divided by `--inner`.
+  divided by `--inner`. `ours` names the step that ran; where it is not "xla" and `--steps`
+  has "xla", the jnp step is timed too (`xla_step_ms`, `xla_loop_step_ms`).
 - peer: what a user has today, a full KV cache `[B, L + steps, Hkv, D]` updated in place
   (`lax.dynamic_update_slice`) and `jax.nn.dot_product_attention` of the new token over it with
   `key_value_seq_lengths` (cuDNN where it runs, else XLA; the reason is recorded). Timed the
@@ -45,6 +49,8 @@ import jax.numpy as jnp
 from timing import median_ms
 from hilbert_ring_jax import (DilatedPattern, dilated_attention, dilated_attention_prefill,
                               dilated_attention_step, init_kv_cache)
+from hilbert_ring_jax.backends import mosaic_decode
+from hilbert_ring_jax.decode import _step_kernel
 
 ISSUE = dict(batch="1,8", heads=16, kv_heads="16,4", head_dim=128, dtype="bfloat16",
              pattern="2048,4096,8192,16384,32768/1,2,4,6,12", prompts="65536,1048576",
@@ -108,7 +114,7 @@ def time_threaded(step, state, runs, warmup=3):
   return statistics.median(times), state
 
 
-def bench_ours(pattern, a, batch, kv_heads, prompt, dtype):
+def bench_ours(pattern, a, batch, kv_heads, prompt, dtype, impl=None, config=None):
   h, d = a.heads, a.head_dim
   cache = init_kv_cache(pattern, batch=batch, num_heads=h, num_kv_heads=kv_heads, head_dim=d,
                         dtype=dtype)
@@ -122,14 +128,17 @@ def bench_ours(pattern, a, batch, kv_heads, prompt, dtype):
              rows_read_per_token=kv_heads * sum(-(-w // r) for w, r in pattern.branches))
   row["cache_vs_formula"] = round(row["cache_bytes"] / row["formula_bytes"], 4)
 
-  step = jax.jit(lambda q, k, v, c: dilated_attention_step(q, k, v, c, pattern),
+  row["ours"] = "mosaic" if _step_kernel(q, k, impl, config) else "xla"
+  step = jax.jit(lambda q, k, v, c: dilated_attention_step(q, k, v, c, pattern,
+                                                           implementation=impl, config=config),
                  donate_argnums=3)
 
   @functools.partial(jax.jit, donate_argnums=3)
   def loop(q, k, v, cache):
     def body(_, carry):
       q, cache = carry
-      out, cache = dilated_attention_step(q, k, v, cache, pattern)
+      out, cache = dilated_attention_step(q, k, v, cache, pattern, implementation=impl,
+                                          config=config)
       return q + 1e-3 * out, cache  # each step depends on the last
     return jax.lax.fori_loop(0, a.inner, body, (q, cache))
 
@@ -205,18 +214,25 @@ def bench_prefill(pattern, a, batch, kv_heads, dtype):
   return row
 
 
-def check_step(pattern, a, kv_heads, dtype):
-  """Our step after a prefill equals `dilated_attention`'s last row (a check of what is timed)."""
-  n, h, d = max(int(x) for x in a.prompts.split(",")) + 1, a.heads, a.head_dim
+def check_step(pattern, a, kv_heads, dtype, impl=None):
+  """Our step after a prefill against `dilated_attention`'s last rows (a check of what is
+  timed): the largest relative error of 3 tokens' outputs after a prompt of `--prompts`' last
+  length (the token steps' `impl`; prefill and reference on the platform's defaults)."""
+  n, h, d = max(int(x) for x in a.prompts.split(",")) + 3, a.heads, a.head_dim
   q = fill((1, n, h, d), dtype, 11)
   k, v = fill((1, n, kv_heads, d), dtype, 12), fill((1, n, kv_heads, d), dtype, 13)
 
   @jax.jit
   def diff(q, k, v):
-    _, cache = dilated_attention_prefill(q[:, :-1], k[:, :-1], v[:, :-1], pattern)
-    out, _ = dilated_attention_step(q[:, -1:], k[:, -1:], v[:, -1:], cache, pattern)
-    ref = dilated_attention(q, k, v, pattern)[:, -1:]
-    return jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)).max()
+    _, cache = dilated_attention_prefill(q[:, :-3], k[:, :-3], v[:, :-3], pattern)
+    ref = dilated_attention(q, k, v, pattern)[:, -3:].astype(jnp.float32)
+    errs = []
+    for t in range(n - 3, n):
+      out, cache = dilated_attention_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache,
+                                          pattern, implementation=impl)
+      r = ref[:, t - n + 3]
+      errs.append(jnp.linalg.norm(out[:, 0].astype(jnp.float32) - r) / jnp.linalg.norm(r))
+    return jnp.stack(errs).max()
 
   return float(diff(q, k, v))
 
@@ -229,6 +245,13 @@ def main(argv=None):
                     help=f"default {val} (--quick: {QUICK[name]})")
   ap.add_argument("--skip-peer", action="store_true")
   ap.add_argument("--skip-prefill", action="store_true")
+  ap.add_argument("--skip-check", action="store_true")
+  ap.add_argument("--configs", default=None,
+                  help="mosaic token-step variants to time too, e.g. "
+                       "'block_k=64,stages=3;splits=8' (mosaic_decode.Config fields)")
+  ap.add_argument("--steps", default="default,xla",
+                  help="token steps to check and time: 'default' (the platform's: the mosaic "
+                       "kernel on Hopper) and/or 'xla' (the jnp step)")
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
   for name, val in (QUICK if a.quick else ISSUE).items():
@@ -241,18 +264,29 @@ def main(argv=None):
               heads=a.heads, head_dim=a.head_dim, dtype=dtype.name)
   print(json.dumps(meta), flush=True)
   rows = []
+  impls = [None if x == "default" else x for x in a.steps.split(",")]
   peers = [] if a.skip_peer else a.peer.split(",")
   if jax.default_backend() != "gpu":
     peers = [p for p in peers if p != "cudnn"]
   for kv_heads in map(int, a.kv_heads.split(",")):
-    if a.quick:
-      rows.append(dict(kind="check", kv_heads=kv_heads,
-                       max_abs_diff=check_step(pattern, a, kv_heads, dtype)))
-      print(json.dumps(rows[-1]), flush=True)
+    if not a.skip_check:
+      for impl in impls:
+        rows.append(dict(kind="check", kv_heads=kv_heads, step=impl or "default",
+                         max_rel_err=check_step(pattern, a, kv_heads, dtype, impl)))
+        print(json.dumps(rows[-1]), flush=True)
     for batch in map(int, a.batch.split(",")):
       for prompt in map(int, a.prompts.split(",")):
         row = dict(kind="step", batch=batch, kv_heads=kv_heads, prompt=prompt)
         row.update(bench_ours(pattern, a, batch, kv_heads, prompt, dtype))
+        if "xla" in impls and row["ours"] != "xla":  # the jnp step, same run
+          xla = bench_ours(pattern, a, batch, kv_heads, prompt, dtype, "xla")
+          row.update(xla_step_ms=xla["step_ms"], xla_loop_step_ms=xla["loop_step_ms"])
+        for spec in filter(None, (a.configs or "").split(";")):  # kernel variants, same run
+          config = mosaic_decode.Config(**{k: int(v) for k, v in
+                                           (kv.split("=") for kv in spec.split(","))})
+          var = bench_ours(pattern, a, batch, kv_heads, prompt, dtype, "mosaic", config)
+          row.setdefault("variants", []).append(
+              dict(config=spec, step_ms=var["step_ms"], loop_step_ms=var["loop_step_ms"]))
         for impl in peers:  # the first peer that runs
           peer = bench_peer(a, batch, kv_heads, prompt, dtype, impl)
           row.setdefault("peer_attempts", []).append(

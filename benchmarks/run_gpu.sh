@@ -81,6 +81,8 @@ for stage in "$@"; do
     bench-decode) XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} timeout 580 \
                   python3 benchmarks/bench_decode.py --json "$OUT/decode.json" 2>&1 | \
                   grep -v "^W1\|^I1\|bfc_allocator\|^\*" ;;
+    tests-decode) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_decode.py \
+                  -k "mosaic or jit or steps_match" 2>&1 | tail -15 ;;
     generate) timeout 580 python3 examples/generate.py --preset gpu 2>&1 | tail -3 ;;
     ring) timeout 420 python3 benchmarks/ring_scaling.py --devices 1,$(nvidia-smi -L | wc -l) \
               --per-gpu 8192,32768 --strong 65536 --runs 3 --longest --longest-start 4194304 \

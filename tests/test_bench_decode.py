@@ -27,8 +27,10 @@ def test_quick_run(tmp_path):
                               "--pattern", "16/2", "--prefill", "32", "--runs", "1",
                               "--inner", "2", "--loops", "1", "--json", str(out)])
   assert out.exists()
-  check, step, prefill = result["rows"]
-  assert check["max_abs_diff"] < 1e-5  # the timed step computes the right numbers
+  *checks, step, prefill = result["rows"]
+  assert [c["step"] for c in checks] == ["default", "xla"]
+  assert all(c["max_rel_err"] < 1e-5 for c in checks)  # the timed steps compute the right numbers
+  assert step["ours"] == "xla"  # on CPU the default token step is the jnp one
   assert step["cache_vs_formula"] == pytest.approx(1.0, abs=1e-3)
   assert step["length_after"] == 40 + 1 + 3 + 2 * 2  # threaded through every timed call
   assert step["peer_status"] == "ok" and step["peer_step_ms"] > 0

@@ -184,12 +184,17 @@ def test_bad_step_inputs():
   np.testing.assert_array_equal(_step(q, kv, kv, _cache(), P)[0], 1.0)  # all-ones values
 
 
-MOSAIC_INTERPRET = pytest.mark.skipif(
-    jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",
-    reason="Mosaic GPU interpret mode: CPU only (on a GPU the kernel itself runs), JAX >= 0.11")
+def _hopper():
+  return any(getattr(d, "compute_capability", None) == "9.0" for d in jax.devices())
 
 
-@MOSAIC_INTERPRET
+# On CPU the kernel runs in Mosaic GPU interpret mode, on a Hopper GPU itself.
+MOSAIC = pytest.mark.skipif(
+    jax.__version_info__ < (0, 11) or (jax.default_backend() == "gpu" and not _hopper()),
+    reason="the mosaic token step: JAX >= 0.11, on a CPU (interpret mode) or a Hopper GPU")
+
+
+@MOSAIC
 @pytest.mark.parametrize("case,prefill,dtype", [
     # Three blocks of 64 rows in the long branch, split over two programs; GQA (2 per kv head).
     (Case(176, 4, 2, (160, 48), (1, 3), head_dim=64), 150, jnp.float16),
@@ -200,10 +205,10 @@ MOSAIC_INTERPRET = pytest.mark.skipif(
     (Case(84, 2, 2, (72, 24), (1, 4), head_dim=128, batch=2), 66, jnp.bfloat16),
 ])
 def test_mosaic_token_steps_interpret(case, prefill, dtype):
-  """The token-step kernel (interpret mode) across segment boundaries against the float64
-  reference: outputs and log-denominators."""
+  """The token-step kernel across segment boundaries against the float64 reference: outputs
+  and log-denominators."""
   from hilbert_ring_jax.backends import mosaic_decode
-  config = mosaic_decode.Config(interpret=True, block_k=64, splits=2)
+  config = mosaic_decode.Config(interpret=jax.default_backend() != "gpu", block_k=64, splits=2)
   q, k, v, dout, dlse = random_inputs(case, dtype, 3)
   pattern = case.pattern(True)
   out, lse, cache = _prefill(q[:, :prefill], k[:, :prefill], v[:, :prefill], pattern,
