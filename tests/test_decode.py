@@ -12,6 +12,14 @@ from hilbert_ring_jax import DilatedPattern
 from hilbert_ring_jax.decode import (KVCache, _tables, dilated_attention_prefill,
                                      dilated_attention_step, init_kv_cache)
 
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """The jnp step's float32 products in full float32 (on a GPU they default to tf32)."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 # Chunk sizes cycled through: single tokens and chunks that cross several segment boundaries.
 CHUNKS = (1, 3, 1, 7, 2)
 
