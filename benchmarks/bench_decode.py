@@ -1,19 +1,23 @@
 """Decoding benchmark: the dilated KV cache against a full KV cache, per token and in bytes.
 
-For each batch size, kv head count and prompt length `L` (the cache holds `L` tokens; the timed
-token is at position `L`, then `L + 1`, ...):
+For each batch size, kv head count and prompt length `L`:
 
 - checks: the relative error of 3 token steps after a prompt of the longest length, against
   `dilated_attention`'s rows, for each of `--steps` ("default": the platform's token step,
   the "mosaic" kernel on Hopper; "xla": the jnp step).
 - ours: `dilated_attention_step` with one new token (`T = 1`) on the compressed cache of
-  `init_kv_cache` (filled with random rows, `length = L`; a step's cost does not depend on the
-  position), donated and threaded through the calls. `step_ms`: the median of single jitted
+  `init_kv_cache` (filled with random rows), donated and threaded through the calls. The jnp
+  step reads whole slots wherever the token is; the "mosaic" kernel reads the `(t % w) // r + 1`
+  rows up to the token, so its cost depends on the position: with `--at end` (the default) the
+  timed tokens are the last `S` before `L` (`S` = every timed step; `first_position = L - S`),
+  at the issue's lengths (multiples of every `w`) the ends of all branches' segments, where a
+  step reads the most rows; with `--at start` they are `L, L + 1, ...`, the first tokens of
+  segments (the fewest rows). `step_ms`: the median of single jitted
   calls, each waited for (what a Python generation loop sees, dispatch included);
   `loop_step_ms`: the median over `--loops` runs of `--inner` steps in one `lax.fori_loop`,
   divided by `--inner`. `ours` names the step that ran; where it is not "xla" and `--steps`
   has "xla", the jnp step is timed too (`xla_step_ms`, `xla_loop_step_ms`).
-- peer: what a user has today, a full KV cache `[B, L + steps, Hkv, D]` updated in place
+- peer: what a user has today, a full KV cache `[B, L + S, Hkv, D]` holding `L` tokens, updated in place
   (`lax.dynamic_update_slice`) and `jax.nn.dot_product_attention` of the new token over it with
   `key_value_seq_lengths` (cuDNN where it runs, else XLA; the reason is recorded). Timed the
   same two ways. A cache that cannot fit is skipped with the bytes it needs; one that fails to
@@ -119,7 +123,8 @@ def bench_ours(pattern, a, batch, kv_heads, prompt, dtype, impl=None, config=Non
   cache = init_kv_cache(pattern, batch=batch, num_heads=h, num_kv_heads=kv_heads, head_dim=d,
                         dtype=dtype)
   rows = lambda xs, seed: tuple(fill(x.shape, x.dtype, seed + i) for i, x in enumerate(xs))
-  cache = type(cache)(jnp.asarray(prompt, jnp.int32), rows(cache.k, 10), rows(cache.v, 20),
+  first = max(prompt - timed_steps(a), 0) if a.at == "end" else prompt
+  cache = type(cache)(jnp.asarray(first, jnp.int32), rows(cache.k, 10), rows(cache.v, 20),
                       cache.num_heads)
   q = fill((batch, 1, h, d), dtype, 1)
   k, v = fill((batch, 1, kv_heads, d), dtype, 2), fill((batch, 1, kv_heads, d), dtype, 3)
@@ -127,6 +132,7 @@ def bench_ours(pattern, a, batch, kv_heads, prompt, dtype, impl=None, config=Non
              formula_bytes=2 * batch * formula_rows(pattern, h, kv_heads) * d * dtype.itemsize,
              rows_read_per_token=kv_heads * sum(-(-w // r) for w, r in pattern.branches))
   row["cache_vs_formula"] = round(row["cache_bytes"] / row["formula_bytes"], 4)
+  row["first_position"] = first
 
   row["ours"] = "mosaic" if _step_kernel(q, k, impl, config) else "xla"
   step = jax.jit(lambda q, k, v, c: dilated_attention_step(q, k, v, c, pattern,
@@ -149,11 +155,15 @@ def bench_ours(pattern, a, batch, kv_heads, prompt, dtype, impl=None, config=Non
   return row
 
 
+def timed_steps(a) -> int:
+  """Token steps one timing threads through a cache: warm-up, calls, loops."""
+  return 3 + a.runs + a.inner * (1 + a.loops)
+
+
 def bench_peer(a, batch, kv_heads, prompt, dtype, impl):
   """The full KV cache: dynamic_update_slice, then dot_product_attention over it."""
   h, d = a.heads, a.head_dim
-  steps = 3 + a.runs + a.inner * (1 + a.loops)
-  capacity = prompt + steps
+  capacity = prompt + timed_steps(a)
   need = 2 * batch * capacity * kv_heads * d * dtype.itemsize
   row = dict(peer=impl, peer_cache_bytes=need, peer_rows_read_per_token=kv_heads * (prompt + 1))
   limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
@@ -216,9 +226,11 @@ def bench_prefill(pattern, a, batch, kv_heads, dtype):
 
 def check_step(pattern, a, kv_heads, dtype, impl=None):
   """Our step after a prefill against `dilated_attention`'s last rows (a check of what is
-  timed): the largest relative error of 3 tokens' outputs after a prompt of `--prompts`' last
-  length (the token steps' `impl`; prefill and reference on the platform's defaults)."""
-  n, h, d = max(int(x) for x in a.prompts.split(",")) + 3, a.heads, a.head_dim
+  timed): the largest relative error of 3 tokens' outputs, the last 3 before `--prompts`' last
+  length (`--at end`) or the first 3 after it (`--at start`), after a prefill of the tokens
+  before them (the token steps' `impl`; prefill and reference on the platform's defaults)."""
+  n, h, d = max(int(x) for x in a.prompts.split(",")), a.heads, a.head_dim
+  n += 3 if a.at == "start" else 0
   q = fill((1, n, h, d), dtype, 11)
   k, v = fill((1, n, kv_heads, d), dtype, 12), fill((1, n, kv_heads, d), dtype, 13)
 
@@ -246,6 +258,9 @@ def main(argv=None):
   ap.add_argument("--skip-peer", action="store_true")
   ap.add_argument("--skip-prefill", action="store_true")
   ap.add_argument("--skip-check", action="store_true")
+  ap.add_argument("--at", choices=("end", "start"), default="end",
+                  help="time our steps at the ends of segments (the most rows read; default) "
+                       "or at their starts (the fewest)")
   ap.add_argument("--configs", default=None,
                   help="mosaic token-step variants to time too, e.g. "
                        "'block_k=64,stages=3;splits=8' (mosaic_decode.Config fields)")

@@ -32,7 +32,8 @@ def test_quick_run(tmp_path):
   assert all(c["max_rel_err"] < 1e-5 for c in checks)  # the timed steps compute the right numbers
   assert step["ours"] == "xla"  # on CPU the default token step is the jnp one
   assert step["cache_vs_formula"] == pytest.approx(1.0, abs=1e-3)
-  assert step["length_after"] == 40 + 1 + 3 + 2 * 2  # threaded through every timed call
+  # Threaded through every timed call (3 warm-up, 1 call, 2 loops of 2), ending at the prompt.
+  assert step["first_position"] == 40 - (3 + 1 + 2 * 2) and step["length_after"] == 40
   assert step["peer_status"] == "ok" and step["peer_step_ms"] > 0
   assert prefill["prefill_ms"] > 0 and prefill["forward_ms"] > 0
   assert jnp.dtype(result["meta"]["dtype"]) == jnp.float32
