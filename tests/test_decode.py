@@ -235,6 +235,27 @@ def test_mosaic_token_steps_interpret(case, prefill, dtype):
   check_lse(lse[:, prefill:], ref_lse[:, prefill:], 1e-5)
 
 
+@MOSAIC
+def test_mosaic_token_step_under_vmap_and_jit():
+  """The kernel under `vmap` (a leading axis of independent caches) and `jit` with the cache
+  donated: each member's token equals the float64 reference."""
+  from hilbert_ring_jax.backends import mosaic_decode
+  config = mosaic_decode.Config(interpret=jax.default_backend() != "gpu", block_k=64)
+  case = Case(70, 2, 1, (64, 32), (1, 2), head_dim=64)
+  pattern = case.pattern(True)
+  members = [random_inputs(case, jnp.bfloat16, seed) for seed in (4, 5)]
+  q, k, v = (jnp.stack([m[i] for m in members]) for i in range(3))
+  _, cache = jax.vmap(lambda q, k, v: _prefill(q, k, v, pattern))(
+      q[:, :, :-1], k[:, :, :-1], v[:, :, :-1])
+  step = jax.jit(jax.vmap(lambda q, k, v, c: dilated_attention_step(
+      q, k, v, c, pattern, implementation="mosaic", config=config)), donate_argnums=3)
+  out, cache = step(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], cache)
+  np.testing.assert_array_equal(cache.length, case.n)
+  for i, member in enumerate(members):
+    ref_out = reference(case, True, *member)[0]
+    assert rel_err(out[i], ref_out[:, -1:]) < TOL[jnp.bfloat16]
+
+
 def test_step_kernel_choice():
   """"mosaic" alone where it cannot run names why; other names and chunks run the jnp step."""
   from hilbert_ring_jax.backends import base
