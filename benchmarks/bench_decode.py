@@ -25,7 +25,9 @@ For each batch size, kv head count and prompt length `L`:
 - bytes: our cache against the issue's row count (per kv head and branch: the residues its
   query heads read, `ceil(w / r)` rows each; `offsets="all"`: all `r`), and the peer's.
   `rows_read_per_token` (per batch element, keys; values the same): ours `Hkv * sum(ceil(w/r))`
-  (one slot per branch and kv head), the peer's `Hkv * (L + 1)`.
+  (one slot per branch and kv head: what the jnp step reads; an upper bound for the "mosaic"
+  kernel, which reads only the rows up to the token, and no slot of a kv head none of whose
+  query heads reads the branch at the token's position), the peer's `Hkv * (L + 1)`.
 
 And prefill: `dilated_attention_prefill` of a `--prefill` token prompt against
 `dilated_attention`'s forward on the same input (medians of jitted calls).
