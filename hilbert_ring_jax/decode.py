@@ -5,9 +5,10 @@ tokens, of its residue `(t % w) % r`. So each branch keeps just the current segm
 the residue classes that some query head of a kv head reads: the cache size is fixed by the
 pattern, not by the sequence length. Branch `b` holds `k[b], v[b]` of shape
 `[B, Hkv, R_b, rows_b, D]` (`rows_b = ceil(w_b / r_b)` rounded up to a multiple of 8, the
-tiles the token-step kernel reads; `R_b` the most residues one kv head needs); position `p` lives at row `(p % w) // r` of the slot that `(kv head, (p % w) % r)` maps
-to. Rows left over from earlier segments need no clearing: each query masks cached rows by
-position (`< length`, in its own segment), computed from its own segment start.
+tiles the token-step kernel reads; `R_b` the most residues one kv head needs); position `p`
+lives at row `(p % w) // r` of the slot that `(kv head, (p % w) % r)` maps to. Rows left over
+from earlier segments need no clearing: each query masks cached rows by position (`< length`,
+in its own segment), computed from its own segment start.
 
 A step of `T <= R_b` tokens (decoding: `T = 1`) reads, per branch and kv head, only the slot
 of each query's residue: `rows_b` rows, whatever the sequence length. Scores and outputs are
