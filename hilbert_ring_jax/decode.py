@@ -60,8 +60,6 @@ class _BranchTable:
   residue: np.ndarray     # [Hkv, R_b]: residue held by each slot, -1 for unused slots
   takes_part: np.ndarray  # [H, r] bool: query head h reads residue c in this branch
   uniform: np.ndarray | None  # [r]: the slot of residue c when all kv heads agree, else None
-  heads: range            # the query heads the branch covers
-  per_head: bool          # each head reads only its residue h % r (offsets="head")
 
 
 @functools.lru_cache(maxsize=256)
@@ -85,8 +83,7 @@ def _tables(pattern: DilatedPattern, num_heads: int, num_kv_heads: int):
     uniform = (np.array([min(a, default=0) for a in agree], np.int32)
                if all(len(a) <= 1 for a in agree) else None)
     rows = -(-br.rows // 8) * 8  # whole tiles of 8 rows (TMA reads tiles): rows j r + c >= w
-    out.append(_BranchTable(br.w, br.r, rows, slots, slot, residue, takes_part, uniform,
-                            br.heads, br.per_head))
+    out.append(_BranchTable(br.w, br.r, rows, slots, slot, residue, takes_part, uniform))
   return tuple(out)
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from helpers import TOL, Case, check_lse, random_inputs, reference, rel_err
 from hilbert_ring_jax import DilatedPattern
+from hilbert_ring_jax.backends.mosaic import _is_hopper
 from hilbert_ring_jax.decode import (KVCache, _tables, dilated_attention_prefill,
                                      dilated_attention_step, init_kv_cache)
 
@@ -192,13 +193,9 @@ def test_bad_step_inputs():
   np.testing.assert_array_equal(_step(q, kv, kv, _cache(), P)[0], 1.0)  # all-ones values
 
 
-def _hopper():
-  return any(getattr(d, "compute_capability", None) == "9.0" for d in jax.devices())
-
-
 # On CPU the kernel runs in Mosaic GPU interpret mode, on a Hopper GPU itself.
 MOSAIC = pytest.mark.skipif(
-    jax.__version_info__ < (0, 11) or (jax.default_backend() == "gpu" and not _hopper()),
+    jax.__version_info__ < (0, 11) or (jax.default_backend() == "gpu" and not _is_hopper()),
     reason="the mosaic token step: JAX >= 0.11, on a CPU (interpret mode) or a Hopper GPU")
 
 

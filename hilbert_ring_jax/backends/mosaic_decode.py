@@ -119,8 +119,8 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
   """`(out [B, H, D], lse [B, H])`, float32, of the token at position `length` (whose row is
   already in the caches `ks, vs`: one `[B, Hkv, R_b, rows_b, D]` pair per branch) with query
   `q [B, H, D]`: its attention over every cached row it reads in every branch. `branches`:
-  the cache's slot tables (`decode._tables`: `w, r, rows, heads, per_head` and `slot [Hkv,
-  r]`, the slot of (kv head, residue) or -1)."""
+  the cache's slot tables (`decode._tables`: `w, r, rows`, `slot [Hkv, r]`, the slot of (kv
+  head, residue) or -1, and `takes_part [H, r]`, which query heads read which residue)."""
   batch, num_heads, d = q.shape
   num_kv = ks[0].shape[1]
   group = num_heads // num_kv
@@ -134,19 +134,17 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
   dtype = q.dtype
   qk_scale = scale * _LOG2E
 
-  # The token's residue, rows read and slot in each branch, and which query heads read it.
+  # The token's residue, rows read and slot in each branch, and which query heads read it
+  # (the tile rows past the kv head's `group` query heads read nothing).
   t = jnp.asarray(length, jnp.int32)
-  heads = jnp.arange(num_kv)[:, None] * group + jnp.arange(_ROWS)[None, :]  # of tile rows
-  row_real = jnp.arange(_ROWS)[None, :] < group
   meta, bias = [], []
   for br in branches:
     c = (t % br.w) % br.r
     slot = jnp.asarray(br.slot)[:, c]                                   # [Hkv]
     count = jnp.where(slot >= 0, (t % br.w) // br.r + 1, 0)            # rows read
     meta.append(jnp.stack([jnp.maximum(slot, 0), count], axis=1))     # [Hkv, 2]
-    reads = row_real & (heads >= br.heads.start) & (heads < br.heads.stop)
-    if br.per_head:
-      reads = reads & (heads % br.r == c)
+    reads = jnp.asarray(br.takes_part)[:, c].reshape(num_kv, group)
+    reads = jnp.pad(reads, ((0, 0), (0, _ROWS - group)))               # [Hkv, 64]
     bias.append(jnp.where(reads, 0.0, -jnp.inf))
   meta = jnp.stack(meta).astype(jnp.int32).reshape(-1)                  # [nb * Hkv * 2]
   bias = jnp.stack(bias, axis=1).astype(jnp.float32)                    # [Hkv, nb, 64]
