@@ -18,6 +18,7 @@ offsets="all", (512, 2048, 8192) x (1, 4, 16): two mosaic launches), timed next 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -40,8 +41,11 @@ LM = ((512, 2048, 8192), (1, 4, 16))
 LM_SHAPE = dict(b=8, h=6, hkv=2, d=128)
 # Backward variants, by head dim (the defaults: dq fused into the dk/dv kernel at 64, with
 # two stages; separate kernels at 128, with the most stages that fit).
-VARIANTS = {64: {"unfused": dict(fused_backward=False), "fused-bs3": dict(backward_stages=3)},
-            128: {"fused": dict(fused_backward=True)}}
+VARIANTS = {64: {"unfused": dict(fused_backward=False), "fused-bs3": dict(backward_stages=3),
+                 "persistent": dict(persistent=True)},
+            128: {"fused": dict(fused_backward=True), "persistent": dict(persistent=True),
+                  # float32 partials (the LM's two launches): room for a second query tile
+                  "persistent-k64s2": dict(persistent=True, block_k=64, stages=2)}}
 
 
 def cross(fwd, bwd):
@@ -66,7 +70,9 @@ def diagnose():
           f"{lse['xla'][tuple(bad[:4].T)].tolist()}", flush=True)
 
 
-def checks(quick=False, only=None):
+def checks(quick=False, only=None, variants=()):
+  """Each shape against "xla" for the default config and each variant named in `variants`
+  (the VARIANTS of the shape's head dim)."""
   if not quick and only is None:
     diagnose()
   rows = []
@@ -82,7 +88,10 @@ def checks(quick=False, only=None):
   if only == "lm":
     shapes = [lm]
   for n, h, hkv, d, (segs, rates), extra in shapes:
-    for causal, dtype in ((False, jnp.bfloat16), (True, jnp.float16)):
+    configs = [("mosaic", None)] + [(name, mosaic.Config(**VARIANTS[d][name]))
+                                    for name in variants if name in VARIANTS.get(d, {})]
+    for (name, config), (causal, dtype) in itertools.product(
+        configs, ((False, jnp.bfloat16), (True, jnp.float16))):
       if True:
         pattern = DilatedPattern(segs, rates, causal=causal, **extra)
         rng = np.random.default_rng(0)
@@ -90,14 +99,15 @@ def checks(quick=False, only=None):
         k, v = (jnp.asarray(rng.standard_normal((1, n, hkv, d)), dtype) for _ in range(2))
         s = d ** -0.5
         row = dict(n=n, heads=h, kv_heads=hkv, head_dim=d, segments=segs, rates=rates,
-                   causal=causal, dtype=jnp.dtype(dtype).name, **extra)
+                   causal=causal, dtype=jnp.dtype(dtype).name, impl=name, **extra)
         try:
           with jax.default_matmul_precision("highest"):
             ref = outputs_and_grads(ours("xla"), q, k, v, dout, pattern, s)
             lse_ref = dilated_attention(q, k, v, pattern, return_lse=True,
                                         implementation="xla")[1]
-          got = outputs_and_grads(ours("mosaic"), q, k, v, dout, pattern, s)
-          lse = dilated_attention(q, k, v, pattern, return_lse=True, implementation="mosaic")[1]
+          got = outputs_and_grads(ours("mosaic", config), q, k, v, dout, pattern, s)
+          lse = dilated_attention(q, k, v, pattern, return_lse=True, implementation="mosaic",
+                                  config=config)[1]
           row.update({f"err_{t}": rel_l2(g, r) for t, g, r in
                       zip(("out", "dq", "dk", "dv", "lse"), (*got, lse), (*ref, lse_ref))})
         except Exception as e:  # reported, and the run goes on
@@ -105,12 +115,13 @@ def checks(quick=False, only=None):
           traceback.print_exc(limit=3)
         rows.append(row)
         errs = " ".join(f"{key[4:]}={row[key]:.1e}" for key in row if key.startswith("err_"))
-        print(f"check N={n} H={h}/{hkv} D={d} w={segs} r={rates} {extra or ''} "
+        print(f"check {name} N={n} H={h}/{hkv} D={d} w={segs} r={rates} {extra or ''} "
               f"causal={causal} {row['dtype']}: {errs or row.get('error')}", flush=True)
   return rows
 
 
-def timings(runs, quick=False, cross_pass=True, only=None):
+def timings(runs, quick=False, cross_pass=True, only=None, names=None):
+  """`names`: the VARIANTS timed (None: all)."""
   plan = []  # kind, N, D, pattern, peers, shape (batch, heads, kv heads; default 1, 16, 16)
   full = ((32768, False), (32768, True)) if quick else (
       (32768, False), (32768, True), (131072, False), (131072, True))
@@ -138,7 +149,7 @@ def timings(runs, quick=False, cross_pass=True, only=None):
     k, v = (jnp.asarray(rng.standard_normal((b, n, hkv, d)), jnp.bfloat16) for _ in range(2))
     s = d ** -0.5
     flops = 4 * b * d * pattern.visible_pairs(n, h)
-    variants = VARIANTS[d]
+    variants = {k: c for k, c in VARIANTS[d].items() if names is None or k in names}
     impls = [("mosaic", None)] + [("mosaic+triton", None)] * cross_pass
     impls += [(p, None) for p in peers]
     impls += [(name, mosaic.Config(**cfg)) for name, cfg in variants.items()]
@@ -176,6 +187,10 @@ def main():
   ap.add_argument("--skip-timings", action="store_true")
   ap.add_argument("--quick", action="store_true", help="fewer checks and shapes, no tokamax")
   ap.add_argument("--no-cross", action="store_true", help="skip mosaic+triton")
+  ap.add_argument("--variants", default=None,
+                  help="comma-separated VARIANTS names timed (default: all)")
+  ap.add_argument("--check-variants", default="",
+                  help="comma-separated VARIANTS names also checked (e.g. persistent)")
   ap.add_argument("--only", choices=["full", "longnet", "lm"], default=None,
                   help="time one kind of shape only (with --only lm, check only that shape)")
   args = ap.parse_args()
@@ -184,9 +199,12 @@ def main():
               date=time.strftime("%Y-%m-%d %H:%M:%S"), runs=args.runs, dtype="bfloat16",
               only=args.only)  # batch, heads, kv_heads: per timing row
   print(json.dumps(meta), flush=True)
-  out = dict(meta=meta, checks=[] if args.skip_checks else checks(args.quick, args.only),
-             timings=[] if args.skip_timings else timings(args.runs, args.quick,
-                                                           not args.no_cross, args.only))
+  variants = [v for v in args.check_variants.split(",") if v]
+  out = dict(meta=meta, checks=[] if args.skip_checks else checks(args.quick, args.only,
+                                                                   variants),
+             timings=[] if args.skip_timings else timings(
+                 args.runs, args.quick, not args.no_cross, args.only,
+                 None if args.variants is None else args.variants.split(",")))
   print(f"\n{'pattern':8s} {'causal':6s} {'N':>7s} {'D':>4s} {'impl':12s} {'fwd ms':>8s} "
         f"{'TFLOP/s':>8s} {'fwd+bwd':>8s} {'TFLOP/s':>8s}")
   for r in out["timings"]:

@@ -72,7 +72,7 @@ from .base import YES, Problem, Support, batched, no
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
-_MAX_GRID_Y = 65535
+_MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA's grid x)
 # Registers per thread of the producer and of each consumer warpgroup (`setmaxnreg`; the
 # three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
 _REGISTERS = (40, 232)
@@ -91,6 +91,10 @@ class Config:
     fused_backward: backward: dq inside the dk/dv kernel (TMA reduce-add stores into a
       float32 accumulator), else a dq kernel of its own; None: fused at head dim 64 only
       (at 128 the fused kernel spills registers and measured slower).
+    persistent: one program per SM, each walking a strided run of the launch's work items
+      (program blocks of rows), so that the producer streams the next item's blocks while
+      the consumers finish the last one (and the forward loads the next item's queries into
+      a second tile, where it fits), instead of one program per item; None: the default.
     interpret: run in Mosaic GPU interpret mode (CPU, JAX >= 0.11; slow: for tests).
   """
 
@@ -99,6 +103,7 @@ class Config:
   stages: int | None = None
   backward_stages: int | None = None
   fused_backward: bool | None = None
+  persistent: bool | None = None
   interpret: bool = False
 
   def __post_init__(self):
@@ -107,9 +112,9 @@ class Config:
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or value not in allowed):
         raise ValueError(f"{name} must be None or one of {allowed}, got {name}={value!r}")
-    if not isinstance(self.fused_backward, (bool, type(None))):
-      raise ValueError(f"fused_backward must be None or a bool, got "
-                       f"fused_backward={self.fused_backward!r}")
+    for name in ("fused_backward", "persistent"):
+      if not isinstance(getattr(self, name), (bool, type(None))):
+        raise ValueError(f"{name} must be None or a bool, got {name}={getattr(self, name)!r}")
     if not isinstance(self.interpret, bool):
       raise ValueError(f"interpret must be a bool, got interpret={self.interpret!r}")
 
@@ -127,7 +132,7 @@ class Config:
     for bq, bk, fwd_stages in preferred:
       config = dataclasses.replace(self, block_q=self.block_q or bq, block_k=self.block_k or bk,
                                    stages=self.stages or fwd_stages, backward_stages=stages,
-                                   fused_backward=fused)
+                                   fused_backward=fused, persistent=bool(self.persistent))
       if _smem_bytes(config, head_dim, itemsize, out_itemsize) <= _SMEM_BYTES:
         return config
     raise ValueError(
@@ -136,8 +141,9 @@ class Config:
         f"head dim {head_dim} ({_SMEM_BYTES} available): choose smaller blocks or fewer stages")
 
 
-def _smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int) -> int:
-  q = 2 * config.block_q * head_dim * itemsize
+def _smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int,
+                q_buffers: int = 1) -> int:
+  q = 2 * q_buffers * config.block_q * head_dim * itemsize
   kv = 2 * config.stages * config.block_k * head_dim * itemsize
   out = 0 if out_itemsize == itemsize else 2 * config.block_q * head_dim * out_itemsize
   return q + kv + out + 2 * config.block_q * 4 + 3072  # + lse tiles, barriers, alignment
@@ -182,9 +188,9 @@ def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_hea
               f"(per launch, the shortest segment over the rates' lcm a multiple of {rows}); "
               f"got rows of {sorted(set(s.rows[:, schedule.ROW_LENGTH].tolist()))} for "
               f"branches {fused}")
-    if s.periods * batch > _MAX_GRID_Y:
-      return (f"the mosaic backend launches at most {_MAX_GRID_Y} batch x period programs; "
-              f"got {batch} x {s.periods}")
+    if math.prod(s.grid(batch, 2 * _BWD_BLOCK)) > _MAX_ITEMS:
+      return (f"the mosaic backend numbers a launch's blocks in int32; got "
+              f"{math.prod(s.grid(batch, 2 * _BWD_BLOCK))}")
   return None
 
 
@@ -244,10 +250,11 @@ def _ceil_div(a, b):
 
 @dataclasses.dataclass(frozen=True)
 class _Program:
-  """What one program knows of its row (traced): batch `b`, the period's first position
-  `base`, the row's head, first position and length (cut at n), its pieces `[p0, p1)`, its
-  row `row0` and class `cls` in the strided view, and the program's first position `start`
-  in the row (`block_rows` positions per program)."""
+  """One work item of a launch (traced): batch `b`, the period's first position `base`, the
+  row's head, first position and length (cut at n), its pieces `[p0, p1)` (none when the
+  item is past the row's end: `busy` false), its row `row0` and class `cls` in the strided
+  view, and the item's first position `start` in the row (`block_rows` positions per
+  item)."""
   b: jax.Array
   base: jax.Array
   head: jax.Array
@@ -258,23 +265,80 @@ class _Program:
   row0: jax.Array
   cls: jax.Array
   start: jax.Array
+  busy: jax.Array
 
   @classmethod
-  def decode(cls, origin_ref, rows_ref, sched: schedule.Schedule, block_rows: int, n: int):
-    """The grid position (plus `origin`: interpret mode launches programs one by one)."""
+  def decode(cls, rows_ref, sched: schedule.Schedule, block_rows: int, n: int, item,
+             reverse: bool):
+    """Item `item` of the launch: `(batch, period)`-major, then rows, then the row's blocks
+    (from its last block if `reverse`: under a causal mask the heaviest first)."""
     row_blocks, rc = sched.row_blocks(block_rows), schedule.ROW_COLUMNS
-    pid = lax.axis_index("row") + origin_ref[0]
-    bp = lax.axis_index("bp") + origin_ref[1]
-    r = lax.div(pid, row_blocks)
+    per_bp = len(sched.rows) * row_blocks
+    bp, pid = lax.div(item, per_bp), lax.rem(item, per_bp)
+    r, blk = lax.div(pid, row_blocks), lax.rem(pid, row_blocks)
+    if reverse:
+      blk = row_blocks - 1 - blk
     base = lax.rem(bp, sched.periods) * sched.period
     first = rows_ref[r * rc + schedule.ROW_FIRST]
+    nrows = _cut(first, rows_ref[r * rc + schedule.ROW_LENGTH], sched.stride, base, n)
+    start = blk * block_rows
+    p0 = rows_ref[r * rc + schedule.ROW_PIECE0]
+    busy = start < nrows
     return cls(b=lax.div(bp, sched.periods), base=base, head=rows_ref[r * rc + schedule.ROW_HEAD],
-               first=first,
-               nrows=_cut(first, rows_ref[r * rc + schedule.ROW_LENGTH], sched.stride, base, n),
-               p0=rows_ref[r * rc + schedule.ROW_PIECE0],
-               p1=rows_ref[r * rc + schedule.ROW_PIECE1],
+               first=first, nrows=nrows, p0=p0,
+               p1=jnp.where(busy, rows_ref[r * rc + schedule.ROW_PIECE1], p0),
                row0=lax.div(base + first, sched.stride), cls=lax.rem(base + first, sched.stride),
-               start=lax.rem(pid, row_blocks) * block_rows)
+               start=start, busy=busy)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+  """A launch's work items (`sched.grid`'s programs, flattened) over `programs` programs:
+  program `p` takes items `p, p + programs, ...` (`persistent`: one program per SM; else
+  one per item)."""
+  sched: schedule.Schedule
+  block_rows: int
+  n: int
+  items: int
+  programs: int
+  reverse: bool
+
+  @classmethod
+  def of(cls, sched: schedule.Schedule, batch: int, block_rows: int, n: int, config: Config,
+         reverse: bool):
+    rows, bps = sched.grid(batch, block_rows)
+    items = rows * bps
+    # Interpret mode: one program walks all items (one launch; several interpreted
+    # launches under one jit can run at once, and their barriers collide).
+    programs = min(items, (1 if config.interpret else _sm_count()) if config.persistent
+                   else items)
+    return cls(sched, block_rows, n, items, programs, reverse)
+
+  @property
+  def grid(self):
+    return self.programs, 1
+
+  def mine(self, origin_ref, rows_ref):
+    """This program's `(count, prog, loop)`: its number of items, `prog(i)` its i-th item
+    and `loop(body, carry)`, which runs `carry = body(i, prog(i), carry)` over them."""
+    pid = lax.axis_index("row") + origin_ref[0]
+    count = _ceil_div(self.items - pid, self.programs)
+
+    def prog(i):
+      return _Program.decode(rows_ref, self.sched, self.block_rows, self.n,
+                             pid + i * self.programs, self.reverse)
+
+    def loop(body, carry):
+      return lax.fori_loop(0, count, lambda i, c: body(i, prog(i), c), carry)
+
+    return count, prog, loop
+
+
+def _sm_count() -> int:
+  try:
+    return int(getattr(jax.devices("gpu")[0], "core_count", 0)) or 132
+  except RuntimeError:
+    return 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,13 +401,13 @@ def _add_rows(add_at, value, tile, bar, interpret: bool):
   add_at(lambda box: plgpu.copy_smem_to_gmem(tile, box, reduction_op="add"))
 
 
-def _produce(prog: _Program, blocks, streams, stages: int):
-  """The producer warpgroup: for each piece `p` of the row and block `j` in `blocks(p) =
-  (piece, lo, hi)`, for each stream `(free, load)`: wait until the slot is free (after the
-  first round), then `load(piece, j, slot)`, which issues the stream's TMA copies. The
-  consumers walk the same blocks in the same order (`_walk`) and arrive on `free` (two
-  arrivals) when done with a buffer."""
-  plgpu.set_max_registers(_REGISTERS[0], action="decrease")
+def _produce(prog: _Program, blocks, streams, stages: int, step):
+  """The producer's part of one item: for each piece `p` of the row and block `j` in
+  `blocks(p) = (piece, lo, hi)`, for each stream `(free, load)`: wait until the slot is free
+  (after the first round), then `load(piece, j, slot)`, which issues the stream's TMA copies.
+  The consumers walk the same blocks in the same order (`_walk`) and arrive on `free` (two
+  arrivals) when done with a buffer. `step`: blocks loaded before (the ring's position);
+  returns it after."""
 
   def per_piece(p, step):
     piece, lo, hi = blocks(p)
@@ -360,24 +424,36 @@ def _produce(prog: _Program, blocks, streams, stages: int):
 
     return lax.fori_loop(lo, hi, per_block, step)
 
-  steps = lax.fori_loop(prog.p0, prog.p1, per_piece, jnp.int32(0))
-  # Wait for the consumers to release the last buffers: every phase of a barrier is
-  # observed before the block exits (needed by interpret mode, free on the GPU).
+  return lax.fori_loop(prog.p0, prog.p1, per_piece, step)
+
+
+def _producer(work: _Work, origin_ref, rows_ref, item, frees, stages: int):
+  """The producer warpgroup: `step = item(prog, step)` (a `_produce`) over the program's
+  items, then it waits for the consumers to release the last buffers of each ring in
+  `frees`: every phase of a barrier is observed before the block exits (needed by interpret
+  mode, free on the GPU)."""
+  plgpu.set_max_registers(_REGISTERS[0], action="decrease")
+  _, _, loop = work.mine(origin_ref, rows_ref)
+  steps = loop(lambda i, prog, step: item(prog, step), jnp.int32(0))
   for i in range(stages):
     step = steps - stages + i
 
     @pl.when(step >= 0)
     def _():
-      for free, _ in streams:
+      for free in frees:
         plgpu.barrier_wait(free.at[lax.rem(step, stages)])
 
 
-def _kv_producer(prog: _Program, kv_head, k, v, ranges, L: int, bk: int, stages: int):
-  """The producer of the forward and dq kernels: the key and value blocks of the row's key
-  pieces (`ranges`), read from key/value head `kv_head`. `k`, `v`: (the `[B, N, Hkv, D]`
-  input, its strided view, the shared-memory ring, its full and its free barriers)."""
+def _kv_producer(work: _Work, origin_ref, rows_ref, per_kv: int, k, v, ranges, L: int,
+                 bk: int, stages: int):
+  """The producer of the forward and dq kernels: the key and value blocks of each item's
+  key pieces (`ranges(prog)`), read from the key/value head of its query head. `k`, `v`:
+  (the `[B, N, Hkv, D]` input, its strided view, the shared-memory ring, its full and its
+  free barriers)."""
 
-  def stream(src4, src5, smem, bar, free):
+  def stream(prog, src4, src5, smem, bar, free):
+    kv_head = lax.div(prog.head, per_kv)
+
     def load(piece, j, slot):
       _at_rows(src4, src5, prog.base + piece.first, j * bk, bk, piece.stride, L,
                lambda rows, c: (prog.b, rows, kv_head) if c is None else
@@ -385,18 +461,21 @@ def _kv_producer(prog: _Program, kv_head, k, v, ranges, L: int, bk: int, stages:
                lambda box: plgpu.copy_gmem_to_smem(box, smem.at[slot], bar.at[slot]))
     return free, load
 
-  _produce(prog, ranges, [stream(*k), stream(*v)], stages)
+  def item(prog, step):
+    return _produce(prog, ranges(prog), [stream(prog, *k), stream(prog, *v)], stages, step)
+
+  _producer(work, origin_ref, rows_ref, item, [k[-1], v[-1]], stages)
 
 
-def _walk(prog: _Program, ranges, step, carry):
+def _walk(prog: _Program, ranges, block, carry):
   """A consumer's pass over the blocks `_produce` loads: `ranges(p) = (piece, lo, a, b, hi)`,
-  blocks `[a, b)` unmasked, the rest of `[lo, hi)` masked; `step(carry, piece, j, masked)`."""
+  blocks `[a, b)` unmasked, the rest of `[lo, hi)` masked; `block(carry, piece, j, masked)`."""
 
   def per_piece(p, carry):
     piece, lo, a, b, hi = ranges(p)
     for begin, end, masked in ((lo, a, True), (a, b, False), (b, hi, True)):
       carry = lax.fori_loop(begin, end, functools.partial(
-          lambda masked, j, c: step(c, piece, j, masked), masked), carry)
+          lambda masked, j, c: block(c, piece, j, masked), masked), carry)
     return carry
 
   return lax.fori_loop(prog.p0, prog.p1, per_piece, carry)
@@ -542,6 +621,14 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   per_kv = heads_per_kv(num_heads, k.shape[2])
   qk_scale = scale * _LOG2E
   interpret = config.interpret
+  work = _Work.of(sched, batch, block_rows, n, config, reverse=causal)
+  out_dtype = jnp.dtype(out_dtype)
+  same = out_dtype == dtype  # then the output tile reuses the query tile
+  out_itemsize = out_dtype.itemsize
+  # Query tiles per consumer: two when persistent and they fit, so that the next item's
+  # queries load while this one runs.
+  buffers = 2 if config.persistent and _smem_bytes(
+      config, d, dtype.itemsize, out_itemsize, 2) <= _SMEM_BYTES else 1
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref,
              v5_ref, out_ref, lse_ref, smem, bars, free):
@@ -549,89 +636,110 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
     q_bar, k_bar, v_bar = bars
     (k_free, v_free), turn = free
     wg = lax.axis_index("wg")
-    prog = _Program.decode(origin_ref, rows_ref, sched, block_rows, n)
-    b, head, cls = prog.b, prog.head, prog.cls
 
     def producer():
-      _kv_producer(prog, lax.div(head, per_kv), (k4_ref, k5_ref, k_smem, k_bar, k_free),
+      _kv_producer(work, origin_ref, rows_ref, per_kv, (k4_ref, k5_ref, k_smem, k_bar, k_free),
                    (v4_ref, v5_ref, v_smem, v_bar, v_free),
-                   _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk), L, bk,
-                   stages)
+                   lambda prog: _key_ranges(prog, pieces_ref, bias_ref, n, L, causal,
+                                            block_rows, bk), L, bk, stages)
 
     def consumer():
       plgpu.set_max_registers(_REGISTERS[1], action="increase")
-      q_tile = q_smem.at[wg]
-      q_start = prog.start + wg * bq
-      q_rows = pl.ds(_aligned(prog.row0 + q_start), bq)
-      plgpu.copy_gmem_to_smem(q_ref.at[b, q_rows, cls, head], q_tile, q_bar.at[wg])
-      plgpu.barrier_wait(q_bar.at[wg])
+      count, prog_of, loop = work.mine(origin_ref, rows_ref)
       rows_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-      q_first = prog.first + L * q_start  # this warpgroup's first query (in the period)
-      qpos = q_first + L * rows_iota
       row_stat = plgpu.Layout.WGMMA.reduce(1)
-      acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
-      m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_stat)
-      l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_stat)
       rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
-
       take_turn, give_turn, start_turns, end_turns = _turns(turn, wg)
 
-      def step(carry, piece, j, masked: bool):
-        """One key block: scores, online softmax (base 2; `m` includes the piece's
-        `log2 m` bias, so p is one fused multiply-add and an exp2 per score), P @ V.
-        Unmasked blocks (all keys exist and precede every query) skip the mask."""
-        acc, m_i, l_i, step = carry
-        slot = lax.rem(step, stages)
-        plgpu.barrier_wait(k_bar.at[slot])
-        s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
-        plgpu.barrier_arrive(k_free.at[slot])
-        if masked:
-          key = j * bk + cols_iota
-          visible = key < piece.count
-          if causal:
-            visible = visible & (piece.first + piece.stride * key <= qpos)
-          s = jnp.where(visible, s, -jnp.inf)
-        bias = piece.bias
-        m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale + bias)
-        # Rows that have seen nothing yet (masked blocks only) subtract 0, not -inf.
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        alpha = jnp.exp2(m_i - m_use)
-        p_ = jnp.exp2(s * qk_scale - rows_of(m_use - bias, s.shape))
-        acc = acc * rows_of(alpha, acc.shape)
-        l_i = l_i * alpha + p_.sum(axis=1)
-        p16 = p_.astype(dtype)
-        give_turn(lambda: plgpu.barrier_wait(v_bar.at[slot]))
-        acc, = _accumulate([acc], [(p16, v_smem.at[slot])], interpret)
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l_i, step + 1
+      def tile(i):  # this consumer's query tile for its i-th item
+        return lax.rem(i, buffers) * 2 + wg
 
-      start_turns()  # while one consumer runs its softmax the other's wgmmas run
-      ranges = _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first)
-      acc, m_i, l_i, _ = _walk(prog, ranges, step, (acc, m_i, l_i, jnp.int32(0)))
-      end_turns()
-      seen = l_i > 0
-      l_safe = jnp.where(seen, l_i, 1.0)
-      o_tile = o_smem.at[wg]
-      o_tile[...] = (acc / rows_of(l_safe, acc.shape)).astype(o_tile.dtype)
-      lse_smem.at[wg][...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, q_rows, cls, head])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, cls, q_rows])
+      def q_rows(prog):
+        return pl.ds(_aligned(prog.row0 + prog.start + wg * bq), bq)
+
+      def load_q(i, prog):
+        pl.when(prog.busy)(lambda: plgpu.copy_gmem_to_smem(
+            q_ref.at[prog.b, q_rows(prog), prog.cls, prog.head], q_smem.at[tile(i)],
+            q_bar.at[tile(i)]))
+
+      if buffers == 2:
+        load_q(0, prog_of(0))
+
+      def item(i, prog, step):
+        # The stores of the item before have read their tiles (the output's may be the query
+        # tile the next item's queries load into).
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if buffers == 2:
+          pl.when(i + 1 < count)(lambda: load_q(i + 1, prog_of(i + 1)))
+        else:
+          load_q(i, prog)
+        q_tile = q_smem.at[tile(i)]
+        pl.when(prog.busy)(lambda: plgpu.barrier_wait(q_bar.at[tile(i)]))
+        q_first = prog.first + L * (prog.start + wg * bq)  # this warpgroup's first query
+        qpos = q_first + L * rows_iota
+
+        def block(carry, piece, j, masked: bool):
+          """One key block: scores, online softmax (base 2; `m` includes the piece's
+          `log2 m` bias, so p is one fused multiply-add and an exp2 per score), P @ V.
+          Unmasked blocks (all keys exist and precede every query) skip the mask."""
+          acc, m_i, l_i, step = carry
+          slot = lax.rem(step, stages)
+          plgpu.barrier_wait(k_bar.at[slot])
+          s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
+          plgpu.barrier_arrive(k_free.at[slot])
+          if masked:
+            key = j * bk + cols_iota
+            visible = key < piece.count
+            if causal:
+              visible = visible & (piece.first + piece.stride * key <= qpos)
+            s = jnp.where(visible, s, -jnp.inf)
+          bias = piece.bias
+          m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale + bias)
+          # Rows that have seen nothing yet (masked blocks only) subtract 0, not -inf.
+          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+          alpha = jnp.exp2(m_i - m_use)
+          p_ = jnp.exp2(s * qk_scale - rows_of(m_use - bias, s.shape))
+          acc = acc * rows_of(alpha, acc.shape)
+          l_i = l_i * alpha + p_.sum(axis=1)
+          p16 = p_.astype(dtype)
+          give_turn(lambda: plgpu.barrier_wait(v_bar.at[slot]))
+          acc, = _accumulate([acc], [(p16, v_smem.at[slot])], interpret)
+          plgpu.barrier_arrive(v_free.at[slot])
+          return acc, m_new, l_i, step + 1
+
+        acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+        m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_stat)
+        l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_stat)
+        pl.when(prog.busy)(start_turns)  # one consumer's softmax beside the other's wgmmas
+        ranges = _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first)
+        acc, m_i, l_i, step = _walk(prog, ranges, block, (acc, m_i, l_i, step))
+
+        @pl.when(prog.busy)
+        def _():
+          end_turns()
+          seen = l_i > 0
+          l_safe = jnp.where(seen, l_i, 1.0)
+          o_tile = q_tile if same else o_smem.at[wg]
+          o_tile[...] = (acc / rows_of(l_safe, acc.shape)).astype(o_tile.dtype)
+          lse_smem.at[wg][...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_tile, out_ref.at[prog.b, q_rows(prog), prog.cls, prog.head])
+          plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                  lse_ref.at[prog.b, prog.head, prog.cls, q_rows(prog)])
+
+        return step
+
+      loop(item, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(prog.start < prog.nrows)
-    def _():
-      pl.when(wg < 2)(consumer)
-      pl.when(wg == 2)(producer)
-
-  out_dtype = jnp.dtype(out_dtype)
-  same = out_dtype == dtype  # then the output tile reuses the query tile
+    pl.when(wg < 2)(consumer)
+    pl.when(wg == 2)(producer)
 
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref, v5_ref,
             out_ref, lse_ref):
     tiles = _swizzled(dtype)
-    smem = [plgpu.SMEM((2, bq, d), dtype, transforms=tiles),
+    smem = [plgpu.SMEM((2 * buffers, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
             plgpu.SMEM((2, bq), jnp.float32)]
@@ -640,13 +748,13 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
 
     def scoped(smem, bars, free):
       q_smem, k_smem, v_smem, lse_smem = smem[:4]
-      o_smem = q_smem if same else smem[4]
+      o_smem = None if same else smem[4]
       kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref, v5_ref,
              out_ref, lse_ref, (q_smem, k_smem, v_smem, o_smem, lse_smem), bars, free)
 
     pl.run_scoped(
         scoped, smem,
-        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages),
+        (plgpu.Barrier(num_barriers=2 * buffers), plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=stages)),
         ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
          plgpu.Barrier(num_arrivals=2)),
@@ -658,7 +766,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   rows, pieces, bias = tables
   view = functools.partial(_strided_view, stride=L)
   args = (rows.reshape(-1), pieces.reshape(-1), bias, view(q), k, view(k), v, view(v))
-  out, lse = _run(entry, out_type, sched.grid(batch, block_rows), args, interpret)
+  out, lse = _run(entry, out_type, work.grid, args, interpret)
   lse = lse.transpose(0, 3, 2, 1).reshape(batch, n_out, num_heads)
   return out.reshape(batch, n_out, num_heads, d), lse
 
@@ -675,6 +783,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
   per_kv = heads_per_kv(num_heads, k.shape[2])
   qk_scale = scale * _LOG2E
   interpret = config.interpret
+  work = _Work.of(sched, batch, block_rows, n, config, reverse=causal)
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
              k4_ref, k5_ref, v4_ref, v5_ref, dq_ref, smem, bars, free):
@@ -682,72 +791,83 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
     row_bars, k_bar, v_bar = bars
     k_free, v_free = free
     wg = lax.axis_index("wg")
-    prog = _Program.decode(origin_ref, rows_ref, sched, block_rows, n)
-    b, head, cls = prog.b, prog.head, prog.cls
 
     def producer():
-      _kv_producer(prog, lax.div(head, per_kv), (k4_ref, k5_ref, k_smem, k_bar, k_free),
+      _kv_producer(work, origin_ref, rows_ref, per_kv, (k4_ref, k5_ref, k_smem, k_bar, k_free),
                    (v4_ref, v5_ref, v_smem, v_bar, v_free),
-                   _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk), L, bk,
-                   stages)
+                   lambda prog: _key_ranges(prog, pieces_ref, bias_ref, n, L, causal,
+                                            block_rows, bk), L, bk, stages)
 
     def consumer():
       plgpu.set_max_registers(_REGISTERS[1], action="increase")
-      q_start = prog.start + wg * bq
-      q_rows = pl.ds(_aligned(prog.row0 + q_start), bq)
-      q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
-      for src, dst, bar in ((q_ref.at[b, q_rows, cls, head], q_tile, row_bars[0]),
-                            (do_ref.at[b, q_rows, cls, head], do_tile, row_bars[1]),
-                            (lse_ref.at[b, head, cls, q_rows], lse_smem.at[wg], row_bars[2]),
-                            (delta_ref.at[b, head, cls, q_rows], delta_smem.at[wg],
-                             row_bars[3])):
-        plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
-      for bar in row_bars:
-        plgpu.barrier_wait(bar.at[wg])
+      _, _, loop = work.mine(origin_ref, rows_ref)
+      q_tile, do_tile, o_tile = q_smem.at[wg], do_smem.at[wg], o_smem.at[wg]
       row_stat = plgpu.Layout.WGMMA.reduce(1)
-      lse2 = plgpu.load(lse_smem.at[wg], layout=row_stat)
-      delta_i = plgpu.load(delta_smem.at[wg], layout=row_stat)
       rows_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-      q_first = prog.first + L * q_start
-      qpos = q_first + L * rows_iota
       rows_of = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
 
-      def step(carry, piece, j, masked: bool):
-        """One key block: s = q k^T and dp = dout v^T, p = exp2(s c + log2 m - lse2),
-        ds = p (dp - delta), dq += ds k."""
-        dq, step = carry
-        slot = lax.rem(step, stages)
-        plgpu.barrier_wait(k_bar.at[slot])
-        plgpu.barrier_wait(v_bar.at[slot])
-        s, dp = _products([(q_tile, k_smem.at[slot].T), (do_tile, v_smem.at[slot].T)],
-                          (bq, bk))
-        plgpu.barrier_arrive(v_free.at[slot])
-        p = jnp.exp2(jnp.minimum(s * qk_scale - rows_of(lse2 - piece.bias), 0.0))
-        if masked:
-          key = j * bk + cols_iota
-          visible = key < piece.count
-          if causal:
-            visible = visible & (piece.first + piece.stride * key <= qpos)
-          p = jnp.where(visible, p, 0.0)
-        ds = p * (dp - rows_of(delta_i))
-        dq, = _accumulate([dq], [(ds.astype(dtype), k_smem.at[slot])], interpret)
-        plgpu.barrier_arrive(k_free.at[slot])
-        return dq, step + 1
+      def item(i, prog, step):
+        b, head, cls = prog.b, prog.head, prog.cls
+        q_start = prog.start + wg * bq
+        q_rows = pl.ds(_aligned(prog.row0 + q_start), bq)
 
-      dq = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
-      ranges = _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first)
-      dq, _ = _walk(prog, ranges, step, (dq, jnp.int32(0)))
-      o_tile = o_smem.at[wg]
-      o_tile[...] = (dq * scale).astype(o_tile.dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_tile, dq_ref.at[b, q_rows, cls, head])
+        @pl.when(prog.busy)
+        def _():
+          for src, dst, bar in ((q_ref.at[b, q_rows, cls, head], q_tile, row_bars[0]),
+                                (do_ref.at[b, q_rows, cls, head], do_tile, row_bars[1]),
+                                (lse_ref.at[b, head, cls, q_rows], lse_smem.at[wg], row_bars[2]),
+                                (delta_ref.at[b, head, cls, q_rows], delta_smem.at[wg],
+                                 row_bars[3])):
+            plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
+          for bar in row_bars:
+            plgpu.barrier_wait(bar.at[wg])
+
+        lse2 = plgpu.load(lse_smem.at[wg], layout=row_stat)
+        delta_i = plgpu.load(delta_smem.at[wg], layout=row_stat)
+        q_first = prog.first + L * q_start
+        qpos = q_first + L * rows_iota
+
+        def block(carry, piece, j, masked: bool):
+          """One key block: s = q k^T and dp = dout v^T, p = exp2(s c + log2 m - lse2),
+          ds = p (dp - delta), dq += ds k."""
+          dq, step = carry
+          slot = lax.rem(step, stages)
+          plgpu.barrier_wait(k_bar.at[slot])
+          plgpu.barrier_wait(v_bar.at[slot])
+          s, dp = _products([(q_tile, k_smem.at[slot].T), (do_tile, v_smem.at[slot].T)],
+                            (bq, bk))
+          plgpu.barrier_arrive(v_free.at[slot])
+          p = jnp.exp2(jnp.minimum(s * qk_scale - rows_of(lse2 - piece.bias), 0.0))
+          if masked:
+            key = j * bk + cols_iota
+            visible = key < piece.count
+            if causal:
+              visible = visible & (piece.first + piece.stride * key <= qpos)
+            p = jnp.where(visible, p, 0.0)
+          ds = p * (dp - rows_of(delta_i))
+          dq, = _accumulate([dq], [(ds.astype(dtype), k_smem.at[slot])], interpret)
+          plgpu.barrier_arrive(k_free.at[slot])
+          return dq, step + 1
+
+        dq = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+        ranges = _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first)
+        dq, step = _walk(prog, ranges, block, (dq, step))
+
+        @pl.when(prog.busy)
+        def _():
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the item before's store
+          o_tile[...] = (dq * scale).astype(o_tile.dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_tile, dq_ref.at[b, q_rows, cls, head])
+
+        return step
+
+      loop(item, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(prog.start < prog.nrows)
-    def _():
-      pl.when(wg < 2)(consumer)
-      pl.when(wg == 2)(producer)
+    pl.when(wg < 2)(consumer)
+    pl.when(wg == 2)(producer)
 
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
             k4_ref, k5_ref, v4_ref, v5_ref, dq_ref):
@@ -774,7 +894,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
   view = functools.partial(_strided_view, stride=L)
   args = (rows.reshape(-1), pieces.reshape(-1), bias, view(q), view(dout), lse2, delta,
           k, view(k), v, view(v))
-  dq, = _run(entry, out_type, sched.grid(batch, block_rows), args, interpret)
+  dq, = _run(entry, out_type, work.grid, args, interpret)
   return dq.reshape(batch, n_out, num_heads, d)
 
 
@@ -800,6 +920,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   qk_scale = scale * _LOG2E
   interpret = config.interpret
   fused = dq_accs is not None
+  work = _Work.of(sched, batch, block_rows, n, config, reverse=False)  # causal: heaviest first
   assert not fused or out_dtype == jnp.float32, "the fused kernel stages dq in float32"
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref,
@@ -810,10 +931,10 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
     ds_smem, ds_bars = (smem[7], bars[5]) if fused else (None, None)
     q_free, do_free, stat_free = free
     wg = lax.axis_index("wg")
-    prog = _Program.decode(origin_ref, rows_ref, sched, block_rows, n)
-    b, head, cls = prog.b, prog.head, prog.cls  # head: the key/value head
 
-    def stream(src4, src5, smem, bar, stat=False):
+    def stream(prog, src4, src5, smem, bar, stat=False):
+      b = prog.b
+
       def load(piece, j, slot):
         h = piece.head  # the query head (lse, delta: [B, H, N] and [B, H, L, N/L])
         index = ((lambda rows, c: (b, h, rows) if c is None else (b, h, c, rows)) if stat else
@@ -829,40 +950,43 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       return load
 
     def producer():
-      _produce(prog, _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq),
-               [(q_free, stream(q4_ref, q5_ref, q_smem, q_bar)),
-                (stat_free, loads(stream(lse4_ref, lse5_ref, lse_smem, lse_bar, True),
-                                  stream(delta4_ref, delta5_ref, delta_smem, delta_bar, True))),
-                (do_free, stream(do4_ref, do5_ref, do_smem, do_bar))], stages)
+      def item(prog, step):
+        return _produce(
+            prog, _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq),
+            [(q_free, stream(prog, q4_ref, q5_ref, q_smem, q_bar)),
+             (stat_free, loads(stream(prog, lse4_ref, lse5_ref, lse_smem, lse_bar, True),
+                               stream(prog, delta4_ref, delta5_ref, delta_smem, delta_bar,
+                                      True))),
+             (do_free, stream(prog, do4_ref, do5_ref, do_smem, do_bar))], stages, step)
+
+      _producer(work, origin_ref, rows_ref, item, [q_free, stat_free, do_free], stages)
 
     def consumer():
       plgpu.set_max_registers(_REGISTERS[1], action="increase")
-      k_start = prog.start + wg * bk
-      k_rows = pl.ds(_aligned(prog.row0 + k_start), bk)
+      _, _, loop = work.mine(origin_ref, rows_ref)
       k_tile, v_tile, o_tile = k_smem.at[wg], v_smem.at[wg], o_smem.at[wg]
-      plgpu.copy_gmem_to_smem(k_ref.at[b, k_rows, cls, head], k_tile, row_bars[0].at[wg])
-      plgpu.copy_gmem_to_smem(v_ref.at[b, k_rows, cls, head], v_tile, row_bars[1].at[wg])
-      plgpu.barrier_wait(row_bars[0].at[wg])
-      plgpu.barrier_wait(row_bars[1].at[wg])
       col_stat = plgpu.Layout.WGMMA.reduce(0)
       rows_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
-      kpos = prog.first + L * (k_start + rows_iota)
-      k_last = prog.first + L * (jnp.minimum(k_start + bk, prog.nrows) - 1)
       cols_of = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
 
-      def put_ds(ds16, step):
+      def settle(owed):
+        """Observe the other consumer's last turn (`owed`: it took the step before and this
+        one has not awaited its `read` since): before overwriting the ds^T or k tile its
+        products read."""
+        pl.when(owed != 0)(lambda: plgpu.barrier_wait(ds_bars[1].at[1 - wg]))
+
+      def put_ds(ds16, step, owed):
         """Both consumers put ds^T in shared memory (for `add_dq`). `ready[c]`: both tiles
-        written for consumer c's turn; `read[c]`: c's products have read them (awaited by
-        the other consumer, whose turn is next, before it overwrites its tile)."""
-        ready, read, _ = ds_bars
-        pl.when((lax.rem(step, 2) == wg) & (step > 0))(
-            lambda: plgpu.barrier_wait(read.at[1 - wg]))
+        written for consumer c's turn; `read[c]`: c's products have read them (and the k
+        tiles: awaited by the other consumer before it overwrites its tiles)."""
+        ready = ds_bars[0]
+        settle(owed)
         ds_smem.at[wg][...] = ds16
         plgpu.commit_smem()
         plgpu.barrier_arrive(ready.at[lax.rem(step, 2)])
 
-      def add_dq(piece, j, step):
+      def add_dq(prog, piece, j, step):
         """The consumer whose turn it is adds dq = ds_0 k_0 + ds_1 k_1 of the query block."""
         ready, read, acc_bar = ds_bars
 
@@ -877,61 +1001,85 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
           dq = pl.run_scoped(product, plgpu.ACC((bq, d), jnp.float32))
           plgpu.barrier_arrive(read.at[wg])
-          h, acc_b = piece.head, b + wg * batch if interpret else b
+          h, acc_b = piece.head, prog.b + wg * batch if interpret else prog.b
           add_at = functools.partial(
               _at_rows, *dq_refs, prog.base + piece.first, j * bq, bq, piece.stride, L,
               lambda rows, c: (acc_b, rows, h) if c is None else (acc_b, rows, c, h))
           _add_rows(add_at, dq, o_tile, acc_bar.at[wg], interpret)
 
-      def step(carry, piece, j, masked: bool):
-        """One query block: s^T = k q^T and dp^T = v dout^T, p^T = exp2(s^T c + log2 m -
-        lse2), dv += p^T dout, ds^T = p^T (dp^T - delta), dk += ds^T q (and dq)."""
-        dk, dv, step = carry
-        slot = lax.rem(step, stages)
-        plgpu.barrier_wait(q_bar.at[slot])
-        plgpu.barrier_wait(do_bar.at[slot])
-        s_t, dp_t = _products([(k_tile, q_smem.at[slot].T), (v_tile, do_smem.at[slot].T)],
-                              (bk, bq))
-        plgpu.barrier_wait(lse_bar.at[slot])
-        plgpu.barrier_wait(delta_bar.at[slot])
-        lse2 = plgpu.load(lse_smem.at[slot], layout=col_stat)
-        delta_j = plgpu.load(delta_smem.at[slot], layout=col_stat)
-        plgpu.barrier_arrive(stat_free.at[slot])
-        p_t = jnp.exp2(jnp.minimum(s_t * qk_scale - cols_of(lse2 - piece.bias), 0.0))
-        if masked:
-          query = j * bq + cols_iota
-          visible = query < piece.count
-          if causal:
-            visible = visible & (kpos <= piece.first + piece.stride * query)
-          p_t = jnp.where(visible, p_t, 0.0)
-        ds16 = (p_t * (dp_t - cols_of(delta_j))).astype(dtype)
-        if fused:
-          put_ds(ds16, step)
-        dv, dk = _accumulate([dv, dk], [(p_t.astype(dtype), do_smem.at[slot]),
-                                         (ds16, q_smem.at[slot])], interpret)
-        plgpu.barrier_arrive(do_free.at[slot])
-        plgpu.barrier_arrive(q_free.at[slot])
-        if fused:
-          add_dq(piece, j, step)
-        return dk, dv, step + 1
+      def item(i, prog, carry):
+        step, owed = carry
+        b, head, cls = prog.b, prog.head, prog.cls  # head: the key/value head
+        k_start = prog.start + wg * bk
+        k_rows = pl.ds(_aligned(prog.row0 + k_start), bk)
 
-      zeros = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
-      ranges = _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last)
-      dk, dv, steps = _walk(prog, ranges, step, (zeros, zeros, jnp.int32(0)))
+        @pl.when(prog.busy)
+        def _():
+          if fused:
+            settle(owed)
+          plgpu.copy_gmem_to_smem(k_ref.at[b, k_rows, cls, head], k_tile, row_bars[0].at[wg])
+          plgpu.copy_gmem_to_smem(v_ref.at[b, k_rows, cls, head], v_tile, row_bars[1].at[wg])
+          plgpu.barrier_wait(row_bars[0].at[wg])
+          plgpu.barrier_wait(row_bars[1].at[wg])
+
+        kpos = prog.first + L * (k_start + rows_iota)
+        k_last = prog.first + L * (jnp.minimum(k_start + bk, prog.nrows) - 1)
+
+        def block(carry, piece, j, masked: bool):
+          """One query block: s^T = k q^T and dp^T = v dout^T, p^T = exp2(s^T c + log2 m -
+          lse2), dv += p^T dout, ds^T = p^T (dp^T - delta), dk += ds^T q (and dq)."""
+          dk, dv, step, owed = carry
+          slot = lax.rem(step, stages)
+          plgpu.barrier_wait(q_bar.at[slot])
+          plgpu.barrier_wait(do_bar.at[slot])
+          s_t, dp_t = _products([(k_tile, q_smem.at[slot].T), (v_tile, do_smem.at[slot].T)],
+                                (bk, bq))
+          plgpu.barrier_wait(lse_bar.at[slot])
+          plgpu.barrier_wait(delta_bar.at[slot])
+          lse2 = plgpu.load(lse_smem.at[slot], layout=col_stat)
+          delta_j = plgpu.load(delta_smem.at[slot], layout=col_stat)
+          plgpu.barrier_arrive(stat_free.at[slot])
+          p_t = jnp.exp2(jnp.minimum(s_t * qk_scale - cols_of(lse2 - piece.bias), 0.0))
+          if masked:
+            query = j * bq + cols_iota
+            visible = query < piece.count
+            if causal:
+              visible = visible & (kpos <= piece.first + piece.stride * query)
+            p_t = jnp.where(visible, p_t, 0.0)
+          ds16 = (p_t * (dp_t - cols_of(delta_j))).astype(dtype)
+          if fused:
+            put_ds(ds16, step, owed)
+          dv, dk = _accumulate([dv, dk], [(p_t.astype(dtype), do_smem.at[slot]),
+                                           (ds16, q_smem.at[slot])], interpret)
+          plgpu.barrier_arrive(do_free.at[slot])
+          plgpu.barrier_arrive(q_free.at[slot])
+          if fused:
+            add_dq(prog, piece, j, step)
+          return dk, dv, step + 1, (lax.rem(step, 2) != wg).astype(jnp.int32)
+
+        zeros = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
+        ranges = _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last)
+        owed = jnp.where(prog.busy, 0, owed)  # settled above
+        dk, dv, step, owed = _walk(prog, ranges, block, (zeros, zeros, step, owed))
+
+        @pl.when(prog.busy)
+        def _():
+          for grad, out_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
+            # The store before (the item before's dv, dk, a dq block) has read the tile.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_tile[...] = grad.astype(o_tile.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, k_rows, cls, head])
+
+        return step, owed
+
+      _, owed = loop(item, (jnp.int32(0), jnp.int32(0)))
       if fused:  # observe the last turn's release (interpret mode checks every phase)
-        pl.when((lax.rem(steps, 2) == wg) & (steps > 0))(
-            lambda: plgpu.barrier_wait(ds_bars[1].at[1 - wg]))
-        plgpu.wait_smem_to_gmem(0)
-      for grad, out_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
-        o_tile[...] = grad.astype(o_tile.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, k_rows, cls, head])
-        plgpu.wait_smem_to_gmem(0)
+        settle(owed)
+      plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(prog.start < prog.nrows)
-    def _():
-      pl.when(wg < 2)(consumer)
-      pl.when(wg == 2)(producer)
+    pl.when(wg < 2)(consumer)
+    pl.when(wg == 2)(producer)
 
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref, do4_ref,
             do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, *refs):
@@ -965,7 +1113,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   view = functools.partial(_strided_view, stride=L)
   args = (rows.reshape(-1), pieces.reshape(-1), bias, view(k), view(v), q, view(q), dout,
           view(dout), *stats, *(dq_accs or ()))
-  dk, dv = _run(entry, out_type, sched.grid(batch, block_rows), args, interpret)
+  dk, dv = _run(entry, out_type, work.grid, args, interpret)
   return tuple(x.reshape(batch, n_out, num_kv, d) for x in (dk, dv))
 
 
