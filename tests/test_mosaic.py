@@ -46,7 +46,8 @@ def _both_passes_vs_reference(case, causal, dtype, config):
 @INTERPRET
 def test_interpret_nested_gqa_float16():
   """Two nested branches in one launch (strided rows and pieces), two query heads on one
-  key/value head, four programs; float16 output written by the kernel; the backward's
+  key/value head, four work items walked by one persistent program (the default without a
+  causal mask); float16 output written by the kernel; the backward's
   dk/dv kernel adding dq (fused: the default at head dim 64), dk/dv summing the two query
   heads of the key/value head."""
   case = Case(512, 2, 1, (256, 512), (1, 2), head_dim=64)
@@ -66,6 +67,17 @@ def test_interpret_launches_in_whole_blocks(head_dim):
   assert mosaic.geometry_problem(pattern, case.n, case.heads, case.kv_heads, None,
                                  mosaic.Config().resolved(head_dim)) is None
   _both_passes_vs_reference(case, True, jnp.float16, mosaic.Config(interpret=True))
+
+
+@INTERPRET
+@pytest.mark.parametrize("fused", [False, True])
+def test_interpret_persistent_causal_partial(fused):
+  """Persistent kernels (the default without a causal mask) under a causal mask: one
+  program walks every work item, so the key/value ring, the ds^T turns (fused) and the
+  output tiles carry from item to item, through items past a partial segment's end."""
+  case = Case(640, 2, 1, (256, 512), (1, 2), offsets="all", head_dim=64)
+  _both_passes_vs_reference(case, True, jnp.bfloat16, mosaic.Config(
+      interpret=True, persistent=True, fused_backward=fused))
 
 
 @INTERPRET
@@ -103,6 +115,8 @@ def test_declines_off_hopper_and_on_unaligned_rows():
     mosaic.Config(backward_stages=5)
   with pytest.raises(ValueError, match="fused_backward"):
     mosaic.Config(fused_backward=1)
+  with pytest.raises(ValueError, match="persistent"):
+    mosaic.Config(persistent="yes")
   assert mosaic.Config().resolved(64).fused_backward
   assert not mosaic.Config().resolved(128).fused_backward
 
