@@ -1,6 +1,7 @@
-"""A/B of `mosaic.Config(persistent=True)` against the default, interleaved (A B A B ...),
-medians of `--runs` per round; JSON lines and a table. Shapes: non-causal full attention and
-LongNet (where every work item costs the same), and causal LongNet at D = 64."""
+"""A/B of a `mosaic.Config` variant (`--variant`, default persistent=True) against the
+default, interleaved (A B A B ...), medians of `--runs` per round; JSON lines and a table.
+Shapes (`--shapes`, indices): non-causal full attention and LongNet (where every work item
+costs the same), causal LongNet at D = 64 and 128."""
 import argparse, json, statistics, sys, time
 sys.path.insert(0, "benchmarks")
 import jax, jax.numpy as jnp, numpy as np
@@ -11,17 +12,22 @@ from hilbert_ring_jax.backends import mosaic
 ap = argparse.ArgumentParser()
 ap.add_argument("--runs", type=int, default=7)
 ap.add_argument("--rounds", type=int, default=3)
+ap.add_argument("--variant", default="persistent=True", help="key=value,... of mosaic.Config")
+ap.add_argument("--shapes", default="0,1,2,3,4")
 args = ap.parse_args()
 LONGNET = ((2048, 4096, 8192), (1, 2, 4))
 shapes = [("full", 32768, 128, DilatedPattern((32768,), (1,))),
           ("longnet", 131072, 128, DilatedPattern(*LONGNET)),
           ("longnet", 131072, 64, DilatedPattern(*LONGNET)),
           ("longnet", 32768, 64, DilatedPattern(*LONGNET)),
-          ("longnet-causal", 131072, 64, DilatedPattern(*LONGNET, causal=True))]
-configs = {"default": None, "persistent": mosaic.Config(persistent=True)}
+          ("longnet-causal", 131072, 64, DilatedPattern(*LONGNET, causal=True)),
+          ("longnet-causal", 131072, 128, DilatedPattern(*LONGNET, causal=True))]
+shapes = [shapes[int(i)] for i in args.shapes.split(",")]
+variant = {k: eval(v) for k, v in (kv.split("=") for kv in args.variant.split(","))}
+configs = {"default": None, "persistent": mosaic.Config(**variant)}
 print(json.dumps(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                       date=time.strftime("%Y-%m-%d %H:%M:%S"), runs=args.runs,
-                      rounds=args.rounds)), flush=True)
+                      rounds=args.rounds, variant=variant)), flush=True)
 rows = []
 for kind, n, d, pattern in shapes:
   rng = np.random.default_rng(1)
