@@ -39,13 +39,11 @@ LONGNET = ((2048, 4096, 8192), (1, 2, 4))
 # The attention of examples/lm_real.py's `--preset gpu`: (batch, heads, kv_heads, head dim).
 LM = ((512, 2048, 8192), (1, 4, 16))
 LM_SHAPE = dict(b=8, h=6, hkv=2, d=128)
-# Backward variants, by head dim (the defaults: dq fused into the dk/dv kernel at 64, with
-# two stages; separate kernels at 128, with the most stages that fit).
-VARIANTS = {64: {"unfused": dict(fused_backward=False), "fused-bs3": dict(backward_stages=3),
-                 "persistent": dict(persistent=True)},
-            128: {"fused": dict(fused_backward=True), "persistent": dict(persistent=True),
-                  # float32 partials (the LM's two launches): room for a second query tile
-                  "persistent-k64s2": dict(persistent=True, block_k=64, stages=2)}}
+# Variants, by head dim: dq fused into the dk/dv kernel (the default: separate kernels, with
+# the most stages that fit), and persistent kernels under a causal mask too (the default:
+# persistent only without one).
+VARIANTS = {d: {"fused": dict(fused_backward=True), "persistent": dict(persistent=True)}
+            for d in (64, 128)}
 
 
 def cross(fwd, bwd):

@@ -47,11 +47,11 @@ def _both_passes_vs_reference(case, causal, dtype, config):
 def test_interpret_nested_gqa_float16():
   """Two nested branches in one launch (strided rows and pieces), two query heads on one
   key/value head, four work items walked by one persistent program (the default without a
-  causal mask); float16 output written by the kernel; the backward's
-  dk/dv kernel adding dq (fused: the default at head dim 64), dk/dv summing the two query
-  heads of the key/value head."""
+  causal mask); float16 output written by the kernel; the backward's dk/dv kernel adding dq
+  (`fused_backward`), dk/dv summing the two query heads of the key/value head."""
   case = Case(512, 2, 1, (256, 512), (1, 2), head_dim=64)
-  _both_passes_vs_reference(case, False, jnp.float16, mosaic.Config(interpret=True))
+  _both_passes_vs_reference(case, False, jnp.float16,
+                            mosaic.Config(interpret=True, fused_backward=True))
 
 
 @INTERPRET
@@ -59,8 +59,7 @@ def test_interpret_nested_gqa_float16():
 def test_interpret_launches_in_whole_blocks(head_dim):
   """Rows of 32 all together (w0 / L = 128 / 4), so the kernels' launches group the branches
   in rows of 128: {128/1, 256/1} and {512/4} (the LM preset's grouping in small), float32
-  partials merged, the gradients of the two launches added (dq from the dk/dv kernel at head
-  dim 64, from a kernel of its own at 128)."""
+  partials merged, the gradients of the two launches added (dq from a kernel of its own)."""
   case = Case(512, 2, 1, (128, 256, 512), (1, 1, 4), head_dim=head_dim)
   pattern = case.pattern(True)
   assert schedule.launches(pattern, case.n, case.heads, min_row=128) == [(0, 1), (2,)]
@@ -94,7 +93,7 @@ def test_interpret_causal_partial_float32_partials():
 def test_interpret_causal_partial_backward(fused):
   """The backward of the case above: causal block ranges of the transposed schedule (query
   blocks before, across and after a key block's diagonal), a partial segment, 3 stages; dq
-  from its own kernel, or added by the dk/dv kernel (the default at head dim 64 only)."""
+  from its own kernel (the default), or added by the dk/dv kernel."""
   case = Case(640, 1, 1, (256, 512), (1, 2), offsets="all", head_dim=128)
   _both_passes_vs_reference(case, True, jnp.bfloat16, mosaic.Config(
       interpret=True, backward_stages=3, fused_backward=fused))
@@ -117,8 +116,8 @@ def test_declines_off_hopper_and_on_unaligned_rows():
     mosaic.Config(fused_backward=1)
   with pytest.raises(ValueError, match="persistent"):
     mosaic.Config(persistent="yes")
-  assert mosaic.Config().resolved(64).fused_backward
-  assert not mosaic.Config().resolved(128).fused_backward
+  assert not mosaic.Config().resolved(64).fused_backward
+  assert mosaic.Config(fused_backward=True).resolved(128).fused_backward
 
 
 def _aligned_case(data):

@@ -49,11 +49,13 @@ rings, the same block walk), without the turn-taking, which measured slower ther
   their k and v tiles; the producer streams the query pieces of every query head reading that
   head (q, dout, lse, delta: a stride-1 piece from `[B, N, H, ...]`, a strided one from the
   view), s^T = k q^T, dp^T = v dout^T, dv += p^T dout, dk += ds^T q.
-At head dim 64 (`Config.fused_backward`) dq moves into the dk/dv kernel: both consumers put
-their ds^T tiles in shared memory, one of them (taking turns) computes the query block's
+With `Config(fused_backward=True)` dq moves into the dk/dv kernel: both consumers put their
+ds^T tiles in shared memory, one of them (taking turns) computes the query block's
 dq = ds_0 k_0 + ds_1 k_1 and adds it into a zeroed float32 accumulator with a TMA reduce-add
-store: five products per block pair instead of seven. (At 128 that kernel spills registers
-and measured slower than the two kernels, so there it stays split.)
+store: five products per block pair instead of seven. It is not the default: at head dim 128
+that kernel spills registers and measured 10-37% slower than the two kernels, and at 64,
+where it measured 5-7% faster on 2026-11-24, the two kernels measured 2-7% faster once
+every kernel walked work items (2026-11-25).
 All write float32 through shared memory; several launches add up. Head dim 256 does not fit
 (its tiles exceed shared memory): there the backward is the "triton" backend's.
 `Config(interpret=True)` runs the kernels in Mosaic GPU interpret mode on a CPU (JAX >= 0.11),
@@ -98,8 +100,8 @@ class Config:
     stages: forward: key/value blocks in flight (2..4).
     backward_stages: backward: blocks in flight (2..4; blocks of 64 queries and keys).
     fused_backward: backward: dq inside the dk/dv kernel (TMA reduce-add stores into a
-      float32 accumulator), else a dq kernel of its own; None: fused at head dim 64 only
-      (at 128 the fused kernel spills registers and measured slower).
+      float32 accumulator), else a dq kernel of its own (None: the default, which measured
+      faster at head dims 64 and 128).
     persistent: one program per SM, each walking a strided run of the launch's work items
       (program blocks of rows), so that the producer streams the next item's blocks while
       the consumers finish the last one (and the forward loads the next item's queries into
@@ -132,10 +134,10 @@ class Config:
   def resolved(self, head_dim: int, itemsize: int = 2, out_itemsize: int = 2) -> Config:
     """This config with the tuned defaults filled in: the first of the preferred tiles whose
     buffers fit in shared memory (float32 outputs take a tile of their own); the backward
-    fused at head dim 64 with 2 stages, else split with the most stages that fit (up to 3).
+    split with the most stages that fit (up to 3), or fused with 2.
     `ValueError` if the chosen forward tiles do not fit; explicit backward stages that do
     not fit fail when the kernel lowers."""
-    fused = head_dim <= 64 if self.fused_backward is None else self.fused_backward
+    fused = bool(self.fused_backward)
     stages = self.backward_stages or (2 if fused else max(
         [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize) <= _SMEM_BYTES]
         or [2]))
@@ -319,8 +321,8 @@ class _Work:
          causal: bool, reverse: bool):
     rows, bps = sched.grid(batch, block_rows)
     items = rows * bps
-    # Interpret mode: one program walks all items (one launch; several interpreted
-    # launches under one jit can run at once, and their barriers collide).
+    # Interpret mode: one program walks all items (one launch: persistent programs in
+    # several interpreted launches hung under jit, nondeterministically, on JAX 0.11.2).
     programs = min(items, (1 if config.interpret else _sm_count())
                    if _persistent(config, causal) else items)
     return cls(sched, block_rows, n, items, programs, reverse)

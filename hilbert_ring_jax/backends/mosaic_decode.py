@@ -25,7 +25,6 @@ function `step` works under `jit` and `vmap` (the batch axis) like the other ker
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
