@@ -29,8 +29,8 @@ element). Without a causal mask every item costs the same, and the kernels run p
 streaming the next item's blocks while the consumers finish the last one, and the forward
 loading the next item's queries into a second tile (2-5% faster on LongNet than a program
 per item, the same on full attention). Under a causal mask items differ in cost, the static
-split drifts off the GPU's own block order (which keeps the programs in flight on
-neighbouring keys, in L2), and it measured 1.2-1.3x slower: there each item is a program.
+split (probably) drifts off the GPU's own block order, which keeps the programs in flight on
+neighbouring keys, in L2, and it measured 1.1-1.3x slower: there each item is a program.
 
 The output goes back through shared memory with TMA stores; lse is written as
 `[B, H, L, N/L]` (contiguous per row, so TMA can store it) and transposed outside.
@@ -107,7 +107,7 @@ class Config:
       the consumers finish the last one (and the forward loads the next item's queries into
       a second tile, where it fits), instead of one program per item; None: persistent
       where no causal mask is (every item costs the same there; under a causal mask the
-      static split drifts and measured 1.2-1.3x slower than the GPU's own block scheduler).
+      static split measured 1.1-1.3x slower than the GPU's own block scheduler).
     interpret: run in Mosaic GPU interpret mode (CPU, JAX >= 0.11; slow: for tests).
   """
 
