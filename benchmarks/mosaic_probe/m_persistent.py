@@ -2,7 +2,7 @@
 default, interleaved (A B A B ...), medians of `--runs` per round; JSON lines and a table.
 Shapes (`--shapes`, indices): non-causal full attention and LongNet (where every work item
 costs the same), causal LongNet at D = 64 and 128."""
-import argparse, json, statistics, sys, time
+import argparse, ast, json, statistics, sys, time
 sys.path.insert(0, "benchmarks")
 import jax, jax.numpy as jnp, numpy as np
 from timing import median_ms
@@ -23,7 +23,7 @@ shapes = [("full", 32768, 128, DilatedPattern((32768,), (1,))),
           ("longnet-causal", 131072, 64, DilatedPattern(*LONGNET, causal=True)),
           ("longnet-causal", 131072, 128, DilatedPattern(*LONGNET, causal=True))]
 shapes = [shapes[int(i)] for i in args.shapes.split(",")]
-variant = {k: eval(v) for k, v in (kv.split("=") for kv in args.variant.split(","))}
+variant = {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in args.variant.split(","))}
 configs = {"default": None, "persistent": mosaic.Config(**variant)}
 print(json.dumps(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                       date=time.strftime("%Y-%m-%d %H:%M:%S"), runs=args.runs,

@@ -201,9 +201,8 @@ def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_hea
               f"(per launch, the shortest segment over the rates' lcm a multiple of {rows}); "
               f"got rows of {sorted(set(s.rows[:, schedule.ROW_LENGTH].tolist()))} for "
               f"branches {fused}")
-    if math.prod(s.grid(batch, 2 * _BWD_BLOCK)) > _MAX_ITEMS:
-      return (f"the mosaic backend numbers a launch's blocks in int32; got "
-              f"{math.prod(s.grid(batch, 2 * _BWD_BLOCK))}")
+    if (items := math.prod(s.grid(batch, 2 * _BWD_BLOCK))) > _MAX_ITEMS:
+      return f"the mosaic backend numbers a launch's blocks in int32; got {items}"
   return None
 
 
@@ -314,6 +313,7 @@ class _Work:
   n: int
   items: int
   programs: int
+  persistent: bool
   reverse: bool
 
   @classmethod
@@ -323,9 +323,9 @@ class _Work:
     items = rows * bps
     # Interpret mode: one program walks all items (one launch: persistent programs in
     # several interpreted launches hung under jit, nondeterministically, on JAX 0.11.2).
-    programs = min(items, (1 if config.interpret else _sm_count())
-                   if _persistent(config, causal) else items)
-    return cls(sched, block_rows, n, items, programs, reverse)
+    persistent = not causal if config.persistent is None else config.persistent
+    programs = min(items, 1 if config.interpret else _sm_count()) if persistent else items
+    return cls(sched, block_rows, n, items, programs, persistent, reverse)
 
   @property
   def grid(self):
@@ -345,10 +345,6 @@ class _Work:
       return lax.fori_loop(0, count, lambda i, c: body(i, prog(i), c), carry)
 
     return count, prog, loop
-
-
-def _persistent(config: Config, causal: bool) -> bool:
-  return not causal if config.persistent is None else config.persistent
 
 
 def _sm_count() -> int:
@@ -644,7 +640,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   out_itemsize = out_dtype.itemsize
   # Query tiles per consumer: two when persistent and they fit, so that the next item's
   # queries load while this one runs.
-  buffers = 2 if _persistent(config, causal) and _smem_bytes(
+  buffers = 2 if work.persistent and _smem_bytes(
       config, d, dtype.itemsize, out_itemsize, 2) <= _SMEM_BYTES else 1
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref,
