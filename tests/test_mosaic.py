@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -99,6 +100,34 @@ def test_interpret_causal_partial_backward(fused):
   case = Case(640, 1, 1, (256, 512), (1, 2), offsets="all", head_dim=128)
   _both_passes_vs_reference(case, True, jnp.bfloat16, mosaic.Config(
       interpret=True, backward_stages=3, fused_backward=fused))
+
+
+def test_causal_plan_balances_items():
+  """Persistent programs under a causal mask take the items a host-side list scheduling
+  gives them: every item once, each program's in launch order, and no program loaded past
+  the mean plus one item (the list-scheduling bound), on costs counted here independently:
+  full causal attention, item `i` of a row (heaviest first) walks `64 - i % 64` key blocks
+  (plus one for the item itself)."""
+  n, heads = 8192, 4
+  pattern = Case(n, heads, heads, (n,), (1,)).pattern(True)
+  sched = schedule.build(pattern, n, heads, heads, (0,), False)
+  ranges = lambda prog, pieces, bias: mosaic._key_ranges(prog, pieces, bias, n, 1, True, 128, 128)
+  work = mosaic._Work.of(sched, 1, 128, n, mosaic.Config(persistent=True), True, reverse=True,
+                         ranges=ranges)
+  programs, items = work.programs, work.items
+  assert items == heads * n // 128 and programs == min(items, mosaic._sm_count()) < items
+  offsets, order = work.plan[:programs + 1], work.plan[programs + 1:]
+  assert offsets[0] == 0 and offsets[-1] == items and (np.diff(offsets) >= 1).all()
+  assert sorted(order.tolist()) == list(range(items))
+  cost = 65 - np.arange(items) % 64
+  loads = [cost[order[a:b]].sum() for a, b in zip(offsets[:-1], offsets[1:])]
+  for a, b in zip(offsets[:-1], offsets[1:]):
+    assert (np.diff(order[a:b]) > 0).all()
+  assert max(loads) <= cost.sum() / programs + cost.max()
+  static = [cost[p::programs].sum() for p in range(programs)]  # items p, p + programs, ...
+  assert max(loads) < max(static)
+  assert mosaic._Work.of(sched, 1, 128, n, mosaic.Config(persistent=False), True, reverse=True,
+                         ranges=ranges).plan is None  # a program per item: the GPU's order
 
 
 def test_declines_off_hopper_and_on_unaligned_rows():

@@ -1,7 +1,10 @@
-"""A/B of a `mosaic.Config` variant (`--variant`, default persistent=True) against the
-default, interleaved (A B A B ...), medians of `--runs` per round; JSON lines and a table.
+"""A/B of `mosaic.Config` variants (`--variant`, repeatable; default persistent=True) against
+the default, interleaved (A B C ... A B C ...), medians of `--runs` per round; JSON lines and
+a table (each variant's ratio of medians to the default's).
 Shapes (`--shapes`, indices): non-causal full attention and LongNet (where every work item
-costs the same), causal LongNet at D = 64 and 128."""
+costs the same), causal LongNet at D = 64 and 128, the attention of examples/lm_real.py's
+`--preset gpu` (6), full causal attention (7). `--peers`: cuDNN (full attention) or folded
+cuDNN (LongNet) in the same rounds, its ratio too its time over the default's."""
 import argparse, ast, json, statistics, sys, time
 sys.path.insert(0, "benchmarks")
 import jax, jax.numpy as jnp, numpy as np
@@ -12,45 +15,72 @@ from hilbert_ring_jax.backends import mosaic
 ap = argparse.ArgumentParser()
 ap.add_argument("--runs", type=int, default=7)
 ap.add_argument("--rounds", type=int, default=3)
-ap.add_argument("--variant", default="persistent=True", help="key=value,... of mosaic.Config")
+ap.add_argument("--variant", action="append", help="key=value,... of mosaic.Config (repeatable)")
 ap.add_argument("--shapes", default="0,1,2,3,4")
+ap.add_argument("--peers", action="store_true",
+                help="also time the peer in the same rounds: cuDNN (full), folded cuDNN (LongNet)")
 args = ap.parse_args()
 LONGNET = ((2048, 4096, 8192), (1, 2, 4))
-shapes = [("full", 32768, 128, DilatedPattern((32768,), (1,))),
-          ("longnet", 131072, 128, DilatedPattern(*LONGNET)),
-          ("longnet", 131072, 64, DilatedPattern(*LONGNET)),
-          ("longnet", 32768, 64, DilatedPattern(*LONGNET)),
-          ("longnet-causal", 131072, 64, DilatedPattern(*LONGNET, causal=True)),
-          ("longnet-causal", 131072, 128, DilatedPattern(*LONGNET, causal=True))]
+LM = ((512, 2048, 8192), (1, 4, 16))  # examples/lm_real.py --preset gpu: B=8, H=6, Hkv=2
+shapes = [("full", 1, 32768, 16, 16, 128, DilatedPattern((32768,), (1,))),
+          ("longnet", 1, 131072, 16, 16, 128, DilatedPattern(*LONGNET)),
+          ("longnet", 1, 131072, 16, 16, 64, DilatedPattern(*LONGNET)),
+          ("longnet", 1, 32768, 16, 16, 64, DilatedPattern(*LONGNET)),
+          ("longnet-causal", 1, 131072, 16, 16, 64, DilatedPattern(*LONGNET, causal=True)),
+          ("longnet-causal", 1, 131072, 16, 16, 128, DilatedPattern(*LONGNET, causal=True)),
+          ("lm", 8, 8192, 6, 2, 128, DilatedPattern(*LM, causal=True, offsets="all")),
+          ("full-causal", 1, 32768, 16, 16, 128, DilatedPattern((32768,), (1,), causal=True))]
 shapes = [shapes[int(i)] for i in args.shapes.split(",")]
-variant = {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in args.variant.split(","))}
-configs = {"default": None, "persistent": mosaic.Config(**variant)}
+variants = {spec: {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+            for spec in args.variant or ["persistent=True"]}
+configs = {"default": None, **{spec: mosaic.Config(**kw) for spec, kw in variants.items()}}
 print(json.dumps(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                       date=time.strftime("%Y-%m-%d %H:%M:%S"), runs=args.runs,
-                      rounds=args.rounds, variant=variant)), flush=True)
+                      rounds=args.rounds, variants=list(variants))), flush=True)
 rows = []
-for kind, n, d, pattern in shapes:
+for kind, b, n, h, hkv, d, pattern in shapes:
   rng = np.random.default_rng(1)
-  q, k, v, do = (jnp.asarray(rng.standard_normal((1, n, 16, d)), jnp.bfloat16) for _ in range(4))
+  q, do = (jnp.asarray(rng.standard_normal((b, n, h, d)), jnp.bfloat16) for _ in range(2))
+  k, v = (jnp.asarray(rng.standard_normal((b, n, hkv, d)), jnp.bfloat16) for _ in range(2))
   fns = {}
   for name, config in configs.items():
     f = lambda q, k, v, config=config: dilated_attention(q, k, v, pattern, implementation="mosaic",
                                                          config=config)
     fns[name] = (jax.jit(f), jax.jit(lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do)))
-  times = {(name, p): [] for name in configs for p in ("fwd", "fwdbwd")}
+  if args.peers and kind != "lm":
+    from bench_pallas import cudnn_full, cudnn_full_causal, folded_cudnn
+    peer = folded_cudnn if kind.startswith("longnet") else \
+        cudnn_full_causal if pattern.causal else cudnn_full
+    f = lambda q, k, v: peer(q, k, v, pattern, d ** -0.5)
+    fns["peer"] = (jax.jit(f), jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)))
+  for name, (fwd, fb) in fns.items():
+    try:  # compile (and run) once; a variant that does not apply here is left out
+      jax.block_until_ready((fwd(q, k, v), fb(q, k, v, do)))
+    except Exception as e:  # noqa: BLE001
+      print(json.dumps(dict(kind=kind, n=n, d=d, variant=name, error=str(e)[:300])), flush=True)
+      fns[name] = (None, None)
+  times = {(name, p): [] for name in fns for p in ("fwd", "fwdbwd")}
   for _ in range(args.rounds):
     for name, (fwd, fb) in fns.items():
+      if fwd is None:
+        continue
       times[name, "fwd"].append(median_ms(fwd, (q, k, v), args.runs))
       times[name, "fwdbwd"].append(median_ms(fb, (q, k, v, do), args.runs))
-  row = dict(kind=kind, n=n, d=d, **{f"{a}_{b}": [round(t, 3) for t in ts]
+  row = dict(kind=kind, b=b, n=n, h=h, hkv=hkv, d=d, **{f"{a}_{b}": [round(t, 3) for t in ts]
                                     for (a, b), ts in times.items()})
-  for p in ("fwd", "fwdbwd"):
-    row[f"ratio_{p}"] = round(statistics.median(times["persistent", p]) /
-                              statistics.median(times["default", p]), 3)
+  for spec in (name for name in fns if name != "default"):
+    for p in ("fwd", "fwdbwd"):
+      row[f"ratio_{p} {spec}"] = round(statistics.median(times[spec, p]) /
+                                       statistics.median(times["default", p]), 3) \
+          if times[spec, p] else None
   rows.append(row)
   print(json.dumps(row), flush=True)
 for r in rows:
-  print(f"{r['kind']:15s} N={r['n']:7d} D={r['d']:3d} fwd {statistics.median(r['default_fwd']):8.2f} -> "
-        f"{statistics.median(r['persistent_fwd']):8.2f} ({r['ratio_fwd']})  fwd+bwd "
-        f"{statistics.median(r['default_fwdbwd']):8.2f} -> {statistics.median(r['persistent_fwdbwd']):8.2f} "
-        f"({r['ratio_fwdbwd']})")
+  med = lambda name, p: statistics.median(r[f"{name}_{p}"] or [float("nan")])
+  print(f"{r['kind']:15s} N={r['n']:7d} D={r['d']:3d} default fwd {med('default', 'fwd'):8.2f} "
+        f"fwd+bwd {med('default', 'fwdbwd'):8.2f}")
+  for spec in [*variants, "peer"]:
+    if f"ratio_fwd {spec}" not in r:
+      continue
+    print(f"    {spec:40s} fwd {med(spec, 'fwd'):8.2f} ({r['ratio_fwd ' + spec]})  fwd+bwd "
+          f"{med(spec, 'fwdbwd'):8.2f} ({r['ratio_fwdbwd ' + spec]})")
