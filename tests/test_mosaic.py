@@ -128,6 +128,16 @@ def test_causal_plan_balances_items():
   assert max(loads) < max(static)
   assert mosaic._Work.of(sched, 1, 128, n, mosaic.Config(persistent=False), True, reverse=True,
                          ranges=ranges).plan is None  # a program per item: the GPU's order
+  # The default: persistent where items walk few blocks on average (here 32.5 + 1), else a
+  # program per item (at N = 32768: 128.5 + 1).
+  assert mosaic._Work.of(sched, 1, 128, n, mosaic.Config(), True, reverse=True,
+                         ranges=ranges).plan is not None
+  n = 32768
+  long_rows = schedule.build(Case(n, heads, heads, (n,), (1,)).pattern(True), n, heads, heads,
+                             (0,), False)
+  work = mosaic._Work.of(long_rows, 1, 128, n, mosaic.Config(), True, reverse=True,
+                         ranges=ranges)
+  assert work.plan is None and not work.persistent and work.programs == work.items
 
 
 def test_declines_off_hopper_and_on_unaligned_rows():

@@ -22,7 +22,7 @@ for job in "$@"; do
               benchmarks/mosaic_probe/n_profile.py $argv > "$OUT/prof_$name.log" 2>&1
             ncu --import "/tmp/prof_$name.ncu-rep" --page details > "$OUT/prof_$name.txt" 2>&1
             tail -2 "$OUT/prof_$name.log"
-            grep -E '^  [a-zA-Z_]|Duration|Registers Per|Achieved Occupancy|L2 Hit Rate|Compute \(SM\) Throughput|DRAM Throughput|Grid Size|Waves Per SM|Issued Warp Per|No Eligible|Warp Cycles Per Issued' \
+            grep -E '^  [a-zA-Z_]|Duration|Elapsed Cycles|SM Active Cycles|Executed Ipc|Registers Per|Achieved Occupancy|L2 Hit Rate|Compute \(SM\) Throughput|DRAM Throughput|Grid Size|Waves Per SM|Issued Warp Per|No Eligible|Warp Cycles Per Issued' \
               "$OUT/prof_$name.txt" | head -80 ;;
   esac
 done

@@ -84,7 +84,13 @@ from .base import YES, Problem, Support, batched, no
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
-_MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA's grid x)
+_MAX_ITEMS = 2 ** 31 - 1
+# Causal work items are walked by persistent programs (`Config.persistent=None`) where they
+# walk at most this many blocks on average (estimated): there the fixed cost of an item
+# (its queries' load, the ring's refill, the output's store) matters and persistence hides
+# it; longer items hide it anyway, and the GPU's own scheduler balances their real costs,
+# not our estimate (measured on full causal 32K: 0.88x the per-item backward's speed).
+_SHORT_ITEMS = 64  # work items of a launch, numbered in int32 (and CUDA's grid x)
 # Registers per thread of the producer and of each consumer warpgroup (`setmaxnreg`; the
 # three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
 _REGISTERS = (40, 232)
@@ -330,19 +336,18 @@ class _Work:
     # Interpret mode: one program walks all items (one launch: persistent programs in
     # several interpreted launches hung under jit, nondeterministically, on JAX 0.11.2).
     persistent = True if config.persistent is None else config.persistent
-    programs = min(items, 1 if config.interpret else _sm_count()) if persistent else items
+    programs = min(items, 1 if config.interpret else _sm_count())
     work = cls(sched, block_rows, n, items, programs, persistent, reverse)
     if persistent and causal:
-      work = dataclasses.replace(work, plan=work._plan(batch, ranges))
-    return work
+      costs = work._costs(batch, ranges)
+      if config.persistent is not None or costs.mean() <= _SHORT_ITEMS:
+        return dataclasses.replace(work, plan=work._plan(costs))
+      persistent = False
+    return work if persistent else dataclasses.replace(work, programs=items, persistent=False)
 
-  def _plan(self, batch: int, ranges) -> np.ndarray:
-    """List scheduling, decided on the host: the items in launch order (row by row, which
-    keeps the programs in flight on neighbouring keys), each to the program that frees
-    first by the estimate "blocks walked, plus one" (the producer's own `ranges`, evaluated
-    here): what the GPU's block scheduler does with a program per item. A static split
-    (`p, p + programs, ...`) of LongNet's causal items left a quarter of the SMs' time idle
-    (measured: SM active cycles 73% of the elapsed, 2026-11-25)."""
+  def _costs(self, batch: int, ranges) -> np.ndarray:
+    """Each item's estimated cost: the blocks it walks (by the producer's own `ranges`,
+    evaluated here on the host), plus one for the item itself."""
     per_batch = self.items // batch  # items of one batch element (the same costs in each)
     with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
       rows, pieces, bias = self.sched.arrays()
@@ -358,7 +363,15 @@ class _Work:
 
         return lax.fori_loop(prog.p0, prog.p1, add, jnp.int32(1))
 
-      costs = np.tile(np.asarray(jax.vmap(cost)(jnp.arange(per_batch))), batch)
+      return np.tile(np.asarray(jax.vmap(cost)(jnp.arange(per_batch))), batch)
+
+  def _plan(self, costs: np.ndarray) -> np.ndarray:
+    """List scheduling, decided on the host: the items in launch order (row by row, which
+    keeps the programs in flight on neighbouring keys), each to the program that frees
+    first by its estimated cost: what the GPU's block scheduler does with a program per
+    item. A static split (`p, p + programs, ...`) of LongNet's causal items left a quarter
+    of the SMs' time idle (ncu: SM active cycles 73% of the elapsed, 2026-11-25; the
+    estimate's busiest program 1.44x the mean, the plan's 1.01x)."""
     free = [(0, p) for p in range(self.programs)]
     owner = np.empty(self.items, np.int32)
     for item, c in enumerate(costs.tolist()):
