@@ -24,13 +24,20 @@ parts:
   of a consumer run without a mask.
 
 Work items are program blocks of rows (`2 * block_q` positions of one row, period and batch
-element). Without a causal mask every item costs the same, and the kernels run persistent
-(`Config.persistent`): one program per SM takes items `p, p + #SMs, ...`, the producer
-streaming the next item's blocks while the consumers finish the last one, and the forward
-loading the next item's queries into a second tile (2-5% faster on LongNet than a program
-per item, the same on full attention). Under a causal mask items differ in cost, the static
-split (probably) drifts off the GPU's own block order, which keeps the programs in flight on
-neighbouring keys, in L2, and it measured 1.1-1.3x slower: there each item is a program.
+element). The kernels run persistent (`Config.persistent`): one program per SM walks a run of
+the items, the producer streaming the next item's blocks while the consumers finish the last
+one, and the forward loading the next item's queries into a second tile (2-5% faster on
+LongNet than a program per item, the same on full attention). Without a causal mask every
+item costs the same and program `p` takes items `p, p + #SMs, ...`. Under one, items differ
+in cost, and that static split left a quarter of the SMs' time idle (ncu, LongNet causal
+D = 64: SM active cycles 73% of the elapsed); so the host estimates each item's cost (the
+blocks it walks, by the producer's own ranges) and list-schedules the items in launch order
+(each to the program that frees first: what the GPU's own block scheduler does, decided
+ahead, which keeps the programs in flight on neighbouring keys, in L2). The default does so
+where items walk at most `_SHORT_ITEMS` blocks on average (causal LongNet: 9-12% faster
+forward than a program per item, forward+backward 0-2%; the LM preset's forward+backward 5%);
+longer items (full causal attention) have little fixed cost to hide, the first A/B measured
+its list-scheduled backward 12% slower, so each item is a program there.
 
 The output goes back through shared memory with TMA stores; lse is written as
 `[B, H, L, N/L]` (contiguous per row, so TMA can store it) and transposed outside.
@@ -84,13 +91,14 @@ from .base import YES, Problem, Support, batched, no
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
-_MAX_ITEMS = 2 ** 31 - 1
+_MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA's grid x)
 # Causal work items are walked by persistent programs (`Config.persistent=None`) where they
-# walk at most this many blocks on average (estimated): there the fixed cost of an item
-# (its queries' load, the ring's refill, the output's store) matters and persistence hides
-# it; longer items hide it anyway, and the GPU's own scheduler balances their real costs,
-# not our estimate (measured on full causal 32K: 0.88x the per-item backward's speed).
-_SHORT_ITEMS = 64  # work items of a launch, numbered in int32 (and CUDA's grid x)
+# walk at most this many blocks on average (estimated): there an item's fixed cost (its
+# queries' load, the ring's refill, the output's store) matters and persistence hides it.
+# Longer items hide it anyway, and the GPU's own scheduler balances their real costs, not our
+# estimate (full causal 32K, mean 130 / 258 blocks: the list-scheduled backward measured 12%
+# slower in one A/B, in runs whose spread was ~10%).
+_SHORT_ITEMS = 64
 # Registers per thread of the producer and of each consumer warpgroup (`setmaxnreg`; the
 # three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
 _REGISTERS = (40, 232)
@@ -109,12 +117,13 @@ class Config:
     fused_backward: backward: dq inside the dk/dv kernel (TMA reduce-add stores into a
       float32 accumulator), else a dq kernel of its own (None: the default, which measured
       faster at head dims 64 and 128).
-    persistent: one program per SM, each walking a strided run of the launch's work items
-      (program blocks of rows), so that the producer streams the next item's blocks while
-      the consumers finish the last one (and the forward loads the next item's queries into
-      a second tile, where it fits), instead of one program per item; None: persistent
-      where no causal mask is (every item costs the same there; under a causal mask the
-      static split measured 1.1-1.3x slower than the GPU's own block scheduler).
+    persistent: one program per SM, each walking a run of the launch's work items (program
+      blocks of rows), so that the producer streams the next item's blocks while the
+      consumers finish the last one (and the forward loads the next item's queries into a
+      second tile, where it fits), instead of one program per item. Under a causal mask the
+      host list-schedules the items over the programs by their estimated cost. None:
+      persistent, but for causal items that walk more than `_SHORT_ITEMS` blocks on
+      average (full causal attention), where a program per item measured as fast.
     interpret: run in Mosaic GPU interpret mode (CPU, JAX >= 0.11; slow: for tests).
   """
 
@@ -349,7 +358,11 @@ class _Work:
     """Each item's estimated cost: the blocks it walks (by the producer's own `ranges`,
     evaluated here on the host), plus one for the item itself."""
     per_batch = self.items // batch  # items of one batch element (the same costs in each)
-    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+    try:
+      host = jax.devices("cpu")[0]
+    except RuntimeError:  # no CPU backend configured: the default device then
+      host = None
+    with jax.ensure_compile_time_eval(), jax.default_device(host):
       rows, pieces, bias = self.sched.arrays()
       rows = rows.reshape(-1)
 
