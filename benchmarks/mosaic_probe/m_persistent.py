@@ -33,7 +33,11 @@ shapes = [("full", 1, 32768, 16, 16, 128, DilatedPattern((32768,), (1,))),
 shapes = [shapes[int(i)] for i in args.shapes.split(",")]
 variants = {spec: {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in spec.split(","))}
             for spec in args.variant or ["persistent=True"]}
-configs = {"default": None, **{spec: mosaic.Config(**kw) for spec, kw in variants.items()}}
+# "mosaic.NAME=value" sets a module flag of backends/mosaic.py while the variant compiles.
+configs = {"default": (None, {}), **{
+    spec: (mosaic.Config(**{k: v for k, v in kw.items() if not k.startswith("mosaic.")}),
+           {k[len("mosaic."):]: v for k, v in kw.items() if k.startswith("mosaic.")})
+    for spec, kw in variants.items()}}
 print(json.dumps(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                       date=time.strftime("%Y-%m-%d %H:%M:%S"), runs=args.runs,
                       rounds=args.rounds, variants=list(variants))), flush=True)
@@ -43,7 +47,8 @@ for kind, b, n, h, hkv, d, pattern in shapes:
   q, do = (jnp.asarray(rng.standard_normal((b, n, h, d)), jnp.bfloat16) for _ in range(2))
   k, v = (jnp.asarray(rng.standard_normal((b, n, hkv, d)), jnp.bfloat16) for _ in range(2))
   fns = {}
-  for name, config in configs.items():
+  flags = {}
+  for name, (config, flags[name]) in configs.items():
     f = lambda q, k, v, config=config: dilated_attention(q, k, v, pattern, implementation="mosaic",
                                                          config=config)
     fns[name] = (jax.jit(f), jax.jit(lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do)))
@@ -53,12 +58,29 @@ for kind, b, n, h, hkv, d, pattern in shapes:
         cudnn_full_causal if pattern.causal else cudnn_full
     f = lambda q, k, v: peer(q, k, v, pattern, d ** -0.5)
     fns["peer"] = (jax.jit(f), jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)))
+  results = {}
   for name, (fwd, fb) in fns.items():
+    saved = {attr: getattr(mosaic, attr) for attr in flags.get(name, {})}
     try:  # compile (and run) once; a variant that does not apply here is left out
-      jax.block_until_ready((fwd(q, k, v), fb(q, k, v, do)))
+      for attr, value in flags.get(name, {}).items():
+        setattr(mosaic, attr, value)
+      results[name] = jax.block_until_ready((fwd(q, k, v), fb(q, k, v, do)))
     except Exception as e:  # noqa: BLE001
       print(json.dumps(dict(kind=kind, n=n, d=d, variant=name, error=str(e)[:300])), flush=True)
       fns[name] = (None, None)
+    finally:
+      for attr, value in saved.items():
+        setattr(mosaic, attr, value)
+  # Each variant's output and gradients against the default's (the same math: 0 expected
+  # where only the schedule or the kernel's waits change).
+  for name in results:
+    if name not in ("default", "peer") and "default" in results:
+      rel = lambda x, y: float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
+                               / jnp.max(jnp.abs(y.astype(jnp.float32))))
+      diff = [rel(x, y) for x, y in zip(jax.tree.leaves(results[name]),
+                                        jax.tree.leaves(results["default"]))]
+      print(json.dumps(dict(kind=kind, n=n, d=d, variant=name, max_rel_diff_vs_default=diff)),
+            flush=True)
   times = {(name, p): [] for name in fns for p in ("fwd", "fwdbwd")}
   for _ in range(args.rounds):
     for name, (fwd, fb) in fns.items():
