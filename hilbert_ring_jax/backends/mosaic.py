@@ -99,10 +99,6 @@ _MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA'
 # estimate (full causal 32K, mean 130 / 258 blocks: the list-scheduled backward measured 12%
 # slower in one A/B, in runs whose spread was ~10%).
 _SHORT_ITEMS = 64
-# Probes (2026-11-25, A/B on the H100): the forward awaits a piece's next key block while its
-# P @ V runs; compiler settings without automatic barriers and reduction scratch.
-_EARLY_K_WAIT = False
-_UNSAFE_COMPILER = False
 # Registers per thread of the producer and of each consumer warpgroup (`setmaxnreg`; the
 # three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
 _REGISTERS = (40, 232)
@@ -564,17 +560,15 @@ def _kv_producer(work: _Work, origin_ref, rows_ref, per_kv: int, k, v, ranges, L
   _producer(work, origin_ref, rows_ref, item, [k[-1], v[-1]], stages)
 
 
-def _walk(prog: _Program, ranges, block, carry, bounds: bool = False):
+def _walk(prog: _Program, ranges, block, carry):
   """A consumer's pass over the blocks `_produce` loads: `ranges(p) = (piece, lo, a, b, hi)`,
-  blocks `[a, b)` unmasked, the rest of `[lo, hi)` masked; `block(carry, piece, j, masked)`
-  (`bounds`: `block(carry, piece, j, masked, lo, hi)`)."""
+  blocks `[a, b)` unmasked, the rest of `[lo, hi)` masked; `block(carry, piece, j, masked)`."""
 
   def per_piece(p, carry):
     piece, lo, a, b, hi = ranges(p)
-    extra = (lo, hi) if bounds else ()
     for begin, end, masked in ((lo, a, True), (a, b, False), (b, hi, True)):
       carry = lax.fori_loop(begin, end, functools.partial(
-          lambda masked, j, c: block(c, piece, j, masked, *extra), masked), carry)
+          lambda masked, j, c: block(c, piece, j, masked), masked), carry)
     return carry
 
   return lax.fori_loop(prog.p0, prog.p1, per_piece, carry)
@@ -628,22 +622,17 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last=None):
   return ranges
 
 
-def _accumulate(accs, pairs, interpret: bool, between=None):
+def _accumulate(accs, pairs, interpret: bool):
   """`[acc + a @ b_ref for acc, (a, b_ref) in zip(accs, pairs)]` as wgmmas (registers `a`,
-  shared-memory `b_ref`) awaited once; `between()` runs while they are in flight. Interpret
-  mode runs neither `run_state` nor a wgmma with a register operand: `jnp.dot` there."""
+  shared-memory `b_ref`) awaited once. Interpret mode runs neither `run_state` nor a wgmma
+  with a register operand: `jnp.dot` there."""
   if interpret:
-    accs = [acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+    return [acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
             for acc, (a, b) in zip(accs, pairs)]
-    if between is not None:
-      between()
-    return accs
 
   def update(refs):
     for ref, (a, b) in zip(refs, pairs):
       plgpu.wgmma(ref, a, b)
-    if between is not None:
-      between()
 
   return list(pl.run_state(update)([plgpu.ACC.init(acc) for acc in accs]))
 
@@ -689,9 +678,7 @@ def _run(entry, out_type, grid, args, interpret: bool, num_threads: int = 3):
   zeroed buffers."""
   launch = functools.partial(
       plgpu.kernel, entry, out_type=out_type, grid_names=("row", "bp"), num_threads=num_threads,
-      thread_name="wg", compiler_params=plgpu.CompilerParams(
-          approx_math=True, **(dict(unsafe_no_auto_barriers=True, reduction_scratch_bytes=0)
-                               if _UNSAFE_COMPILER else {})))
+      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
   if not interpret:
     return launch(grid=grid)(jnp.zeros((2,), jnp.int32), *args)
   call = launch(grid=(1, 1), interpret=plgpu.InterpretGPUParams(
@@ -787,16 +774,13 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         q_first = prog.first + L * (prog.start + wg * bq)  # this warpgroup's first query
         qpos = q_first + L * rows_iota
 
-        def block(carry, piece, j, masked: bool, lo, hi):
+        def block(carry, piece, j, masked: bool):
           """One key block: scores, online softmax (base 2; `m` includes the piece's
           `log2 m` bias, so p is one fused multiply-add and an exp2 per score), P @ V.
           Unmasked blocks (all keys exist and precede every query) skip the mask."""
           acc, m_i, l_i, step = carry
           slot = lax.rem(step, stages)
-          if _EARLY_K_WAIT:  # the piece's later blocks were awaited under the last P @ V
-            pl.when(j == lo)(lambda: plgpu.barrier_wait(k_bar.at[slot]))
-          else:
-            plgpu.barrier_wait(k_bar.at[slot])
+          plgpu.barrier_wait(k_bar.at[slot])
           s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
           plgpu.barrier_arrive(k_free.at[slot])
           if masked:
@@ -815,10 +799,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
           l_i = l_i * alpha + p_.sum(axis=1)
           p16 = p_.astype(dtype)
           give_turn(lambda: plgpu.barrier_wait(v_bar.at[slot]))
-          early = lambda: pl.when(j + 1 < hi)(
-              lambda: plgpu.barrier_wait(k_bar.at[lax.rem(step + 1, stages)]))
-          acc, = _accumulate([acc], [(p16, v_smem.at[slot])], interpret,
-                             early if _EARLY_K_WAIT else None)
+          acc, = _accumulate([acc], [(p16, v_smem.at[slot])], interpret)
           plgpu.barrier_arrive(v_free.at[slot])
           return acc, m_new, l_i, step + 1
 
@@ -827,7 +808,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_stat)
         pl.when(prog.busy)(start_turns)  # one consumer's softmax beside the other's wgmmas
         ranges = _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first)
-        acc, m_i, l_i, step = _walk(prog, ranges, block, (acc, m_i, l_i, step), bounds=True)
+        acc, m_i, l_i, step = _walk(prog, ranges, block, (acc, m_i, l_i, step))
 
         @pl.when(prog.busy)
         def _():
