@@ -24,5 +24,16 @@ for job in "$@"; do
             tail -2 "$OUT/prof_$name.log"
             grep -E '^  [a-zA-Z_]|Duration|Elapsed Cycles|SM Active Cycles|Executed Ipc|Registers Per|Achieved Occupancy|L2 Hit Rate|Compute \(SM\) Throughput|DRAM Throughput|Grid Size|Waves Per SM|Issued Warp Per|No Eligible|Warp Cycles Per Issued' \
               "$OUT/prof_$name.txt" | head -80 ;;
+    src:*) rest=${job#src:}; name=${rest%%:*}; rest=${rest#*:}; skip=${rest%%:*}; argv=${rest#*:}
+           # The (skip+1)-th mosaic kernel of the call: stall samples per SASS instruction.
+           timeout 200 ncu --clock-control none --profile-from-start off -k regex:mosaic \
+             --launch-skip "$skip" --launch-count 1 --section SourceCounters \
+             --section WarpStateStats -f -o "/tmp/src_$name" python3 \
+             benchmarks/mosaic_probe/n_profile.py $argv > "$OUT/src_$name.log" 2>&1
+           ncu --import "/tmp/src_$name.ncu-rep" --page source --csv --print-source sass \
+             > "/tmp/src_$name.csv" 2>&1
+           gzip -c "/tmp/src_$name.csv" > "$OUT/src_$name.csv.gz"
+           python3 benchmarks/mosaic_probe/n_top.py "/tmp/src_$name.csv" > "$OUT/src_$name.txt" 2>&1
+           head -45 "$OUT/src_$name.txt" ;;
   esac
 done
