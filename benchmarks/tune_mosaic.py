@@ -39,9 +39,9 @@ LONGNET = ((2048, 4096, 8192), (1, 2, 4))
 LM = ((512, 2048, 8192), (1, 4, 16))
 LM_SHAPE = dict(b=8, h=6, hkv=2, d=128)
 # Variants, by head dim: dq fused into the dk/dv kernel (the default: separate kernels, with
-# the most stages that fit), and persistent kernels under a causal mask too (the default:
-# persistent only without one).
-VARIANTS = {d: {"fused": dict(fused_backward=True), "persistent": dict(persistent=True)}
+# the most stages that fit), and a program per work item (the default: persistent, but for
+# long causal items).
+VARIANTS = {d: {"fused": dict(fused_backward=True), "per_item": dict(persistent=False)}
             for d in (64, 128)}
 
 
@@ -188,7 +188,7 @@ def main():
   ap.add_argument("--variants", default=None,
                   help="comma-separated VARIANTS names timed (default: all)")
   ap.add_argument("--check-variants", default="",
-                  help="comma-separated VARIANTS names also checked (e.g. persistent)")
+                  help="comma-separated VARIANTS names also checked (e.g. per_item)")
   ap.add_argument("--only", choices=["full", "longnet", "lm"], default=None,
                   help="time one kind of shape only (with --only lm, check only that shape)")
   args = ap.parse_args()

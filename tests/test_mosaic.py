@@ -111,9 +111,8 @@ def test_causal_plan_balances_items():
   n, heads = 8192, 4
   pattern = Case(n, heads, heads, (n,), (1,)).pattern(True)
   sched = schedule.build(pattern, n, heads, heads, (0,), False)
-  ranges = lambda prog, pieces, bias: mosaic._key_ranges(prog, pieces, bias, n, 1, True, 128, 128)
-  work = mosaic._Work.of(sched, 1, 128, n, mosaic.Config(persistent=True), True, reverse=True,
-                         ranges=ranges)
+  ranges = mosaic._Ranges(True, n, 1, True, 128, 128)
+  work = mosaic._Work.of(sched, 1, 128, n, mosaic.Config(persistent=True), True, True, ranges)
   programs, items = work.programs, work.items
   assert items == heads * n // 128 and programs == min(items, mosaic._sm_count()) < items
   offsets, order = work.plan[:programs + 1], work.plan[programs + 1:]
@@ -126,17 +125,17 @@ def test_causal_plan_balances_items():
   assert max(loads) <= cost.sum() / programs + cost.max()
   static = [cost[p::programs].sum() for p in range(programs)]  # items p, p + programs, ...
   assert max(loads) < max(static)
-  assert mosaic._Work.of(sched, 1, 128, n, mosaic.Config(persistent=False), True, reverse=True,
-                         ranges=ranges).plan is None  # a program per item: the GPU's order
+  assert mosaic._Work.of(sched, 1, 128, n, mosaic.Config(persistent=False), True, True,
+                         ranges).plan is None  # a program per item: the GPU's order
   # The default: persistent where items walk few blocks on average (here 32.5 + 1), else a
   # program per item (at N = 32768: 128.5 + 1).
-  assert mosaic._Work.of(sched, 1, 128, n, mosaic.Config(), True, reverse=True,
-                         ranges=ranges).plan is not None
+  assert mosaic._Work.of(sched, 1, 128, n, mosaic.Config(), True, True,
+                         ranges).plan is not None
   n = 32768
   long_rows = schedule.build(Case(n, heads, heads, (n,), (1,)).pattern(True), n, heads, heads,
                              (0,), False)
-  work = mosaic._Work.of(long_rows, 1, 128, n, mosaic.Config(), True, reverse=True,
-                         ranges=ranges)
+  work = mosaic._Work.of(long_rows, 1, 128, n, mosaic.Config(), True, True,
+                         mosaic._Ranges(True, n, 1, True, 128, 128))
   assert work.plan is None and not work.persistent and work.programs == work.items
 
 

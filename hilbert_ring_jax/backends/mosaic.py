@@ -336,10 +336,11 @@ class _Work:
   plan: np.ndarray | None = None
 
   @classmethod
+  @functools.lru_cache(maxsize=256)
   def of(cls, sched: schedule.Schedule, batch: int, block_rows: int, n: int, config: Config,
-         causal: bool, reverse: bool, ranges):
-    """`ranges(prog, pieces_ref, bias_ref)`: the producer's `ranges(p) = (piece, lo, hi)`,
-    the blocks of piece `p` an item walks (the cost `plan` balances)."""
+         causal: bool, reverse: bool, ranges: _Ranges):
+    """The work of a launch; `ranges`: the blocks its items walk (the cost `plan` balances).
+    Cached (the plan is host work: a model's layers share it)."""
     rows, bps = sched.grid(batch, block_rows)
     items = rows * bps
     # Interpret mode: one program walks all items (one launch: persistent programs in
@@ -622,6 +623,27 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last=None):
   return ranges
 
 
+@dataclasses.dataclass(frozen=True)
+class _Ranges:
+  """The blocks of an item's pieces, as one kernel walks them: `_key_ranges` (`keys`: the
+  forward and dq) or `_query_ranges` (dk/dv), `block` positions a block. One object for the
+  producer, the consumers (with their `bound`: first query or last key) and the host's cost
+  estimate (hashable: `_Work.of` is cached by it)."""
+  keys: bool
+  n: int
+  L: int
+  causal: bool
+  block_rows: int
+  block: int
+
+  def __call__(self, prog, pieces_ref, bias_ref, bound=None):
+    if self.keys:
+      return _key_ranges(prog, pieces_ref, bias_ref, self.n, self.L, self.causal,
+                         self.block_rows, self.block, bound)
+    return _query_ranges(prog, pieces_ref, bias_ref, self.n, self.L, self.causal, self.block,
+                         bound)
+
+
 def _accumulate(accs, pairs, interpret: bool):
   """`[acc + a @ b_ref for acc, (a, b_ref) in zip(accs, pairs)]` as wgmmas (registers `a`,
   shared-memory `b_ref`) awaited once. Interpret mode runs neither `run_state` nor a wgmma
@@ -714,10 +736,8 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   per_kv = heads_per_kv(num_heads, k.shape[2])
   qk_scale = scale * _LOG2E
   interpret = config.interpret
-  key_ranges = lambda prog, pieces_ref, bias_ref: _key_ranges(
-      prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk)
-  work = _Work.of(sched, batch, block_rows, n, config, causal, reverse=causal,
-                  ranges=key_ranges)
+  key_ranges = _Ranges(True, n, L, causal, block_rows, bk)
+  work = _Work.of(sched, batch, block_rows, n, config, causal, causal, key_ranges)
   out_dtype = jnp.dtype(out_dtype)
   same = out_dtype == dtype  # then the output tile reuses the query tile
   out_itemsize = out_dtype.itemsize
@@ -807,7 +827,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_stat)
         l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_stat)
         pl.when(prog.busy)(start_turns)  # one consumer's softmax beside the other's wgmmas
-        ranges = _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first)
+        ranges = key_ranges(prog, pieces_ref, bias_ref, q_first)
         acc, m_i, l_i, step = _walk(prog, ranges, block, (acc, m_i, l_i, step))
 
         @pl.when(prog.busy)
@@ -878,10 +898,8 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
   per_kv = heads_per_kv(num_heads, k.shape[2])
   qk_scale = scale * _LOG2E
   interpret = config.interpret
-  key_ranges = lambda prog, pieces_ref, bias_ref: _key_ranges(
-      prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk)
-  work = _Work.of(sched, batch, block_rows, n, config, causal, reverse=causal,
-                  ranges=key_ranges)
+  key_ranges = _Ranges(True, n, L, causal, block_rows, bk)
+  work = _Work.of(sched, batch, block_rows, n, config, causal, causal, key_ranges)
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
              k4_ref, k5_ref, v4_ref, v5_ref, dq_ref, smem, bars, free):
@@ -948,7 +966,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
           return dq, step + 1
 
         dq = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
-        ranges = _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first)
+        ranges = key_ranges(prog, pieces_ref, bias_ref, q_first)
         dq, step = _walk(prog, ranges, block, (dq, step))
 
         @pl.when(prog.busy)
@@ -1017,10 +1035,9 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   qk_scale = scale * _LOG2E
   interpret = config.interpret
   fused = dq_accs is not None
-  query_ranges = lambda prog, pieces_ref, bias_ref: _query_ranges(
-      prog, pieces_ref, bias_ref, n, L, causal, bq)
-  work = _Work.of(sched, batch, block_rows, n, config, causal, reverse=False,  # heaviest first
-                  ranges=query_ranges)
+  query_ranges = _Ranges(False, n, L, causal, block_rows, bq)
+  work = _Work.of(sched, batch, block_rows, n, config, causal, False,  # heaviest first
+                  query_ranges)
   assert not fused or out_dtype == jnp.float32, "the fused kernel stages dq in float32"
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref,
@@ -1158,7 +1175,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           return dk, dv, step + 1, (lax.rem(step, 2) != wg).astype(jnp.int32)
 
         zeros = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
-        ranges = _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last)
+        ranges = query_ranges(prog, pieces_ref, bias_ref, k_last)
         owed = jnp.where(prog.busy, 0, owed)  # settled above
         dk, dv, step, owed = _walk(prog, ranges, block, (zeros, zeros, step, owed))
 
