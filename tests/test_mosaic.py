@@ -47,8 +47,7 @@ def _both_passes_vs_reference(case, causal, dtype, config):
 @INTERPRET
 def test_interpret_nested_gqa_float16():
   """Two nested branches in one launch (strided rows and pieces), two query heads on one
-  key/value head, four work items walked by one persistent program (the default without a
-  causal mask); float16 output written by the kernel; the backward's dk/dv kernel adding dq
+  key/value head, four work items walked by one persistent program (the default); float16 output written by the kernel; the backward's dk/dv kernel adding dq
   (`fused_backward`), dk/dv summing the two query heads of the key/value head."""
   case = Case(512, 2, 1, (256, 512), (1, 2), head_dim=64)
   _both_passes_vs_reference(case, False, jnp.float16,
@@ -61,8 +60,8 @@ def test_interpret_launches_in_whole_blocks(head_dim, causal):
   """Rows of 32 all together (w0 / L = 128 / 4), so the kernels' launches group the branches
   in rows of 128: {128/1, 256/1} and {512/4} (the LM preset's grouping in small), float32
   partials merged, the gradients of the two launches added (dq from a kernel of its own).
-  Without the mask the kernels are persistent, the forward's float32 output tile beside a
-  single query tile (no room for a second one at head dim 128)."""
+  The kernels are persistent (list-scheduled under the mask), the forward's float32 output
+  tile beside a single query tile (no room for a second one at head dim 128)."""
   case = Case(512, 2, 1, (128, 256, 512), (1, 1, 4), head_dim=head_dim)
   pattern = case.pattern(causal)
   assert schedule.launches(pattern, case.n, case.heads, min_row=128) == [(0, 1), (2,)]
@@ -74,9 +73,10 @@ def test_interpret_launches_in_whole_blocks(head_dim, causal):
 @INTERPRET
 @pytest.mark.parametrize("fused", [False, True])
 def test_interpret_persistent_causal_partial(fused):
-  """Persistent kernels (the default without a causal mask) under a causal mask: one
-  program walks every work item, so the key/value ring, the ds^T turns (fused) and the
-  output tiles carry from item to item, through items past a partial segment's end."""
+  """Persistent kernels under a causal mask (the items list-scheduled; in interpret mode one
+  program walks them all, in the plan's order): the key/value ring, the ds^T turns (fused)
+  and the output tiles carry from item to item, through items past a partial segment's
+  end."""
   case = Case(640, 2, 1, (256, 512), (1, 2), offsets="all", head_dim=64)
   _both_passes_vs_reference(case, True, jnp.bfloat16, mosaic.Config(
       interpret=True, persistent=True, fused_backward=fused))

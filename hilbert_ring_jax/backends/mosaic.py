@@ -34,10 +34,10 @@ D = 64: SM active cycles 73% of the elapsed); so the host estimates each item's 
 blocks it walks, by the producer's own ranges) and list-schedules the items in launch order
 (each to the program that frees first: what the GPU's own block scheduler does, decided
 ahead, which keeps the programs in flight on neighbouring keys, in L2). The default does so
-where items walk at most `_SHORT_ITEMS` blocks on average (causal LongNet: 9-12% faster
-forward than a program per item, forward+backward 0-2%; the LM preset's forward+backward 5%);
-longer items (full causal attention) have little fixed cost to hide, the first A/B measured
-its list-scheduled backward 12% slower, so each item is a program there.
+where items walk at most `_SHORT_ITEMS` blocks on average (causal LongNet 128K: forward
+1.09-1.12x as fast as a program per item, forward+backward 0.996-1.02x; the LM preset's
+forward+backward 1.05x); longer items (full causal attention) have little fixed cost to hide,
+and an A/B measured its list-scheduled backward at 0.88x, so each item is a program there.
 
 The output goes back through shared memory with TMA stores; lse is written as
 `[B, H, L, N/L]` (contiguous per row, so TMA can store it) and transposed outside.
@@ -96,8 +96,8 @@ _MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA'
 # walk at most this many blocks on average (estimated): there an item's fixed cost (its
 # queries' load, the ring's refill, the output's store) matters and persistence hides it.
 # Longer items hide it anyway, and the GPU's own scheduler balances their real costs, not our
-# estimate (full causal 32K, mean 130 / 258 blocks: the list-scheduled backward measured 12%
-# slower in one A/B, in runs whose spread was ~10%).
+# estimate (full causal 32K, mean 130 / 258 blocks: the list-scheduled backward measured 0.88x
+# as fast in one A/B, in runs whose spread was ~10%).
 _SHORT_ITEMS = 64
 # Registers per thread of the producer and of each consumer warpgroup (`setmaxnreg`; the
 # three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
