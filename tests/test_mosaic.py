@@ -131,6 +131,15 @@ def test_causal_plan_balances_items():
   # program per item (at N = 32768: 128.5 + 1).
   assert mosaic._Work.of(sched, 1, 128, n, mosaic.Config(), True, True,
                          ranges).plan is not None
+  # Two batch elements: the items of the second cost what the first's do (launch order:
+  # batch-major), and the plan covers both.
+  two = mosaic._Work.of(sched, 2, 128, n, mosaic.Config(persistent=True), True, True, ranges)
+  offsets, order = two.plan[:programs + 1], two.plan[programs + 1:]
+  assert two.items == 2 * items and sorted(order.tolist()) == list(range(2 * items))
+  cost2 = np.tile(cost, 2)
+  assert (work._costs(1, ranges) == cost).all() and (two._costs(2, ranges) == cost2).all()
+  loads = [cost2[order[a:b]].sum() for a, b in zip(offsets[:-1], offsets[1:])]
+  assert max(loads) <= cost2.sum() / programs + cost2.max()
   n = 32768
   long_rows = schedule.build(Case(n, heads, heads, (n,), (1,)).pattern(True), n, heads, heads,
                              (0,), False)
