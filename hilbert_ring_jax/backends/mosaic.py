@@ -798,11 +798,11 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         q_first = prog.first + L * (prog.start + wg * bq)  # this warpgroup's first query
         qpos = q_first + L * rows_iota
 
-        def softmax(s, m_i, l_i, piece, j, masked: bool):
+        def softmax(s, m_i, l_i, piece, j, masked: bool, acc=None):
           """The online softmax of one block's scores (base 2; `m` includes the piece's
-          `log2 m` bias, so p is one fused multiply-add and an exp2 per score): `(p16,
-          m_new, l_new, alpha)`. Unmasked blocks (all keys exist and precede every query)
-          skip the mask."""
+          `log2 m` bias, so p is one fused multiply-add and an exp2 per score): `(acc *
+          alpha, m_new, l_new, p16)`, or alpha first without `acc`. Unmasked blocks (all
+          keys exist and precede every query) skip the mask."""
           if masked:
             key = j * bk + cols_iota
             visible = key < piece.count
@@ -815,7 +815,9 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
           m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
           alpha = jnp.exp2(m_i - m_use)
           p_ = jnp.exp2(s * qk_scale - rows_of(m_use - bias, s.shape))
-          return p_.astype(dtype), m_new, l_i * alpha + p_.sum(axis=1), alpha
+          scaled = alpha if acc is None else acc * rows_of(alpha, acc.shape)
+          l_i = l_i * alpha + p_.sum(axis=1)
+          return scaled, m_new, l_i, p_.astype(dtype)
 
         def block(carry, piece, j, masked: bool):
           """One key block: scores, softmax, P @ V."""
@@ -824,8 +826,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
           plgpu.barrier_wait(k_bar.at[slot])
           s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
           plgpu.barrier_arrive(k_free.at[slot])
-          p16, m_new, l_i, alpha = softmax(s, m_i, l_i, piece, j, masked)
-          acc = acc * rows_of(alpha, acc.shape)
+          acc, m_new, l_i, p16 = softmax(s, m_i, l_i, piece, j, masked, acc)
           give_turn(lambda: plgpu.barrier_wait(v_bar.at[slot]))
           acc, = _accumulate([acc], [(p16, v_smem.at[slot])], interpret)
           plgpu.barrier_arrive(v_free.at[slot])
@@ -843,16 +844,16 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
           def first():
             s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
             plgpu.barrier_arrive(k_free.at[slot])
-            p16, m_new, l_new, alpha = softmax(s, m_i, l_i, piece, j, masked)
+            acc_, m_new, l_new, p16 = softmax(s, m_i, l_i, piece, j, masked, acc)
             give_turn(lambda: None)
-            return acc * rows_of(alpha, acc.shape), m_new, l_new, p16
+            return acc_, m_new, l_new, p16
 
           def overlapped():
             plgpu.barrier_wait(v_bar.at[prev])
             if interpret:  # no register-operand wgmma there: the same steps, in order
               s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
               plgpu.barrier_arrive(k_free.at[slot])
-              p16, m_new, l_new, alpha = softmax(s, m_i, l_i, piece, j, masked)
+              alpha, m_new, l_new, p16 = softmax(s, m_i, l_i, piece, j, masked)
               pv, = _accumulate([acc], [(p_prev, v_smem.at[prev])], interpret)
               plgpu.barrier_arrive(v_free.at[prev])
               give_turn(lambda: None)
@@ -865,7 +866,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
               take_turn()
               s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the P @ V still runs
               plgpu.barrier_arrive(k_free.at[slot])
-              p16, m_new, l_new, alpha = softmax(s, m_ref[...], l_ref[...], piece, j, masked)
+              alpha, m_new, l_new, p16 = softmax(s, m_ref[...], l_ref[...], piece, j, masked)
               pv = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
               plgpu.barrier_arrive(v_free.at[prev])
               acc_ref[...] = pv * rows_of(alpha, pv.shape)
