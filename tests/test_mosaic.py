@@ -47,8 +47,9 @@ def _both_passes_vs_reference(case, causal, dtype, config):
 @INTERPRET
 def test_interpret_nested_gqa_float16():
   """Two nested branches in one launch (strided rows and pieces), two query heads on one
-  key/value head, four work items walked by one persistent program (the default); float16 output written by the kernel; the backward's dk/dv kernel adding dq
-  (`fused_backward`), dk/dv summing the two query heads of the key/value head."""
+  key/value head, four work items walked by one persistent program (the default); float16
+  output written by the kernel; the backward's dk/dv kernel adding dq (`fused_backward`),
+  dk/dv summing the two query heads of the key/value head."""
   case = Case(512, 2, 1, (256, 512), (1, 2), head_dim=64)
   _both_passes_vs_reference(case, False, jnp.float16,
                             mosaic.Config(interpret=True, fused_backward=True))
@@ -125,7 +126,7 @@ def test_causal_plan_balances_items():
   pattern = Case(n, heads, heads, (n,), (1,)).pattern(True)
   sched = schedule.build(pattern, n, heads, heads, (0,), False)
   ranges = mosaic._Ranges(True, n, 1, True, 128, 128)
-  work = mosaic._Work.of(sched, 1, 128, n, mosaic.Config(persistent=True), True, True, ranges)
+  work = mosaic._Work.of(sched, 1, mosaic.Config(persistent=True), True, ranges)
   programs, items = work.programs, work.items
   assert items == heads * n // 128 and programs == min(items, mosaic._sm_count()) < items
   offsets, order = work.plan[:programs + 1], work.plan[programs + 1:]
@@ -138,15 +139,15 @@ def test_causal_plan_balances_items():
   assert max(loads) <= cost.sum() / programs + cost.max()
   static = [cost[p::programs].sum() for p in range(programs)]  # items p, p + programs, ...
   assert max(loads) < max(static)
-  assert mosaic._Work.of(sched, 1, 128, n, mosaic.Config(persistent=False), True, True,
+  assert mosaic._Work.of(sched, 1, mosaic.Config(persistent=False), True,
                          ranges).plan is None  # a program per item: the GPU's order
   # The default: persistent where items walk few blocks on average (here 32.5 + 1), else a
   # program per item (at N = 32768: 128.5 + 1).
-  assert mosaic._Work.of(sched, 1, 128, n, mosaic.Config(), True, True,
+  assert mosaic._Work.of(sched, 1, mosaic.Config(), True,
                          ranges).plan is not None
   # Two batch elements: the items of the second cost what the first's do (launch order:
   # batch-major), and the plan covers both.
-  two = mosaic._Work.of(sched, 2, 128, n, mosaic.Config(persistent=True), True, True, ranges)
+  two = mosaic._Work.of(sched, 2, mosaic.Config(persistent=True), True, ranges)
   offsets, order = two.plan[:programs + 1], two.plan[programs + 1:]
   assert two.items == 2 * items and sorted(order.tolist()) == list(range(2 * items))
   cost2 = np.tile(cost, 2)
@@ -156,7 +157,7 @@ def test_causal_plan_balances_items():
   n = 32768
   long_rows = schedule.build(Case(n, heads, heads, (n,), (1,)).pattern(True), n, heads, heads,
                              (0,), False)
-  work = mosaic._Work.of(long_rows, 1, 128, n, mosaic.Config(), True, True,
+  work = mosaic._Work.of(long_rows, 1, mosaic.Config(), True,
                          mosaic._Ranges(True, n, 1, True, 128, 128))
   assert work.plan is None and not work.persistent and work.programs == work.items
 

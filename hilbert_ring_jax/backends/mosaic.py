@@ -341,23 +341,24 @@ class _Work:
 
   @classmethod
   @functools.lru_cache(maxsize=256)
-  def of(cls, sched: schedule.Schedule, batch: int, block_rows: int, n: int, config: Config,
-         causal: bool, reverse: bool, ranges: _Ranges):
-    """The work of a launch; `ranges`: the blocks its items walk (the cost `plan` balances).
-    Cached (the plan is host work: a model's layers share it)."""
-    rows, bps = sched.grid(batch, block_rows)
+  def of(cls, sched: schedule.Schedule, batch: int, config: Config, reverse: bool,
+         ranges: _Ranges):
+    """The work of a launch whose items walk `ranges` (which holds the launch's `n`, causal
+    mask and program block; the items' costs are what `plan` balances). Cached (the plan is
+    host work: a model's layers share it)."""
+    rows, bps = sched.grid(batch, ranges.block_rows)
     items = rows * bps
+    persistent = True if config.persistent is None else config.persistent
     # Interpret mode: one program walks all items (one launch: persistent programs in
     # several interpreted launches hung under jit, nondeterministically, on JAX 0.11.2).
-    persistent = True if config.persistent is None else config.persistent
     programs = min(items, 1 if config.interpret else _sm_count())
-    work = cls(sched, block_rows, n, items, programs, persistent, reverse)
-    if persistent and causal:
-      costs = work._costs(batch, ranges)
-      if config.persistent is not None or costs.mean() <= _SHORT_ITEMS:
-        return dataclasses.replace(work, plan=work._plan(costs))
-      persistent = False
-    return work if persistent else dataclasses.replace(work, programs=items, persistent=False)
+    work = cls(sched, ranges.block_rows, ranges.n, items, programs, persistent, reverse)
+    if not (persistent and ranges.causal):
+      return work if persistent else dataclasses.replace(work, programs=items)
+    costs = work._costs(batch, ranges)
+    if config.persistent is None and costs.mean() > _SHORT_ITEMS:
+      return dataclasses.replace(work, programs=items, persistent=False)
+    return dataclasses.replace(work, plan=work._plan(costs))
 
   def _costs(self, batch: int, ranges) -> np.ndarray:
     """Each item's estimated cost: the blocks it walks (by the producer's own `ranges`,
@@ -630,9 +631,10 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last=None):
 @dataclasses.dataclass(frozen=True)
 class _Ranges:
   """The blocks of an item's pieces, as one kernel walks them: `_key_ranges` (`keys`: the
-  forward and dq) or `_query_ranges` (dk/dv), `block` positions a block. One object for the
-  producer, the consumers (with their `bound`: first query or last key) and the host's cost
-  estimate (hashable: `_Work.of` is cached by it)."""
+  forward and dq) or `_query_ranges` (dk/dv), `block` positions a block, items of
+  `block_rows` positions. One object for the producer, the consumers (with their `bound`:
+  first query or last key), the launch's work (`_Work.of`, cached by it) and the host's cost
+  estimate."""
   keys: bool
   n: int
   L: int
@@ -741,7 +743,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   qk_scale = scale * _LOG2E
   interpret = config.interpret
   key_ranges = _Ranges(True, n, L, causal, block_rows, bk)
-  work = _Work.of(sched, batch, block_rows, n, config, causal, causal, key_ranges)
+  work = _Work.of(sched, batch, config, causal, key_ranges)
   out_dtype = jnp.dtype(out_dtype)
   same = out_dtype == dtype  # then the output tile reuses the query tile
   out_itemsize = out_dtype.itemsize
@@ -971,7 +973,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
   qk_scale = scale * _LOG2E
   interpret = config.interpret
   key_ranges = _Ranges(True, n, L, causal, block_rows, bk)
-  work = _Work.of(sched, batch, block_rows, n, config, causal, causal, key_ranges)
+  work = _Work.of(sched, batch, config, causal, key_ranges)
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
              k4_ref, k5_ref, v4_ref, v5_ref, dq_ref, smem, bars, free):
@@ -1108,8 +1110,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   interpret = config.interpret
   fused = dq_accs is not None
   query_ranges = _Ranges(False, n, L, causal, block_rows, bq)
-  work = _Work.of(sched, batch, block_rows, n, config, causal, False,  # heaviest first
-                  query_ranges)
+  work = _Work.of(sched, batch, config, False, query_ranges)  # causal: heaviest first
   assert not fused or out_dtype == jnp.float32, "the fused kernel stages dq in float32"
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref,
