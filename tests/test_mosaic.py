@@ -84,19 +84,6 @@ def test_interpret_persistent_causal_partial(fused):
 
 
 @INTERPRET
-@pytest.mark.parametrize("causal,head_dim", [(True, 64), (False, 128)])
-def test_interpret_pipelined_forward(monkeypatch, causal, head_dim):
-  """The forward's pipelined block order (`mosaic._PIPELINED`, a probe awaiting its GPU
-  measurement): each block's P @ V issued beside the next block's QK^T, each item's last one
-  flushed after its walk; one persistent program walking every item (the key/value ring's
-  value slots freed a block later, across items), a partial segment, causal or not."""
-  monkeypatch.setattr(mosaic, "_PIPELINED", True)
-  case = Case(640, 2, 1, (256, 512), (1, 2), offsets="all", head_dim=head_dim)
-  _forward_vs_reference(case, causal, jnp.bfloat16, None,
-                        mosaic.Config(interpret=True, persistent=True))
-
-
-@INTERPRET
 def test_interpret_causal_partial_float32_partials():
   """Causal, offsets="all", a partial last segment (N = 640, w = 512), head dim 128, float32
   partials (the output tile in its own shared-memory buffer), blocks of 64 keys, 3 stages."""

@@ -99,9 +99,6 @@ _MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA'
 # estimate (full causal 32K, mean 130 / 258 blocks: the list-scheduled backward measured 0.88x
 # as fast in one A/B, in runs whose spread was ~10%).
 _SHORT_ITEMS = 64
-# Probe (not measured yet): the forward leaves each block's P @ V in flight beside the next
-# block's QK^T and softmax (intra-warpgroup pipelining, `pipelined` in `_forward_launch`).
-_PIPELINED = False
 # Registers per thread of the producer and of each consumer warpgroup (`setmaxnreg`; the
 # three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
 _REGISTERS = (40, 232)
@@ -800,11 +797,15 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         q_first = prog.first + L * (prog.start + wg * bq)  # this warpgroup's first query
         qpos = q_first + L * rows_iota
 
-        def softmax(s, m_i, l_i, piece, j, masked: bool, acc=None):
-          """The online softmax of one block's scores (base 2; `m` includes the piece's
-          `log2 m` bias, so p is one fused multiply-add and an exp2 per score): `(acc *
-          alpha, m_new, l_new, p16)`, or alpha first without `acc`. Unmasked blocks (all
-          keys exist and precede every query) skip the mask."""
+        def block(carry, piece, j, masked: bool):
+          """One key block: scores, online softmax (base 2; `m` includes the piece's
+          `log2 m` bias, so p is one fused multiply-add and an exp2 per score), P @ V.
+          Unmasked blocks (all keys exist and precede every query) skip the mask."""
+          acc, m_i, l_i, step = carry
+          slot = lax.rem(step, stages)
+          plgpu.barrier_wait(k_bar.at[slot])
+          s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
+          plgpu.barrier_arrive(k_free.at[slot])
           if masked:
             key = j * bk + cols_iota
             visible = key < piece.count
@@ -817,92 +818,20 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
           m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
           alpha = jnp.exp2(m_i - m_use)
           p_ = jnp.exp2(s * qk_scale - rows_of(m_use - bias, s.shape))
-          scaled = alpha if acc is None else acc * rows_of(alpha, acc.shape)
+          acc = acc * rows_of(alpha, acc.shape)
           l_i = l_i * alpha + p_.sum(axis=1)
-          return scaled, m_new, l_i, p_.astype(dtype)
-
-        def block(carry, piece, j, masked: bool):
-          """One key block: scores, softmax, P @ V."""
-          acc, m_i, l_i, step = carry
-          slot = lax.rem(step, stages)
-          plgpu.barrier_wait(k_bar.at[slot])
-          s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
-          plgpu.barrier_arrive(k_free.at[slot])
-          acc, m_new, l_i, p16 = softmax(s, m_i, l_i, piece, j, masked, acc)
+          p16 = p_.astype(dtype)
           give_turn(lambda: plgpu.barrier_wait(v_bar.at[slot]))
           acc, = _accumulate([acc], [(p16, v_smem.at[slot])], interpret)
           plgpu.barrier_arrive(v_free.at[slot])
           return acc, m_new, l_i, step + 1
-
-        def pipelined(carry, piece, j, masked: bool):
-          """One key block, its P @ V left in flight for the next block to issue beside its
-          QK^T (`_PIPELINED`): this block issues its QK^T and the last block's P @ V, runs its
-          softmax while they (and the other consumer's products) run, and rescales the
-          accumulator once the P @ V is in. The item's first block issues no P @ V."""
-          acc, m_i, l_i, step, p_prev, fresh = carry
-          slot, prev = lax.rem(step, stages), lax.rem(step + stages - 1, stages)
-          plgpu.barrier_wait(k_bar.at[slot])
-
-          def first():
-            s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
-            plgpu.barrier_arrive(k_free.at[slot])
-            acc_, m_new, l_new, p16 = softmax(s, m_i, l_i, piece, j, masked, acc)
-            give_turn(lambda: None)
-            return acc_, m_new, l_new, p16
-
-          def overlapped():
-            plgpu.barrier_wait(v_bar.at[prev])
-            if interpret:  # no register-operand wgmma there: the same steps, in order
-              s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
-              plgpu.barrier_arrive(k_free.at[slot])
-              alpha, m_new, l_new, p16 = softmax(s, m_i, l_i, piece, j, masked)
-              pv, = _accumulate([acc], [(p_prev, v_smem.at[prev])], interpret)
-              plgpu.barrier_arrive(v_free.at[prev])
-              give_turn(lambda: None)
-              return pv * rows_of(alpha, acc.shape), m_new, l_new, p16
-
-            def body(refs):
-              acc_ref, s_ref, p_ref, m_ref, l_ref = refs
-              plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-              plgpu.wgmma(acc_ref, p_ref[...], v_smem.at[prev])
-              take_turn()
-              s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the P @ V still runs
-              plgpu.barrier_arrive(k_free.at[slot])
-              alpha, m_new, l_new, p16 = softmax(s, m_ref[...], l_ref[...], piece, j, masked)
-              pv = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
-              plgpu.barrier_arrive(v_free.at[prev])
-              acc_ref[...] = pv * rows_of(alpha, pv.shape)
-              p_ref[...], m_ref[...], l_ref[...] = p16, m_new, l_new
-              give_turn(lambda: None)
-
-            zeros = plgpu.layout_cast(jnp.zeros((bq, bk), jnp.float32), plgpu.Layout.WGMMA)
-            acc_, _, p16, m_new, l_new = pl.run_state(body)(
-                (plgpu.ACC.init(acc), plgpu.ACC.init(zeros), p_prev, m_i, l_i))
-            return acc_, m_new, l_new, p16
-
-          acc, m_i, l_i, p16 = lax.cond(fresh != 0, first, overlapped)
-          return acc, m_i, l_i, step + 1, p16, jnp.int32(0)
 
         acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
         m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_stat)
         l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_stat)
         pl.when(prog.busy)(start_turns)  # one consumer's softmax beside the other's wgmmas
         ranges = key_ranges(prog, pieces_ref, bias_ref, q_first)
-        if _PIPELINED:
-          p0 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
-          acc, m_i, l_i, step, p_last, fresh = _walk(
-              prog, ranges, pipelined, (acc, m_i, l_i, step, p0, jnp.int32(1)))
-
-          def flush():  # the last block's P @ V (no next block to issue it beside)
-            last = lax.rem(step + stages - 1, stages)
-            plgpu.barrier_wait(v_bar.at[last])
-            out, = _accumulate([acc], [(p_last, v_smem.at[last])], interpret)
-            plgpu.barrier_arrive(v_free.at[last])
-            return out
-
-          acc = lax.cond(fresh == 0, flush, lambda: acc)
-        else:
-          acc, m_i, l_i, step = _walk(prog, ranges, block, (acc, m_i, l_i, step))
+        acc, m_i, l_i, step = _walk(prog, ranges, block, (acc, m_i, l_i, step))
 
         @pl.when(prog.busy)
         def _():
