@@ -166,8 +166,17 @@ def test_declines_off_hopper_and_on_unaligned_rows():
     mosaic.Config(fused_backward=1)
   with pytest.raises(ValueError, match="persistent"):
     mosaic.Config(persistent="yes")
-  assert not mosaic.Config().resolved(64).fused_backward
-  assert mosaic.Config(fused_backward=True).resolved(128).fused_backward
+  # The backward's choices per launch: fused (2 stages) where rows are unstrided, split
+  # (3 stages where they fit) where strided, unless the config says.
+  default = mosaic.Config().resolved(128)
+  assert default.fused_backward is None and default.backward_stages is None
+  fused, split = default.backward_for(1, 128), default.backward_for(4, 64)
+  assert (fused.fused_backward, fused.backward_stages) == (True, 2)
+  assert (split.fused_backward, split.backward_stages) == (False, 3)
+  assert default.backward_for(4, 128).backward_stages == 2  # 3 exceed shared memory
+  assert not mosaic.Config(fused_backward=False).backward_for(1, 64).fused_backward
+  assert mosaic.Config(fused_backward=True, backward_stages=3).backward_for(2, 64) == \
+      mosaic.Config(fused_backward=True, backward_stages=3)
 
 
 def _aligned_case(data):

@@ -3,7 +3,7 @@ the default, interleaved (A B C ... A B C ...), medians of `--runs` per round; J
 a table (each variant's ratio of medians to the default's).
 Shapes (`--shapes`, indices): non-causal full attention and LongNet (where every work item
 costs the same), causal LongNet at D = 64 and 128, the attention of examples/lm_real.py's
-`--preset gpu` (6), full causal attention (7). `--peers`: cuDNN (full attention) or folded
+`--preset gpu` (6), full causal attention (7), full attention at D = 64 (8), at 128K (9). `--peers`: cuDNN (full attention) or folded
 cuDNN (LongNet) in the same rounds, its ratio too its time over the default's."""
 import argparse, ast, json, statistics, sys, time
 sys.path.insert(0, "benchmarks")
@@ -29,7 +29,9 @@ shapes = [("full", 1, 32768, 16, 16, 128, DilatedPattern((32768,), (1,))),
           ("longnet-causal", 1, 131072, 16, 16, 64, DilatedPattern(*LONGNET, causal=True)),
           ("longnet-causal", 1, 131072, 16, 16, 128, DilatedPattern(*LONGNET, causal=True)),
           ("lm", 8, 8192, 6, 2, 128, DilatedPattern(*LM, causal=True, offsets="all")),
-          ("full-causal", 1, 32768, 16, 16, 128, DilatedPattern((32768,), (1,), causal=True))]
+          ("full-causal", 1, 32768, 16, 16, 128, DilatedPattern((32768,), (1,), causal=True)),
+          ("full", 1, 32768, 16, 16, 64, DilatedPattern((32768,), (1,))),
+          ("full", 1, 131072, 16, 16, 128, DilatedPattern((131072,), (1,)))]
 shapes = [shapes[int(i)] for i in args.shapes.split(",")]
 variants = {spec: {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in spec.split(","))}
             for spec in args.variant or ["persistent=True"]}

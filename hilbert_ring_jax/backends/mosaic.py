@@ -115,8 +115,9 @@ class Config:
     stages: forward: key/value blocks in flight (2..4).
     backward_stages: backward: blocks in flight (2..4; blocks of 64 queries and keys).
     fused_backward: backward: dq inside the dk/dv kernel (TMA reduce-add stores into a
-      float32 accumulator), else a dq kernel of its own (None: the default, which measured
-      faster at head dims 64 and 128).
+      float32 accumulator), else a dq kernel of its own. None: fused in launches that read
+      their rows unstrided (full attention, stride-1 branches), split in strided ones (a
+      second float32 dq accumulator would be needed there for the strided view).
     persistent: one program per SM, each walking a run of the launch's work items (program
       blocks of rows), so that the producer streams the next item's blocks while the
       consumers finish the last one (and the forward loads the next item's queries into a
@@ -149,26 +150,31 @@ class Config:
       raise ValueError(f"interpret must be a bool, got interpret={self.interpret!r}")
 
   def resolved(self, head_dim: int, itemsize: int = 2, out_itemsize: int = 2) -> Config:
-    """This config with the tuned defaults filled in: the first of the preferred tiles whose
-    buffers fit in shared memory (float32 outputs take a tile of their own); the backward
-    split with the most stages that fit (up to 3), or fused with 2.
-    `ValueError` if the chosen forward tiles do not fit; explicit backward stages that do
-    not fit fail when the kernel lowers."""
-    fused = bool(self.fused_backward)
-    stages = self.backward_stages or (2 if fused else max(
-        [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize) <= _SMEM_BYTES]
-        or [2]))
+    """This config with the forward's tuned defaults filled in: the first of the preferred
+    tiles whose buffers fit in shared memory (float32 outputs take a tile of their own).
+    `ValueError` if the chosen forward tiles do not fit. (The backward's are per launch:
+    `backward_for`.)"""
     preferred = [(64, 128 if head_dim <= 128 else 64, 2), (64, 64, 3), (64, 64, 2)]
     for bq, bk, fwd_stages in preferred:
       config = dataclasses.replace(self, block_q=self.block_q or bq, block_k=self.block_k or bk,
-                                   stages=self.stages or fwd_stages, backward_stages=stages,
-                                   fused_backward=fused)
+                                   stages=self.stages or fwd_stages)
       if _smem_bytes(config, head_dim, itemsize, out_itemsize) <= _SMEM_BYTES:
         return config
     raise ValueError(
         f"block_q={config.block_q}, block_k={config.block_k}, stages={config.stages} need "
         f"{_smem_bytes(config, head_dim, itemsize, out_itemsize)} bytes of shared memory at "
         f"head dim {head_dim} ({_SMEM_BYTES} available): choose smaller blocks or fewer stages")
+
+
+  def backward_for(self, stride: int, head_dim: int, itemsize: int = 2) -> Config:
+    """The backward's choices for a launch of row stride `stride`: fused where unstrided
+    (unless `fused_backward` says), with 2 stages; split with the most stages that fit (up
+    to 3). Explicit backward stages that do not fit fail when the kernel lowers."""
+    fused = stride == 1 if self.fused_backward is None else self.fused_backward
+    stages = self.backward_stages or (2 if fused else max(
+        [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize) <= _SMEM_BYTES]
+        or [2]))
+    return dataclasses.replace(self, backward_stages=stages, fused_backward=fused)
 
 
 def _smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int,
@@ -647,6 +653,14 @@ class _Ranges:
                          bound)
 
 
+def _opaque(x):
+  """`x`, through an optimization barrier (side-effecting inline asm): the compiler cannot
+  hoist what is computed from it out of a loop. A resident shared-memory tile indexed by it
+  inside the walk has its wgmma descriptors computed at each block instead of held in
+  registers across the walk (where they spilled)."""
+  return lax.optimization_barrier(x)
+
+
 def _accumulate(accs, pairs, interpret: bool):
   """`[acc + a @ b_ref for acc, (a, b_ref) in zip(accs, pairs)]` as wgmmas (registers `a`,
   shared-memory `b_ref`) awaited once. Interpret mode runs neither `run_state` nor a wgmma
@@ -953,8 +967,9 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
           slot = lax.rem(step, stages)
           plgpu.barrier_wait(k_bar.at[slot])
           plgpu.barrier_wait(v_bar.at[slot])
-          s, dp = _products([(q_tile, k_smem.at[slot].T), (do_tile, v_smem.at[slot].T)],
-                            (bq, bk))
+          me = _opaque(wg)
+          s, dp = _products([(q_smem.at[me], k_smem.at[slot].T),
+                             (do_smem.at[me], v_smem.at[slot].T)], (bq, bk))
           plgpu.barrier_arrive(v_free.at[slot])
           p = jnp.exp2(jnp.minimum(s * qk_scale - rows_of(lse2 - piece.bias), 0.0))
           if masked:
@@ -1114,8 +1129,9 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           plgpu.barrier_wait(ready.at[wg])
 
           def product(acc):
+            zero = _opaque(jnp.int32(0))
             for i in range(2):
-              plgpu.wgmma(acc, ds_smem.at[i].T, k_smem.at[i])
+              plgpu.wgmma(acc, ds_smem.at[zero + i].T, k_smem.at[zero + i])
             return acc[...]
 
           dq = pl.run_scoped(product, plgpu.ACC((bq, d), jnp.float32))
@@ -1151,8 +1167,9 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           slot = lax.rem(step, stages)
           plgpu.barrier_wait(q_bar.at[slot])
           plgpu.barrier_wait(do_bar.at[slot])
-          s_t, dp_t = _products([(k_tile, q_smem.at[slot].T), (v_tile, do_smem.at[slot].T)],
-                                (bk, bq))
+          me = _opaque(wg)
+          s_t, dp_t = _products([(k_smem.at[me], q_smem.at[slot].T),
+                                 (v_smem.at[me], do_smem.at[slot].T)], (bk, bq))
           plgpu.barrier_wait(lse_bar.at[slot])
           plgpu.barrier_wait(delta_bar.at[slot])
           lse2 = plgpu.load(lse_smem.at[slot], layout=col_stat)
@@ -1318,13 +1335,14 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config, final
     strided = [t.reshape(batch, num_heads, n_pad // L, L).transpose(0, 1, 3, 2) for t in flat]
     transposed = schedule.build(pattern, n, num_heads, num_kv, fused, True)
     stats = (flat[0], strided[0], flat[1], strided[1])
-    if config.fused_backward:
-      dq, dk, dv = _fused_backward(x, stats, transposed, n, pattern.causal, scale, config)
+    cfg = config.backward_for(L, q.shape[-1], q.dtype.itemsize)
+    if cfg.fused_backward:
+      dq, dk, dv = _fused_backward(x, stats, transposed, n, pattern.causal, scale, cfg)
     else:
-      dq = _dq_launch(*x, *strided, sched.arrays(), sched, n, pattern.causal, scale, config,
+      dq = _dq_launch(*x, *strided, sched.arrays(), sched, n, pattern.causal, scale, cfg,
                       out_dtype)
       dk, dv = _dkdv_launch(*x, stats, transposed.arrays(), transposed, n, pattern.causal,
-                            scale, config, out_dtype=out_dtype)
+                            scale, cfg, out_dtype=out_dtype)
     now = (dq[:, :n], dk[:, :n], dv[:, :n])
     grads = now if grads is None else tuple(a + b for a, b in zip(grads, now))
   return grads

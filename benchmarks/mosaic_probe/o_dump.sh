@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# PTX and ptxas reports of the backward kernels (j_ptxas.py) with module flags of
+# backends/mosaic.py set, for local ptxas/nvdisasm analysis:
+#   bash benchmarks/mosaic_probe/o_dump.sh NAME "_OPAQUE_TILES=True" 128 fused
+# writes $OUT/NAME.tgz (entry_*.ptx, entry_*.ptxas of each kernel compiled).
+set -uo pipefail
+OUT=${OUT:-out}; name=$1; flags=$2; shift 2
+dir=/tmp/dump_$name; mkdir -p "$dir"
+MOSAIC_GPU_DUMP_TO=$dir MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 PYTHONPATH=$PWD \
+  timeout 250 python3 -c "
+import runpy, sys
+from hilbert_ring_jax.backends import mosaic
+for kv in '$flags'.split(','):
+  if kv:
+    k, v = kv.split('='); setattr(mosaic, k, eval(v))
+sys.argv = ['j_ptxas.py', *sys.argv[1:]]
+runpy.run_path('benchmarks/mosaic_probe/j_ptxas.py', run_name='__main__')
+" "$@" > "$dir/log.txt" 2>&1
+echo "== $name ($flags $*)"; grep -h -E "spill stores|Used [0-9]+ registers" "$dir"/*.ptxas
+tar czf "$OUT/$name.tgz" -C "$dir" $(cd "$dir" && ls *.ptx *.ptxas log.txt)
