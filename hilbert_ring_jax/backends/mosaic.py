@@ -56,13 +56,16 @@ rings, the same block walk), without the turn-taking, which measured slower ther
   their k and v tiles; the producer streams the query pieces of every query head reading that
   head (q, dout, lse, delta: a stride-1 piece from `[B, N, H, ...]`, a strided one from the
   view), s^T = k q^T, dp^T = v dout^T, dv += p^T dout, dk += ds^T q.
-With `Config(fused_backward=True)` dq moves into the dk/dv kernel: both consumers put their
-ds^T tiles in shared memory, one of them (taking turns) computes the query block's
-dq = ds_0 k_0 + ds_1 k_1 and adds it into a zeroed float32 accumulator with a TMA reduce-add
-store: five products per block pair instead of seven. It is not the default: at head dim 128
-that kernel spills registers and measured 10-37% slower than the two kernels, and at 64,
-where it measured 5-7% faster on 2026-11-24, the two kernels measured 2-7% faster once
-every kernel walked work items (2026-11-25).
+In launches whose rows are unstrided (full attention, stride-1 branches; `Config.backward_for`)
+dq moves into the dk/dv kernel: both consumers put their ds^T tiles in shared memory, one of
+them (taking turns) computes the query block's dq = ds_0 k_0 + ds_1 k_1 and adds it into a
+zeroed float32 accumulator with a TMA reduce-add store: five products per block pair instead
+of seven (full attention 32K, D = 128: 54.8 against 64.4 ms forward+backward on an H100).
+Strided launches keep the two kernels (a fused one would need a second float32 accumulator
+in the strided view, and measured no faster there). The consumers index their resident
+tiles through `_opaque` inside the walk, so that each tile's wgmma descriptors are computed
+per block rather than hoisted and held in registers across the walk: held, they made the
+fused kernel spill at head dim 128 (460 bytes; 40 now).
 All write float32 through shared memory; several launches add up. Head dim 256 does not fit
 (its tiles exceed shared memory): there the backward is the "triton" backend's.
 `Config(interpret=True)` runs the kernels in Mosaic GPU interpret mode on a CPU (JAX >= 0.11),
