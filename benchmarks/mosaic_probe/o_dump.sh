@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# PTX and ptxas reports of the backward kernels (j_ptxas.py) with module flags of
-# backends/mosaic.py set, for local ptxas/nvdisasm analysis:
-#   bash benchmarks/mosaic_probe/o_dump.sh NAME "_OPAQUE_TILES=True" 128 fused
-# writes $OUT/NAME.tgz (entry_*.ptx, entry_*.ptxas of each kernel compiled).
+# PTX and ptxas reports of the kernels j_ptxas.py compiles (a forward and its backward),
+# with module flags of backends/mosaic.py set ("NAME=value,..."; "" for none), for analysis
+# elsewhere (ptxas and nvdisasm run on a CPU machine: the nvidia-cuda-nvcc and
+# nvidia-cuda-nvdisasm wheels):
+#   bash benchmarks/mosaic_probe/o_dump.sh fused128 "" 128 fused
+# writes $OUT/NAME.tgz (entry_*.ptx, entry_*.ptxas of each kernel compiled, the log).
 set -uo pipefail
 OUT=${OUT:-out}; name=$1; flags=$2; shift 2
 dir=/tmp/dump_$name; mkdir -p "$dir"

@@ -168,7 +168,6 @@ class Config:
         f"{_smem_bytes(config, head_dim, itemsize, out_itemsize)} bytes of shared memory at "
         f"head dim {head_dim} ({_SMEM_BYTES} available): choose smaller blocks or fewer stages")
 
-
   def backward_for(self, stride: int, head_dim: int, itemsize: int = 2) -> Config:
     """The backward's choices for a launch of row stride `stride`: fused where unstrided
     (unless `fused_backward` says), with 2 stages; split with the most stages that fit (up
