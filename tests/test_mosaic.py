@@ -60,7 +60,8 @@ def test_interpret_nested_gqa_float16():
 def test_interpret_launches_in_whole_blocks(head_dim, causal):
   """Rows of 32 all together (w0 / L = 128 / 4), so the kernels' launches group the branches
   in rows of 128: {128/1, 256/1} and {512/4} (the LM preset's grouping in small), float32
-  partials merged, the gradients of the two launches added (dq from a kernel of its own).
+  partials merged, the gradients of the two launches added: by default the unstrided
+  launch's dk/dv kernel adds dq, the strided one has a dq kernel of its own.
   The kernels are persistent (list-scheduled under the mask), the forward's float32 output
   tile beside a single query tile (no room for a second one at head dim 128)."""
   case = Case(512, 2, 1, (128, 256, 512), (1, 1, 4), head_dim=head_dim)
@@ -97,7 +98,7 @@ def test_interpret_causal_partial_float32_partials():
 def test_interpret_causal_partial_backward(fused):
   """The backward of the case above: causal block ranges of the transposed schedule (query
   blocks before, across and after a key block's diagonal), a partial segment, 3 stages; dq
-  from its own kernel (the default), or added by the dk/dv kernel."""
+  from its own kernel (the default in this strided launch), or added by the dk/dv kernel."""
   case = Case(640, 1, 1, (256, 512), (1, 2), offsets="all", head_dim=128)
   _both_passes_vs_reference(case, True, jnp.bfloat16, mosaic.Config(
       interpret=True, backward_stages=3, fused_backward=fused))
