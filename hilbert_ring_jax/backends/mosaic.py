@@ -120,7 +120,9 @@ class Config:
     fused_backward: backward: dq inside the dk/dv kernel (TMA reduce-add stores into a
       float32 accumulator), else a dq kernel of its own. None: fused in launches that read
       their rows unstrided (full attention, stride-1 branches), split in strided ones (a
-      second float32 dq accumulator would be needed there for the strided view).
+      second float32 dq accumulator would be needed there for the strided view). The fused
+      kernel's gradients pass through float32 buffers; where one launch makes them final
+      the split kernels write bf16 directly: `False` halves that memory at extreme lengths.
     persistent: one program per SM, each walking a run of the launch's work items (program
       blocks of rows), so that the producer streams the next item's blocks while the
       consumers finish the last one (and the forward loads the next item's queries into a
