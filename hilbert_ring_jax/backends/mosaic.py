@@ -971,7 +971,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
           slot = lax.rem(step, stages)
           plgpu.barrier_wait(k_bar.at[slot])
           plgpu.barrier_wait(v_bar.at[slot])
-          me = _opaque(wg)
+          me = _opaque(wg)  # q_tile, do_tile, indexed per block (`_opaque`)
           s, dp = _products([(q_smem.at[me], k_smem.at[slot].T),
                              (do_smem.at[me], v_smem.at[slot].T)], (bq, bk))
           plgpu.barrier_arrive(v_free.at[slot])
@@ -1171,7 +1171,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           slot = lax.rem(step, stages)
           plgpu.barrier_wait(q_bar.at[slot])
           plgpu.barrier_wait(do_bar.at[slot])
-          me = _opaque(wg)
+          me = _opaque(wg)  # k_tile, v_tile, indexed per block (`_opaque`)
           s_t, dp_t = _products([(k_smem.at[me], q_smem.at[slot].T),
                                  (v_smem.at[me], do_smem.at[slot].T)], (bk, bq))
           plgpu.barrier_wait(lse_bar.at[slot])
