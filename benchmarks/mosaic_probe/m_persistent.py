@@ -3,8 +3,8 @@ the default, interleaved (A B C ... A B C ...), medians of `--runs` per round; J
 a table (each variant's ratio of medians to the default's).
 Shapes (`--shapes`, indices): non-causal full attention and LongNet (where every work item
 costs the same), causal LongNet at D = 64 and 128, the attention of examples/lm_real.py's
-`--preset gpu` (6), full causal attention (7), full attention at D = 64 (8) and at 128K (9).
-`--peers`: cuDNN (full attention) or folded cuDNN (LongNet) in the same rounds, its ratio
+`--preset gpu` (6), full causal attention (7), full attention at D = 64 (8) and at 128K (9), the LM's local model (10).
+`--peers`: cuDNN (full attention; the LM shapes: full causal) or folded cuDNN (LongNet) in the same rounds, its ratio
 too its time over the default's."""
 import argparse, ast, json, statistics, sys, time
 sys.path.insert(0, "benchmarks")
@@ -32,7 +32,8 @@ shapes = [("full", 1, 32768, 16, 16, 128, DilatedPattern((32768,), (1,))),
           ("lm", 8, 8192, 6, 2, 128, DilatedPattern(*LM, causal=True, offsets="all")),
           ("full-causal", 1, 32768, 16, 16, 128, DilatedPattern((32768,), (1,), causal=True)),
           ("full", 1, 32768, 16, 16, 64, DilatedPattern((32768,), (1,))),
-          ("full", 1, 131072, 16, 16, 128, DilatedPattern((131072,), (1,)))]
+          ("full", 1, 131072, 16, 16, 128, DilatedPattern((131072,), (1,))),
+          ("lm-local", 8, 8192, 6, 2, 128, DilatedPattern((512,), (1,), causal=True))]
 shapes = [shapes[int(i)] for i in args.shapes.split(",")]
 variants = {spec: {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in spec.split(","))}
             for spec in args.variant or ["persistent=True"]}
@@ -55,8 +56,9 @@ for kind, b, n, h, hkv, d, pattern in shapes:
     f = lambda q, k, v, config=config: dilated_attention(q, k, v, pattern, implementation="mosaic",
                                                          config=config)
     fns[name] = (jax.jit(f), jax.jit(lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do)))
-  if args.peers and kind != "lm":
+  if args.peers:
     from bench_pallas import cudnn_full, cudnn_full_causal, folded_cudnn
+    # The LM shapes' peer: the full causal attention of the LM's full model.
     peer = folded_cudnn if kind.startswith("longnet") else \
         cudnn_full_causal if pattern.causal else cudnn_full
     f = lambda q, k, v: peer(q, k, v, pattern, d ** -0.5)

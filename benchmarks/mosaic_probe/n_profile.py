@@ -19,17 +19,21 @@ SHAPES = {"full-32k": (1, 32768, 16, 16, 128, DilatedPattern((32768,), (1,))),
           "longnet-64": (1, 131072, 16, 16, 64, DilatedPattern(*LONGNET)),
           "longnet-causal-64": (1, 131072, 16, 16, 64, DilatedPattern(*LONGNET, causal=True)),
           "longnet-causal-128": (1, 131072, 16, 16, 128, DilatedPattern(*LONGNET, causal=True)),
-          "lm": (8, 8192, 6, 2, 128, DilatedPattern(*LM, causal=True, offsets="all"))}
+          "lm": (8, 8192, 6, 2, 128, DilatedPattern(*LM, causal=True, offsets="all")),
+          "lm-local": (8, 8192, 6, 2, 128, DilatedPattern((512,), (1,), causal=True))}
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", choices=list(SHAPES), required=True)
 ap.add_argument("--variant", default="", help="key=value,... of mosaic.Config")
 ap.add_argument("--impl", default="mosaic", help="mosaic, or a peer: cudnn, tokamax")
 ap.add_argument("--backward", action="store_true", help="forward+backward")
+ap.add_argument("--flags", default="", help="NAME=value,... module flags of backends/mosaic.py")
 args = ap.parse_args()
 b, n, h, hkv, d, pattern = SHAPES[args.shape]
 config = mosaic.Config(**{k: ast.literal_eval(v) for k, v in
                           (kv.split("=") for kv in args.variant.split(",") if kv)})
+for kv in filter(None, args.flags.split(",")):
+  setattr(mosaic, kv.split("=")[0], ast.literal_eval(kv.split("=")[1]))
 rng = np.random.default_rng(0)
 q, do = (jnp.asarray(rng.standard_normal((b, n, h, d)), jnp.bfloat16) for _ in range(2))
 k, v = (jnp.asarray(rng.standard_normal((b, n, hkv, d)), jnp.bfloat16) for _ in range(2))
