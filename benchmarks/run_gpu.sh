@@ -84,6 +84,8 @@ for stage in "$@"; do
     tests-decode) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_decode.py \
                   -k "mosaic or jit or steps_match" 2>&1 | tail -15 ;;
     generate) timeout 580 python3 examples/generate.py --preset gpu 2>&1 | tail -3 ;;
+    tests-ring) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_ring.py \
+                  -k gpus 2>&1 | tail -15 ;;
     ring) timeout 420 python3 benchmarks/ring_scaling.py --devices 1,$(nvidia-smi -L | wc -l) \
               --per-gpu 8192,32768 --strong 65536 --runs 3 --longest --longest-start 4194304 \
               --json "$OUT/ring.json" 2>&1 | grep -v "^W1\|^I1\|bfc_allocator\|^\*" ;;

@@ -198,3 +198,57 @@ def test_bad_batch_axis():
   with pytest.raises(ValueError, match="batch size 3"):
     sharded_dilated_attention(x, x, x, DilatedPattern((8,), (1,)), mesh=m, axis_name="seq",
                               batch_axis="data")
+
+
+# (B, N per GPU, H, Hkv, D, pattern with N = P x N per GPU): what a user runs on GPUs.
+GPU_CASES = {
+    "full": (1, 8192, 4, 4, 128, lambda n: DilatedPattern((n,), (1,))),
+    "full_causal_gqa": (1, 8192, 4, 2, 128, lambda n: DilatedPattern((n,), (1,), causal=True)),
+    "longnet_causal_d64": (1, 8192, 4, 4, 64, lambda n: DilatedPattern(
+        (2048, 4096, 8192), (1, 2, 4), causal=True)),
+    "lm_preset": (2, 8192, 6, 2, 128, lambda n: DilatedPattern(
+        (512, 2048, 8192), (1, 4, 16), causal=True, offsets="all")),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_CASES)
+def test_ring_on_gpus(name, monkeypatch):
+  """The ring over every GPU of the host, bf16, each step on the default backend ("mosaic" on
+  Hopper: its float32 partials and gradients), against one GPU's float32 "xla" result:
+  outputs, lse and gradients (`run_gpu.sh tests-ring`; needs two GPUs)."""
+  from hilbert_ring_jax.backends import mosaic  # pylint: disable=g-import-not-at-top
+  gpus = jax.devices("gpu")
+  if len(gpus) < 2:
+    pytest.skip("needs two GPUs")
+  b, per_gpu, h, hkv, d, make = GPU_CASES[name]
+  p, n = len(gpus), len(gpus) * per_gpu
+  pattern = make(n)
+  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
+                      pattern.offsets, head_dim=d, batch=b)
+  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 3)
+  launches = []
+  launch = mosaic._forward_launch  # pylint: disable=protected-access
+  monkeypatch.setattr(mosaic, "_forward_launch",
+                      lambda *a, **kw: (launches.append(1), launch(*a, **kw))[1])
+  jax.clear_caches()
+  gpu_mesh = jax.make_mesh((p,), ("seq",), axis_types=(AUTO,), devices=gpus)
+  ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
+      q, k, v, pattern, mesh=gpu_mesh, axis_name="seq", return_lse=True))
+  (out, lse), vjp = jax.vjp(ring, q, k, v)
+  grads = vjp((dout, dlse))
+  f32 = lambda *xs: [jax.device_put(x.astype(jnp.float32), gpus[0]) for x in xs]
+  single = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True,
+                                             implementation="xla")
+  (ref_out, ref_lse), ref_vjp = jax.vjp(single, *f32(q, k, v))
+  ref_grads = ref_vjp(tuple(f32(dout, dlse)))
+  ref_out, ref_lse, *ref_grads = (np.asarray(x, np.float64)
+                                  for x in (ref_out, ref_lse, *ref_grads))
+  tol = helpers.TOL[jnp.bfloat16]
+  assert out.dtype == jnp.bfloat16
+  assert helpers.rel_err(out, ref_out) < tol
+  helpers.check_lse(lse, ref_lse, tol)
+  for g, ref in zip(grads, ref_grads):
+    assert g.dtype == jnp.bfloat16 and helpers.rel_err(g, ref) < tol
+  if mosaic._is_hopper():  # pylint: disable=protected-access
+    assert launches, "no step ran the mosaic kernels"
