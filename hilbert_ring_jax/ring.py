@@ -3,7 +3,9 @@
 Shard `p` of `P` holds positions `[p * n, (p + 1) * n)` of processing order (`n = N / P`).
 Each branch `(w, r)` of the pattern runs in one of three ways, chosen on the host:
 
-- local (`n % w == 0`): every segment lies inside a shard; no communication at all;
+- local (`n % w == 0`): every segment lies inside a shard; no communication at all. The
+  local branches run together, as one backend call on the shard (one kernel launch where
+  the backend schedules them together), unless that would change a branch's backend;
 - ring (`w % n == 0`, `n % r == 0`): a segment spans `g = w / n` consecutive shards. Keys and
   values rotate in sub-rings of `g` devices. A step against another shard of the segment is
   plain (non-causal) attention of the local queries to the visiting keys, the shard being one
@@ -100,10 +102,10 @@ class _RingBranch:
     arrays is global order; steps against another shard's keys are non-causal, the plan
     having decided which are visible at all;
   - local and gather: the arrays are whole segments at their true positions: the pattern
-    itself, restricted to the branch.
+    itself, restricted to the branch (local: to `branches`, every local branch).
   """
 
-  def __init__(self, plan, pattern, scale, names, config, q, k):
+  def __init__(self, plan, pattern, scale, names, config, q, k, branches=None):
     self.plan, self.scale = plan, scale
     br = plan.branch
     self.per_kv = heads_per_kv(q.shape[2], k.shape[2])
@@ -119,7 +121,7 @@ class _RingBranch:
       self.branches = (br.index,)
     else:
       self.pattern = lambda causal, length: dataclasses.replace(pattern, causal=causal)
-      self.branches = (br.index,)
+      self.branches = branches or (br.index,)
     self.causal = br.causal
     # One resolution per branch, from the shapes of its first step; forward and backward
     # ask the same question. `like=q`: inside shard_map the inputs vary over the mesh.
@@ -369,10 +371,20 @@ class _Ring:
   config: object = None
 
   def _branches(self, q, k):
+    """`(plan, _RingBranch)` pairs, one per branch; the local branches as one pair (the
+    first local plan's) where the backend each would get on its own runs them all."""
     shards = jax.lax.axis_size(self.axis_name)
     per_kv = heads_per_kv(q.shape[2], k.shape[2])
-    for plan in _plans(self.pattern, q.shape[1], shards, q.shape[2], per_kv):
-      yield plan, _RingBranch(plan, self.pattern, self.scale, self.names, self.config, q, k)
+    plans = list(_plans(self.pattern, q.shape[1], shards, q.shape[2], per_kv))
+    make = lambda plan, branches=None: _RingBranch(plan, self.pattern, self.scale, self.names,
+                                                   self.config, q, k, branches)
+    pairs = [(plan, make(plan)) for plan in plans]
+    local = [(plan, st) for plan, st in pairs if plan.kind == "local"]
+    if len(local) > 1:
+      together = make(local[0][0], tuple(plan.branch.index for plan, _ in local))
+      if all(st.backend is together.backend for _, st in local):
+        pairs = [(local[0][0], together)] + [(p, st) for p, st in pairs if p.kind != "local"]
+    return pairs
 
   def forward(self, q, k, v):
     n, num_heads, axis_name = q.shape[1], q.shape[2], self.axis_name

@@ -100,6 +100,35 @@ def test_local_patterns_send_nothing():
   assert _collectives(DilatedPattern((8, 16), (1, 2), causal=True)) == []
 
 
+def test_local_branches_run_as_one_call(monkeypatch):
+  """The local branches of a shard go to their backend together (one launch where it
+  schedules them together), the spanning one on its own; gradients through both."""
+  from hilbert_ring_jax.backends import xla  # pylint: disable=g-import-not-at-top
+  # Shards of 16: w = 4 and 8 are local, w = 64 rings over all four shards.
+  p, n, h, hkv, pattern = 4, 64, 4, 2, DilatedPattern((4, 8, 64), (1, 2, 4), causal=True)
+  calls = []
+  for name in ("forward", "backward"):
+    fn = getattr(xla, name)
+    monkeypatch.setattr(xla, name, lambda *a, fn=fn, name=name, **kw: (
+        calls.append((name, kw.get("branches"))), fn(*a, **kw))[1])
+  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates)
+  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.float32, 11)
+  ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
+      q, k, v, pattern, mesh=mesh(p), axis_name="seq", implementation="xla"))
+  out, vjp = jax.vjp(ring, q, k, v)
+  grads = vjp(dout)
+  local = [br.index for br in pattern.layout(n, h) if (n // p) % br.w == 0]
+  assert len(local) > 1
+  # (each pass traced once or more: every call that touches a local branch takes them all)
+  assert {c for c in calls if set(c[1] or ()) & set(local)} == {
+      ("forward", tuple(local)), ("backward", tuple(local))}
+  single = lambda q, k, v: dilated_attention(q, k, v, pattern, implementation="xla")
+  ref, ref_vjp = jax.vjp(single, q, k, v)
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+  for g, r in zip(grads, ref_vjp(dout)):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
 def test_spanning_branches_send_only_dilated_rows():
   # n = 16 tokens per shard; w = 64 spans all 4 shards; r = 4 with one kv head per query
   # head: each step sends k and v of 16 / 4 = 4 rows for each of the 2 heads.
