@@ -112,7 +112,7 @@ def test_local_branches_run_as_one_call(monkeypatch):
     monkeypatch.setattr(xla, name, lambda *a, fn=fn, name=name, **kw: (
         calls.append((name, kw.get("branches"))), fn(*a, **kw))[1])
   case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates)
-  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.float32, 11)
+  q, k, v, dout, _ = helpers.random_inputs(case, jnp.float32, 11)
   ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
       q, k, v, pattern, mesh=mesh(p), axis_name="seq", implementation="xla"))
   out, vjp = jax.vjp(ring, q, k, v)

@@ -3,9 +3,11 @@ the default, interleaved (A B C ... A B C ...), medians of `--runs` per round; J
 a table (each variant's ratio of medians to the default's).
 Shapes (`--shapes`, indices): non-causal full attention and LongNet (where every work item
 costs the same), causal LongNet at D = 64 and 128, the attention of examples/lm_real.py's
-`--preset gpu` (6), full causal attention (7), full attention at D = 64 (8) and at 128K (9), the LM's local model (10).
-`--peers`: cuDNN (full attention; the LM shapes: full causal) or folded cuDNN (LongNet) in the same rounds, its ratio
-too its time over the default's."""
+`--preset gpu` (6), full causal attention (7), full attention at D = 64 (8) and at 128K (9),
+the LM's local model (10). Timings are host-clocked: below a few milliseconds dispatch jitter
+shows (the LM shapes: `p_kernels.sh` reads the device's clock).
+`--peers`: cuDNN (full attention; the LM shapes: full causal) or folded cuDNN (LongNet) in the
+same rounds, its ratio too its time over the default's."""
 import argparse, ast, json, statistics, sys, time
 sys.path.insert(0, "benchmarks")
 import jax, jax.numpy as jnp, numpy as np
