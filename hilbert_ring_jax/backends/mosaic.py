@@ -7,8 +7,8 @@ shared key/value head. Launches group branches whose rows are at least one progr
 long (`_ROW_BLOCK`, 128 positions), so a pattern whose rows would be short all together runs
 as a few launches merged like branch-by-branch ones: the LM preset of examples/lm_real.py,
 `w = (512, 2048, 8192), r = (1, 4, 16)` (rows of 32 all together), as {512/1, 2048/4} (rows
-of 128) and {8192/16} (rows of 512). What changes is the engine, built from Hopper's own
-parts:
+of 128) and {8192/16} (rows of 512), their partials in the output's dtype (float32 when none
+is asked for) merged in float32. What changes is the engine, built from Hopper's own parts:
 
 - a program owns `2 * block_q` positions of one strided query row and runs three warpgroups:
   two consumers (`block_q` query rows each) and one producer that issues the TMA copies of
@@ -66,8 +66,9 @@ in the strided view, and measured no faster there). The consumers index their re
 tiles through `_opaque` inside the walk, so that each tile's wgmma descriptors are computed
 per block rather than hoisted and held in registers across the walk: held, they made the
 fused kernel spill at head dim 128 (460 bytes; 40 now).
-All write float32 through shared memory; several launches add up. Head dim 256 does not fit
-(its tiles exceed shared memory): there the backward is the "triton" backend's.
+All write through shared memory: float32, or bf16 from the split kernels where the gradients
+are final; several launches add up in float32. Head dim 256 does not fit (its tiles exceed
+shared memory): there the backward is the "triton" backend's.
 `Config(interpret=True)` runs the kernels in Mosaic GPU interpret mode on a CPU (JAX >= 0.11),
 which is how the test suite checks them without a GPU.
 """
