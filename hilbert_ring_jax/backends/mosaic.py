@@ -106,6 +106,10 @@ _SHORT_ITEMS = 64
 # Registers per thread of the producer and of each consumer warpgroup (`setmaxnreg`; the
 # three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
 _REGISTERS = (40, 232)
+# Probe flags (A/B on the device; removed once measured).
+_CONTINUOUS_TURNS = True
+_LATE_Q_PREFETCH = True
+_EARLY_ROWS = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -802,15 +806,24 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
 
       if buffers == 2:
         load_q(0, prog_of(0))
+      late = buffers == 2 and _LATE_Q_PREFETCH
+      if _CONTINUOUS_TURNS:
+        start_turns()
 
       def item(i, prog, step):
-        # The stores of the item before have read their tiles (the output's may be the query
-        # tile the next item's queries load into).
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        if buffers == 2:
-          pl.when(i + 1 < count)(lambda: load_q(i + 1, prog_of(i + 1)))
-        else:
-          load_q(i, prog)
+        step0 = step
+
+        def prefetch():
+          # The stores of the item before have read their tiles (the output's may be the
+          # query tile the next item's queries load into).
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          if buffers == 2:
+            pl.when(i + 1 < count)(lambda: load_q(i + 1, prog_of(i + 1)))
+          else:
+            load_q(i, prog)
+
+        if not late:
+          prefetch()
         q_tile = q_smem.at[tile(i)]
         pl.when(prog.busy)(lambda: plgpu.barrier_wait(q_bar.at[tile(i)]))
         q_first = prog.first + L * (prog.start + wg * bq)  # this warpgroup's first query
@@ -823,7 +836,13 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
           acc, m_i, l_i, step = carry
           slot = lax.rem(step, stages)
           plgpu.barrier_wait(k_bar.at[slot])
-          s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
+
+          def between():
+            if late:
+              pl.when(step == step0)(prefetch)
+            take_turn()
+
+          s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), between)
           plgpu.barrier_arrive(k_free.at[slot])
           if masked:
             key = j * bk + cols_iota
@@ -848,13 +867,17 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
         m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_stat)
         l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_stat)
-        pl.when(prog.busy)(start_turns)  # one consumer's softmax beside the other's wgmmas
+        if not _CONTINUOUS_TURNS:
+          pl.when(prog.busy)(start_turns)  # one consumer's softmax beside the other's wgmmas
         ranges = key_ranges(prog, pieces_ref, bias_ref, q_first)
         acc, m_i, l_i, step = _walk(prog, ranges, block, (acc, m_i, l_i, step))
+        if late:
+          pl.when(step == step0)(prefetch)
 
         @pl.when(prog.busy)
         def _():
-          end_turns()
+          if not _CONTINUOUS_TURNS:
+            end_turns()
           seen = l_i > 0
           l_safe = jnp.where(seen, l_i, 1.0)
           o_tile = q_tile if same else o_smem.at[wg]
@@ -868,6 +891,8 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         return step
 
       loop(item, jnp.int32(0))
+      if _CONTINUOUS_TURNS:
+        end_turns()
       plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg < 2)(consumer)
@@ -937,17 +962,19 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
 
     def consumer():
       plgpu.set_max_registers(_REGISTERS[1], action="increase")
-      _, _, loop = work.mine(origin_ref, rows_ref)
+      count, prog_of, loop = work.mine(origin_ref, rows_ref)
       q_tile, do_tile, o_tile = q_smem.at[wg], do_smem.at[wg], o_smem.at[wg]
       row_stat = plgpu.Layout.WGMMA.reduce(1)
       rows_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
       rows_of = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
 
-      def item(i, prog, step):
-        b, head, cls = prog.b, prog.head, prog.cls
-        q_start = prog.start + wg * bq
-        q_rows = pl.ds(_aligned(prog.row0 + q_start), bq)
+      def q_rows_of(prog):
+        return pl.ds(_aligned(prog.row0 + prog.start + wg * bq), bq)
+
+      def load_rows(prog):
+        """This consumer's query rows of item `prog`: q, dout, lse2, delta."""
+        b, head, cls, q_rows = prog.b, prog.head, prog.cls, q_rows_of(prog)
 
         @pl.when(prog.busy)
         def _():
@@ -957,6 +984,19 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
                                 (delta_ref.at[b, head, cls, q_rows], delta_smem.at[wg],
                                  row_bars[3])):
             plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
+
+      if _EARLY_ROWS:
+        load_rows(prog_of(0))
+
+      def item(i, prog, step):
+        b, head, cls = prog.b, prog.head, prog.cls
+        q_start = prog.start + wg * bq
+        q_rows = q_rows_of(prog)
+        if not _EARLY_ROWS:
+          load_rows(prog)
+
+        @pl.when(prog.busy)
+        def _():
           for bar in row_bars:
             plgpu.barrier_wait(bar.at[wg])
 
@@ -991,6 +1031,8 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
         dq = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
         ranges = key_ranges(prog, pieces_ref, bias_ref, q_first)
         dq, step = _walk(prog, ranges, block, (dq, step))
+        if _EARLY_ROWS:  # the next item's rows load during this one's store
+          pl.when(i + 1 < count)(lambda: load_rows(prog_of(i + 1)))
 
         @pl.when(prog.busy)
         def _():
@@ -1061,6 +1103,8 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   query_ranges = _Ranges(False, n, L, causal, block_rows, bq)
   work = _Work.of(sched, batch, config, False, query_ranges)  # causal: heaviest first
   assert not fused or out_dtype == jnp.float32, "the fused kernel stages dq in float32"
+  # 16-bit outputs: dk and dv in tiles of their own, in the bytes of two float32 tiles.
+  two_tiles = _EARLY_ROWS and jnp.dtype(out_dtype).itemsize == 2
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref,
              do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dq_refs, dk_ref,
@@ -1102,7 +1146,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
     def consumer():
       plgpu.set_max_registers(_REGISTERS[1], action="increase")
-      _, _, loop = work.mine(origin_ref, rows_ref)
+      count, prog_of, loop = work.mine(origin_ref, rows_ref)
       k_tile, v_tile, o_tile = k_smem.at[wg], v_smem.at[wg], o_smem.at[wg]
       col_stat = plgpu.Layout.WGMMA.reduce(0)
       rows_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
@@ -1147,18 +1191,36 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
               lambda rows, c: (acc_b, rows, h) if c is None else (acc_b, rows, c, h))
           _add_rows(add_at, dq, o_tile, acc_bar.at[wg], interpret)
 
+      def k_rows_of(prog):
+        return pl.ds(_aligned(prog.row0 + prog.start + wg * bk), bk)
+
+      def load_rows(prog):
+        """This consumer's key rows of item `prog`: k and v."""
+        b, head, cls, k_rows = prog.b, prog.head, prog.cls, k_rows_of(prog)
+
+        @pl.when(prog.busy)
+        def _():
+          plgpu.copy_gmem_to_smem(k_ref.at[b, k_rows, cls, head], k_tile, row_bars[0].at[wg])
+          plgpu.copy_gmem_to_smem(v_ref.at[b, k_rows, cls, head], v_tile, row_bars[1].at[wg])
+
+      # Split kernel: the next item's rows load during this one's stores. (The fused one's k
+      # tiles are read by the other consumer's dq products until it settles: loaded late.)
+      early = _EARLY_ROWS and not fused
+      if early:
+        load_rows(prog_of(0))
+
       def item(i, prog, carry):
         step, owed = carry
         b, head, cls = prog.b, prog.head, prog.cls  # head: the key/value head
         k_start = prog.start + wg * bk
-        k_rows = pl.ds(_aligned(prog.row0 + k_start), bk)
+        k_rows = k_rows_of(prog)
 
         @pl.when(prog.busy)
         def _():
           if fused:
             settle(owed)
-          plgpu.copy_gmem_to_smem(k_ref.at[b, k_rows, cls, head], k_tile, row_bars[0].at[wg])
-          plgpu.copy_gmem_to_smem(v_ref.at[b, k_rows, cls, head], v_tile, row_bars[1].at[wg])
+          if not early:
+            load_rows(prog)
           plgpu.barrier_wait(row_bars[0].at[wg])
           plgpu.barrier_wait(row_bars[1].at[wg])
 
@@ -1202,9 +1264,19 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
         ranges = query_ranges(prog, pieces_ref, bias_ref, k_last)
         owed = jnp.where(prog.busy, 0, owed)  # settled above
         dk, dv, step, owed = _walk(prog, ranges, block, (zeros, zeros, step, owed))
+        if early:
+          pl.when(i + 1 < count)(lambda: load_rows(prog_of(i + 1)))
 
         @pl.when(prog.busy)
         def _():
+          if two_tiles:  # dk and dv each in a tile of its own: one wait, two stores
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            for t, (grad, out_ref) in enumerate(((dk * scale, dk_ref), (dv, dv_ref))):
+              o_smem.at[wg + 2 * t][...] = grad.astype(o_tile.dtype)
+            plgpu.commit_smem()
+            for t, out_ref in enumerate((dk_ref, dv_ref)):
+              plgpu.copy_smem_to_gmem(o_smem.at[wg + 2 * t], out_ref.at[b, k_rows, cls, head])
+            return
           for grad, out_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
             # The store before (the item before's dv, dk, a dq block) has read the tile.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -1233,7 +1305,8 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
-            plgpu.SMEM((2, bk, d), out_dtype, transforms=_swizzled(out_dtype))]
+            plgpu.SMEM((4 if two_tiles else 2, bk, d), out_dtype,
+                       transforms=_swizzled(out_dtype))]
     bars = [(plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 4]
     if fused:
       smem.append(plgpu.SMEM((2, bk, bq), dtype, transforms=tiles))
