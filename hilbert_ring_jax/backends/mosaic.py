@@ -106,10 +106,8 @@ _SHORT_ITEMS = 64
 # Registers per thread of the producer and of each consumer warpgroup (`setmaxnreg`; the
 # three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
 _REGISTERS = (40, 232)
-# Probe flags (A/B on the device; removed once measured).
-_CONTINUOUS_TURNS = True
-_LATE_Q_PREFETCH = True
-_EARLY_ROWS = True
+# Probe flag (A/B on the device; removed once measured).
+_ROW_MASKS = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -358,6 +356,8 @@ class _Work:
     """The work of a launch whose items walk `ranges` (which holds the launch's `n`, causal
     mask and program block; the items' costs are what `plan` balances). Cached (the plan is
     host work: a model's layers share it)."""
+    strides = np.asarray(sched.pieces)[:, schedule.PIECE_STRIDE]
+    assert np.isin(strides, (1, sched.stride)).all(), "pieces of stride 1 or L (_div_stride)"
     rows, bps = sched.grid(batch, ranges.block_rows)
     items = rows * bps
     persistent = True if config.persistent is None else config.persistent
@@ -592,6 +592,36 @@ def _walk(prog: _Program, ranges, block, carry):
   return lax.fori_loop(prog.p0, prog.p1, per_piece, carry)
 
 
+def _div_stride(x, piece, L):
+  """`x // piece.stride` for `x >= 0`: the schedule's strides are 1 or the launch's `L`
+  (`_Work.of` checks), so this divides by a constant (by the runtime stride it took ~20
+  instructions, in every block of the LM's one-block pieces)."""
+  return x if L == 1 else jnp.where(piece.stride == 1, x, lax.div(x, L))
+
+
+def _key_limit(piece, key0, q_pos, causal, L):
+  """The masks of the forward and dq kernels: per query row (`q_pos`, its positions), the
+  last key of `piece` it sees counted from the block's first key `key0`; the row sees the
+  block's column `c` iff `c <= limit` (one comparison a score). Not causal: a scalar."""
+  last = piece.count - 1 - key0
+  if not causal:
+    return last
+  rel = q_pos - piece.first
+  seen = jnp.where(rel >= 0, _div_stride(jnp.maximum(rel, 0), piece, L), -1)
+  return jnp.minimum(seen - key0, last)
+
+
+def _query_bounds(piece, query0, k_pos, causal, L):
+  """The masks of the dk/dv kernel: per key row (`k_pos`, its positions), the queries of
+  `piece` that see it counted from the block's first query `query0`: columns `lo <= c <
+  hi` (`lo` None when not causal; `hi` a scalar)."""
+  hi = piece.count - query0
+  if not causal:
+    return None, hi
+  rel = jnp.maximum(k_pos - piece.first, 0)
+  return _div_stride(rel + piece.stride - 1, piece, L) - query0, hi
+
+
 def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first=None):
   """Key pieces of a query row (forward, dq): `(piece, 0, 0, unmasked, blocks)` where
   `blocks` covers the keys any query of the program sees and the first `unmasked` blocks
@@ -603,7 +633,7 @@ def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_firs
     if not causal:
       return piece.count
     return jnp.where(pos >= piece.first,
-                     jnp.minimum(piece.count, lax.div(pos - piece.first, piece.stride) + 1), 0)
+                     jnp.minimum(piece.count, _div_stride(pos - piece.first, piece, L) + 1), 0)
 
   def ranges(p):
     piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n)
@@ -627,7 +657,8 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last=None):
     if not causal:
       return jnp.int32(0)
     return jnp.where(pos > piece.first,
-                     jnp.minimum(piece.count, _ceil_div(pos - piece.first, piece.stride)), 0)
+                     jnp.minimum(piece.count,
+                                 _div_stride(pos - piece.first + piece.stride - 1, piece, L)), 0)
 
   def ranges(p):
     piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n)
@@ -790,6 +821,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
       rows_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
       row_stat = plgpu.Layout.WGMMA.reduce(1)
+      row_iota = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_stat)
       rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
       take_turn, give_turn, start_turns, end_turns = _turns(turn, wg)
 
@@ -806,28 +838,20 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
 
       if buffers == 2:
         load_q(0, prog_of(0))
-      late = buffers == 2 and _LATE_Q_PREFETCH
-      if _CONTINUOUS_TURNS:
-        start_turns()
 
       def item(i, prog, step):
-        step0 = step
-
-        def prefetch():
-          # The stores of the item before have read their tiles (the output's may be the
-          # query tile the next item's queries load into).
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          if buffers == 2:
-            pl.when(i + 1 < count)(lambda: load_q(i + 1, prog_of(i + 1)))
-          else:
-            load_q(i, prog)
-
-        if not late:
-          prefetch()
+        # The stores of the item before have read their tiles (the output's may be the query
+        # tile the next item's queries load into).
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if buffers == 2:
+          pl.when(i + 1 < count)(lambda: load_q(i + 1, prog_of(i + 1)))
+        else:
+          load_q(i, prog)
         q_tile = q_smem.at[tile(i)]
         pl.when(prog.busy)(lambda: plgpu.barrier_wait(q_bar.at[tile(i)]))
         q_first = prog.first + L * (prog.start + wg * bq)  # this warpgroup's first query
         qpos = q_first + L * rows_iota
+        q_pos = q_first + L * row_iota
 
         def block(carry, piece, j, masked: bool):
           """One key block: scores, online softmax (base 2; `m` includes the piece's
@@ -836,15 +860,13 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
           acc, m_i, l_i, step = carry
           slot = lax.rem(step, stages)
           plgpu.barrier_wait(k_bar.at[slot])
-
-          def between():
-            if late:
-              pl.when(step == step0)(prefetch)
-            take_turn()
-
-          s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), between)
+          s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
           plgpu.barrier_arrive(k_free.at[slot])
-          if masked:
+          if masked and _ROW_MASKS:
+            limit = _key_limit(piece, j * bk, q_pos, causal, L)
+            s = jnp.where(cols_iota <= (rows_of(limit, s.shape) if causal else limit), s,
+                          -jnp.inf)
+          elif masked:
             key = j * bk + cols_iota
             visible = key < piece.count
             if causal:
@@ -867,17 +889,13 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
         m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_stat)
         l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_stat)
-        if not _CONTINUOUS_TURNS:
-          pl.when(prog.busy)(start_turns)  # one consumer's softmax beside the other's wgmmas
+        pl.when(prog.busy)(start_turns)  # one consumer's softmax beside the other's wgmmas
         ranges = key_ranges(prog, pieces_ref, bias_ref, q_first)
         acc, m_i, l_i, step = _walk(prog, ranges, block, (acc, m_i, l_i, step))
-        if late:
-          pl.when(step == step0)(prefetch)
 
         @pl.when(prog.busy)
         def _():
-          if not _CONTINUOUS_TURNS:
-            end_turns()
+          end_turns()
           seen = l_i > 0
           l_safe = jnp.where(seen, l_i, 1.0)
           o_tile = q_tile if same else o_smem.at[wg]
@@ -891,8 +909,6 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         return step
 
       loop(item, jnp.int32(0))
-      if _CONTINUOUS_TURNS:
-        end_turns()
       plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg < 2)(consumer)
@@ -967,6 +983,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
       row_stat = plgpu.Layout.WGMMA.reduce(1)
       rows_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+      row_iota = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_stat)
       rows_of = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
 
       def q_rows_of(prog):
@@ -985,15 +1002,12 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
                                  row_bars[3])):
             plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
 
-      if _EARLY_ROWS:
-        load_rows(prog_of(0))
+      load_rows(prog_of(0))
 
       def item(i, prog, step):
         b, head, cls = prog.b, prog.head, prog.cls
         q_start = prog.start + wg * bq
         q_rows = q_rows_of(prog)
-        if not _EARLY_ROWS:
-          load_rows(prog)
 
         @pl.when(prog.busy)
         def _():
@@ -1004,6 +1018,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
         delta_i = plgpu.load(delta_smem.at[wg], layout=row_stat)
         q_first = prog.first + L * q_start
         qpos = q_first + L * rows_iota
+        q_pos = q_first + L * row_iota
 
         def block(carry, piece, j, masked: bool):
           """One key block: s = q k^T and dp = dout v^T, p = exp2(s c + log2 m - lse2),
@@ -1017,7 +1032,10 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
                              (do_smem.at[me], v_smem.at[slot].T)], (bq, bk))
           plgpu.barrier_arrive(v_free.at[slot])
           p = jnp.exp2(jnp.minimum(s * qk_scale - rows_of(lse2 - piece.bias), 0.0))
-          if masked:
+          if masked and _ROW_MASKS:
+            limit = _key_limit(piece, j * bk, q_pos, causal, L)
+            p = jnp.where(cols_iota <= (rows_of(limit) if causal else limit), p, 0.0)
+          elif masked:
             key = j * bk + cols_iota
             visible = key < piece.count
             if causal:
@@ -1031,8 +1049,8 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
         dq = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
         ranges = key_ranges(prog, pieces_ref, bias_ref, q_first)
         dq, step = _walk(prog, ranges, block, (dq, step))
-        if _EARLY_ROWS:  # the next item's rows load during this one's store
-          pl.when(i + 1 < count)(lambda: load_rows(prog_of(i + 1)))
+        # The next item's rows load during this one's store.
+        pl.when(i + 1 < count)(lambda: load_rows(prog_of(i + 1)))
 
         @pl.when(prog.busy)
         def _():
@@ -1104,7 +1122,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   work = _Work.of(sched, batch, config, False, query_ranges)  # causal: heaviest first
   assert not fused or out_dtype == jnp.float32, "the fused kernel stages dq in float32"
   # 16-bit outputs: dk and dv in tiles of their own, in the bytes of two float32 tiles.
-  two_tiles = _EARLY_ROWS and jnp.dtype(out_dtype).itemsize == 2
+  two_tiles = jnp.dtype(out_dtype).itemsize == 2
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref,
              do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dq_refs, dk_ref,
@@ -1151,6 +1169,8 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       col_stat = plgpu.Layout.WGMMA.reduce(0)
       rows_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
+      row_iota = plgpu.broadcasted_iota(jnp.int32, (bk,), 0,
+                                        layout=plgpu.Layout.WGMMA.reduce(1))
       cols_of = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
 
       def settle(owed):
@@ -1205,7 +1225,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
       # Split kernel: the next item's rows load during this one's stores. (The fused one's k
       # tiles are read by the other consumer's dq products until it settles: loaded late.)
-      early = _EARLY_ROWS and not fused
+      early = not fused
       if early:
         load_rows(prog_of(0))
 
@@ -1225,6 +1245,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           plgpu.barrier_wait(row_bars[1].at[wg])
 
         kpos = prog.first + L * (k_start + rows_iota)
+        k_pos = prog.first + L * (k_start + row_iota)
         k_last = prog.first + L * (jnp.minimum(k_start + bk, prog.nrows) - 1)
 
         def block(carry, piece, j, masked: bool):
@@ -1243,7 +1264,13 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           delta_j = plgpu.load(delta_smem.at[slot], layout=col_stat)
           plgpu.barrier_arrive(stat_free.at[slot])
           p_t = jnp.exp2(jnp.minimum(s_t * qk_scale - cols_of(lse2 - piece.bias), 0.0))
-          if masked:
+          if masked and _ROW_MASKS:
+            lo, hi = _query_bounds(piece, j * bq, k_pos, causal, L)
+            visible = cols_iota < hi
+            if causal:
+              visible = visible & (cols_iota >= lax.broadcast_in_dim(lo, (bk, bq), [0]))
+            p_t = jnp.where(visible, p_t, 0.0)
+          elif masked:
             query = j * bq + cols_iota
             visible = query < piece.count
             if causal:
