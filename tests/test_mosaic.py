@@ -103,6 +103,29 @@ def test_interpret_causal_partial_backward(fused):
       interpret=True, backward_stages=3, fused_backward=fused))
 
 
+@pytest.mark.skipif(jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",
+                    reason="CPU only (a GPU compiles them for real), JAX >= 0.11")
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, True), (128, False)])
+def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal):
+  """Every kernel goes through Mosaic GPU's own lowering (layout inference, the Pallas to
+  Mosaic GPU rules), not only the interpreter: forward, the fused and the split backward
+  (bf16 and float32 gradients), for the CUDA platform, on a CPU. It caught constructs the
+  interpreter runs and the GPU rejects (a select with a scalar predicate on vectors)."""
+  case = Case(1024, 2, 1, (128, 256, 1024), (1, 1, 4), head_dim=head_dim)
+  pattern, scale = case.pattern(causal), head_dim ** -0.5
+  q = jax.ShapeDtypeStruct((1, case.n, 2, head_dim), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, case.n, 1, head_dim), jnp.bfloat16)
+  stat = jax.ShapeDtypeStruct((1, case.n, 2), jnp.float32)
+  assert len(mosaic._launches(pattern, case.n, 2, None)) == 2  # an unstrided and a strided
+  lower = lambda f, *args: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+  text = lower(lambda q, k, v: mosaic.forward(q, k, v, pattern, scale, out_dtype=q.dtype),
+               q, k, k).as_text()
+  assert text.count("mosaic_gpu") >= 2
+  for grad_dtype in (jnp.bfloat16, None):
+    lower(lambda q, k, v, do, lse, delta: mosaic.backward(
+        q, k, v, do, lse, delta, pattern, scale, grad_dtype=grad_dtype), q, k, k, q, stat, stat)
+
+
 def test_causal_plan_balances_items():
   """Persistent programs under a causal mask take the items a host-side list scheduling
   gives them: every item once, each program's in launch order, and no program loaded past

@@ -599,27 +599,33 @@ def _div_stride(x, piece, L):
   return x if L == 1 else jnp.where(piece.stride == 1, x, lax.div(x, L))
 
 
-def _key_limit(piece, key0, q_pos, causal, L):
+def _floor_div_stride(x, piece, L, n):
+  """`floor(x / piece.stride)` of a vector `x >= -n` (per row of a tile), arithmetic only
+  (Mosaic GPU selects want their predicate broadcast)."""
+  if L == 1:
+    return x
+  off = (n // L + 1) * L
+  return x + (piece.stride != 1).astype(jnp.int32) * (lax.div(x + off, L) - off // L - x)
+
+
+def _key_limit(piece, key0, q_pos, causal, L, n):
   """The masks of the forward and dq kernels: per query row (`q_pos`, its positions), the
   last key of `piece` it sees counted from the block's first key `key0`; the row sees the
   block's column `c` iff `c <= limit` (one comparison a score). Not causal: a scalar."""
   last = piece.count - 1 - key0
   if not causal:
     return last
-  rel = q_pos - piece.first
-  seen = jnp.where(rel >= 0, _div_stride(jnp.maximum(rel, 0), piece, L), -1)
-  return jnp.minimum(seen - key0, last)
+  return jnp.minimum(_floor_div_stride(q_pos - piece.first, piece, L, n) - key0, last)
 
 
-def _query_bounds(piece, query0, k_pos, causal, L):
+def _query_bounds(piece, query0, k_pos, causal, L, n):
   """The masks of the dk/dv kernel: per key row (`k_pos`, its positions), the queries of
   `piece` that see it counted from the block's first query `query0`: columns `lo <= c <
   hi` (`lo` None when not causal; `hi` a scalar)."""
   hi = piece.count - query0
   if not causal:
     return None, hi
-  rel = jnp.maximum(k_pos - piece.first, 0)
-  return _div_stride(rel + piece.stride - 1, piece, L) - query0, hi
+  return -_floor_div_stride(piece.first - k_pos, piece, L, n) - query0, hi
 
 
 def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first=None):
@@ -786,6 +792,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   """One launch over the padded `q, k, v [B, Np, H(kv), D]`: (out [B, No, H, D], lse
   [B, No, H]), `No >= Np` (whole periods)."""
   batch, n_pad, num_heads, d = q.shape
+  span = 2 * _n_out(sched, n_pad)  # exceeds any difference of two positions in a period
   dtype = q.dtype
   L = sched.stride
   bq, bk, stages = config.block_q, config.block_k, config.stages
@@ -821,7 +828,8 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
       rows_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
       row_stat = plgpu.Layout.WGMMA.reduce(1)
-      row_iota = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_stat)
+      if _ROW_MASKS and causal:
+        row_iota = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_stat)
       rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
       take_turn, give_turn, start_turns, end_turns = _turns(turn, wg)
 
@@ -851,7 +859,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         pl.when(prog.busy)(lambda: plgpu.barrier_wait(q_bar.at[tile(i)]))
         q_first = prog.first + L * (prog.start + wg * bq)  # this warpgroup's first query
         qpos = q_first + L * rows_iota
-        q_pos = q_first + L * row_iota
+        q_pos = q_first + L * row_iota if _ROW_MASKS and causal else None
 
         def block(carry, piece, j, masked: bool):
           """One key block: scores, online softmax (base 2; `m` includes the piece's
@@ -863,7 +871,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
           s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
           plgpu.barrier_arrive(k_free.at[slot])
           if masked and _ROW_MASKS:
-            limit = _key_limit(piece, j * bk, q_pos, causal, L)
+            limit = _key_limit(piece, j * bk, q_pos, causal, L, span)
             s = jnp.where(cols_iota <= (rows_of(limit, s.shape) if causal else limit), s,
                           -jnp.inf)
           elif masked:
@@ -954,6 +962,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
   """dq of one launch over the padded `[B, Np, ...]` inputs (lse2, delta `[B, H, L, Np/L]`,
   lse2 in base 2, +inf where no key is seen): `[B, No, H, D]` in `out_dtype`."""
   batch, n_pad, num_heads, d = q.shape
+  span = 2 * _n_out(sched, n_pad)  # exceeds any difference of two positions in a period
   dtype = q.dtype
   L = sched.stride
   bq, bk, stages = _BWD_BLOCK, _BWD_BLOCK, config.backward_stages
@@ -983,7 +992,8 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
       row_stat = plgpu.Layout.WGMMA.reduce(1)
       rows_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-      row_iota = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_stat)
+      if _ROW_MASKS and causal:
+        row_iota = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_stat)
       rows_of = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
 
       def q_rows_of(prog):
@@ -1018,7 +1028,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
         delta_i = plgpu.load(delta_smem.at[wg], layout=row_stat)
         q_first = prog.first + L * q_start
         qpos = q_first + L * rows_iota
-        q_pos = q_first + L * row_iota
+        q_pos = q_first + L * row_iota if _ROW_MASKS and causal else None
 
         def block(carry, piece, j, masked: bool):
           """One key block: s = q k^T and dp = dout v^T, p = exp2(s c + log2 m - lse2),
@@ -1033,7 +1043,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
           plgpu.barrier_arrive(v_free.at[slot])
           p = jnp.exp2(jnp.minimum(s * qk_scale - rows_of(lse2 - piece.bias), 0.0))
           if masked and _ROW_MASKS:
-            limit = _key_limit(piece, j * bk, q_pos, causal, L)
+            limit = _key_limit(piece, j * bk, q_pos, causal, L, span)
             p = jnp.where(cols_iota <= (rows_of(limit) if causal else limit), p, 0.0)
           elif masked:
             key = j * bk + cols_iota
@@ -1110,6 +1120,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   dq of the query block from both halves (dq = ds_0 k_0 + ds_1 k_1) and adds it with a TMA
   reduce-add store."""
   batch, n_pad, num_heads, d = q.shape
+  span = 2 * _n_out(sched, n_pad)  # exceeds any difference of two positions in a period
   num_kv = k.shape[2]
   dtype = q.dtype
   L = sched.stride
@@ -1169,8 +1180,9 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       col_stat = plgpu.Layout.WGMMA.reduce(0)
       rows_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
-      row_iota = plgpu.broadcasted_iota(jnp.int32, (bk,), 0,
-                                        layout=plgpu.Layout.WGMMA.reduce(1))
+      if _ROW_MASKS and causal:
+        row_iota = plgpu.broadcasted_iota(jnp.int32, (bk,), 0,
+                                          layout=plgpu.Layout.WGMMA.reduce(1))
       cols_of = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
 
       def settle(owed):
@@ -1245,7 +1257,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           plgpu.barrier_wait(row_bars[1].at[wg])
 
         kpos = prog.first + L * (k_start + rows_iota)
-        k_pos = prog.first + L * (k_start + row_iota)
+        k_pos = prog.first + L * (k_start + row_iota) if _ROW_MASKS and causal else None
         k_last = prog.first + L * (jnp.minimum(k_start + bk, prog.nrows) - 1)
 
         def block(carry, piece, j, masked: bool):
@@ -1265,7 +1277,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           plgpu.barrier_arrive(stat_free.at[slot])
           p_t = jnp.exp2(jnp.minimum(s_t * qk_scale - cols_of(lse2 - piece.bias), 0.0))
           if masked and _ROW_MASKS:
-            lo, hi = _query_bounds(piece, j * bq, k_pos, causal, L)
+            lo, hi = _query_bounds(piece, j * bq, k_pos, causal, L, span)
             visible = cols_iota < hi
             if causal:
               visible = visible & (cols_iota >= lax.broadcast_in_dim(lo, (bk, bq), [0]))
