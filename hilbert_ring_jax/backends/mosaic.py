@@ -106,8 +106,6 @@ _SHORT_ITEMS = 64
 # Registers per thread of the producer and of each consumer warpgroup (`setmaxnreg`; the
 # three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
 _REGISTERS = (40, 232)
-# Probe flag (A/B on the device; removed once measured).
-_ROW_MASKS = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -825,10 +823,9 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
     def consumer():
       plgpu.set_max_registers(_REGISTERS[1], action="increase")
       count, prog_of, loop = work.mine(origin_ref, rows_ref)
-      rows_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
       row_stat = plgpu.Layout.WGMMA.reduce(1)
-      if _ROW_MASKS and causal:
+      if causal:  # (a row iota nothing reads fails Mosaic GPU's layout inference)
         row_iota = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_stat)
       rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
       take_turn, give_turn, start_turns, end_turns = _turns(turn, wg)
@@ -858,8 +855,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         q_tile = q_smem.at[tile(i)]
         pl.when(prog.busy)(lambda: plgpu.barrier_wait(q_bar.at[tile(i)]))
         q_first = prog.first + L * (prog.start + wg * bq)  # this warpgroup's first query
-        qpos = q_first + L * rows_iota
-        q_pos = q_first + L * row_iota if _ROW_MASKS and causal else None
+        q_pos = q_first + L * row_iota if causal else None  # this warpgroup's query positions
 
         def block(carry, piece, j, masked: bool):
           """One key block: scores, online softmax (base 2; `m` includes the piece's
@@ -870,16 +866,10 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
           plgpu.barrier_wait(k_bar.at[slot])
           s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
           plgpu.barrier_arrive(k_free.at[slot])
-          if masked and _ROW_MASKS:
+          if masked:
             limit = _key_limit(piece, j * bk, q_pos, causal, L, span)
             s = jnp.where(cols_iota <= (rows_of(limit, s.shape) if causal else limit), s,
                           -jnp.inf)
-          elif masked:
-            key = j * bk + cols_iota
-            visible = key < piece.count
-            if causal:
-              visible = visible & (piece.first + piece.stride * key <= qpos)
-            s = jnp.where(visible, s, -jnp.inf)
           bias = piece.bias
           m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale + bias)
           # Rows that have seen nothing yet (masked blocks only) subtract 0, not -inf.
@@ -990,9 +980,8 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
       count, prog_of, loop = work.mine(origin_ref, rows_ref)
       q_tile, do_tile, o_tile = q_smem.at[wg], do_smem.at[wg], o_smem.at[wg]
       row_stat = plgpu.Layout.WGMMA.reduce(1)
-      rows_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-      if _ROW_MASKS and causal:
+      if causal:
         row_iota = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_stat)
       rows_of = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
 
@@ -1027,8 +1016,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
         lse2 = plgpu.load(lse_smem.at[wg], layout=row_stat)
         delta_i = plgpu.load(delta_smem.at[wg], layout=row_stat)
         q_first = prog.first + L * q_start
-        qpos = q_first + L * rows_iota
-        q_pos = q_first + L * row_iota if _ROW_MASKS and causal else None
+        q_pos = q_first + L * row_iota if causal else None
 
         def block(carry, piece, j, masked: bool):
           """One key block: s = q k^T and dp = dout v^T, p = exp2(s c + log2 m - lse2),
@@ -1042,15 +1030,9 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
                              (do_smem.at[me], v_smem.at[slot].T)], (bq, bk))
           plgpu.barrier_arrive(v_free.at[slot])
           p = jnp.exp2(jnp.minimum(s * qk_scale - rows_of(lse2 - piece.bias), 0.0))
-          if masked and _ROW_MASKS:
+          if masked:
             limit = _key_limit(piece, j * bk, q_pos, causal, L, span)
             p = jnp.where(cols_iota <= (rows_of(limit) if causal else limit), p, 0.0)
-          elif masked:
-            key = j * bk + cols_iota
-            visible = key < piece.count
-            if causal:
-              visible = visible & (piece.first + piece.stride * key <= qpos)
-            p = jnp.where(visible, p, 0.0)
           ds = p * (dp - rows_of(delta_i))
           dq, = _accumulate([dq], [(ds.astype(dtype), k_smem.at[slot])], interpret)
           plgpu.barrier_arrive(k_free.at[slot])
@@ -1178,9 +1160,8 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       count, prog_of, loop = work.mine(origin_ref, rows_ref)
       k_tile, v_tile, o_tile = k_smem.at[wg], v_smem.at[wg], o_smem.at[wg]
       col_stat = plgpu.Layout.WGMMA.reduce(0)
-      rows_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
-      if _ROW_MASKS and causal:
+      if causal:
         row_iota = plgpu.broadcasted_iota(jnp.int32, (bk,), 0,
                                           layout=plgpu.Layout.WGMMA.reduce(1))
       cols_of = lambda x: lax.broadcast_in_dim(x, (bk, bq), [1])
@@ -1256,8 +1237,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           plgpu.barrier_wait(row_bars[0].at[wg])
           plgpu.barrier_wait(row_bars[1].at[wg])
 
-        kpos = prog.first + L * (k_start + rows_iota)
-        k_pos = prog.first + L * (k_start + row_iota) if _ROW_MASKS and causal else None
+        k_pos = prog.first + L * (k_start + row_iota) if causal else None
         k_last = prog.first + L * (jnp.minimum(k_start + bk, prog.nrows) - 1)
 
         def block(carry, piece, j, masked: bool):
@@ -1276,17 +1256,11 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           delta_j = plgpu.load(delta_smem.at[slot], layout=col_stat)
           plgpu.barrier_arrive(stat_free.at[slot])
           p_t = jnp.exp2(jnp.minimum(s_t * qk_scale - cols_of(lse2 - piece.bias), 0.0))
-          if masked and _ROW_MASKS:
+          if masked:
             lo, hi = _query_bounds(piece, j * bq, k_pos, causal, L, span)
             visible = cols_iota < hi
             if causal:
               visible = visible & (cols_iota >= lax.broadcast_in_dim(lo, (bk, bq), [0]))
-            p_t = jnp.where(visible, p_t, 0.0)
-          elif masked:
-            query = j * bq + cols_iota
-            visible = query < piece.count
-            if causal:
-              visible = visible & (kpos <= piece.first + piece.stride * query)
             p_t = jnp.where(visible, p_t, 0.0)
           ds16 = (p_t * (dp_t - cols_of(delta_j))).astype(dtype)
           if fused:
