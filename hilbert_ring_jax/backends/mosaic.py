@@ -267,9 +267,21 @@ def supports(problem: Problem) -> Support:
   return YES
 
 
-def _cut(first, count, stride, base, n):
+def _cut(first, count, stride, base, n, L):
   """`count` positions `first, first + stride, ...` of the period at `base`, cut at n."""
-  return jnp.minimum(count, lax.div(jnp.maximum(n - base - first + stride - 1, 0), stride))
+  return jnp.minimum(count,
+                     _div_stride(jnp.maximum(n - base - first + stride - 1, 0), stride, L))
+
+
+def _div_stride(x, stride, L):
+  """`x // stride` for `x >= 0`, where `stride` is 1 or the launch's `L` (the schedule's
+  strides; `_Work.of` checks): a division by a constant (by a runtime divisor it took ~20
+  instructions, and the LM's launches walk a piece or two per block)."""
+  if L == 1:
+    return x
+  if isinstance(stride, int):
+    return lax.div(x, stride)
+  return jnp.where(stride == 1, x, lax.div(x, L))
 
 
 def _aligned(row):
@@ -320,7 +332,8 @@ class _Program:
       blk = row_blocks - 1 - blk
     base = lax.rem(bp, sched.periods) * sched.period
     first = rows_ref[r * rc + schedule.ROW_FIRST]
-    nrows = _cut(first, rows_ref[r * rc + schedule.ROW_LENGTH], sched.stride, base, n)
+    nrows = _cut(first, rows_ref[r * rc + schedule.ROW_LENGTH], sched.stride, base, n,
+                 sched.stride)
     start = blk * block_rows
     p0 = rows_ref[r * rc + schedule.ROW_PIECE0]
     busy = start < nrows
@@ -355,7 +368,7 @@ class _Work:
     mask and program block; the items' costs are what `plan` balances). Cached (the plan is
     host work: a model's layers share it)."""
     strides = np.asarray(sched.pieces)[:, schedule.PIECE_STRIDE]
-    assert np.isin(strides, (1, sched.stride)).all(), "pieces of stride 1 or L (_div_stride)"
+    assert np.isin(strides, (1, sched.stride)).all(), "strides 1 or L (_div_stride)"
     rows, bps = sched.grid(batch, ranges.block_rows)
     items = rows * bps
     persistent = True if config.persistent is None else config.persistent
@@ -461,12 +474,13 @@ class _Piece:
   bias: jax.Array
 
   @classmethod
-  def decode(cls, pieces_ref, bias_ref, p, base, n):
+  def decode(cls, pieces_ref, bias_ref, p, base, n, L):
     pc = schedule.PIECE_COLUMNS
     first = pieces_ref[p * pc + schedule.PIECE_FIRST]
     stride = pieces_ref[p * pc + schedule.PIECE_STRIDE]
     return cls(head=pieces_ref[p * pc + schedule.PIECE_HEAD], first=first, stride=stride,
-               count=_cut(first, pieces_ref[p * pc + schedule.PIECE_LENGTH], stride, base, n),
+               count=_cut(first, pieces_ref[p * pc + schedule.PIECE_LENGTH], stride, base, n,
+                          L),
                bias=bias_ref[p])
 
 
@@ -590,13 +604,6 @@ def _walk(prog: _Program, ranges, block, carry):
   return lax.fori_loop(prog.p0, prog.p1, per_piece, carry)
 
 
-def _div_stride(x, piece, L):
-  """`x // piece.stride` for `x >= 0`: the schedule's strides are 1 or the launch's `L`
-  (`_Work.of` checks), so this divides by a constant (by the runtime stride it took ~20
-  instructions, in every block of the LM's one-block pieces)."""
-  return x if L == 1 else jnp.where(piece.stride == 1, x, lax.div(x, L))
-
-
 def _floor_div_stride(x, piece, L, n):
   """`floor(x / piece.stride)` of a vector `x >= -n` (per row of a tile), arithmetic only
   (Mosaic GPU selects want their predicate broadcast)."""
@@ -637,10 +644,11 @@ def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_firs
     if not causal:
       return piece.count
     return jnp.where(pos >= piece.first,
-                     jnp.minimum(piece.count, _div_stride(pos - piece.first, piece, L) + 1), 0)
+                     jnp.minimum(piece.count,
+                                 _div_stride(pos - piece.first, piece.stride, L) + 1), 0)
 
   def ranges(p):
-    piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n)
+    piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n, L)
     blocks = _ceil_div(seen(piece, hi_q), bk)
     if q_first is None:
       return piece, 0, blocks
@@ -662,10 +670,11 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last=None):
       return jnp.int32(0)
     return jnp.where(pos > piece.first,
                      jnp.minimum(piece.count,
-                                 _div_stride(pos - piece.first + piece.stride - 1, piece, L)), 0)
+                                 _div_stride(pos - piece.first + piece.stride - 1,
+                                             piece.stride, L)), 0)
 
   def ranges(p):
-    piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n)
+    piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n, L)
     lo, hi = lax.div(before(piece, k_first), bq), _ceil_div(piece.count, bq)
     if k_last is None:
       return piece, lo, hi
