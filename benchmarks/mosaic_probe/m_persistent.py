@@ -18,7 +18,8 @@ from hilbert_ring_jax.backends import mosaic
 ap = argparse.ArgumentParser()
 ap.add_argument("--runs", type=int, default=7)
 ap.add_argument("--rounds", type=int, default=3)
-ap.add_argument("--variant", action="append", help="key=value,... of mosaic.Config (repeatable)")
+ap.add_argument("--variant", action="append",
+                help="key=value,... of mosaic.Config (repeatable); none: the default alone")
 ap.add_argument("--shapes", default="0,1,2,3,4")
 ap.add_argument("--peers", action="store_true",
                 help="also time the peer in the same rounds: cuDNN (full), folded cuDNN (LongNet)")
@@ -40,7 +41,7 @@ shapes = [("full", 1, 32768, 16, 16, 128, DilatedPattern((32768,), (1,))),
           ("longnet-causal", 1, 32768, 16, 16, 128, DilatedPattern(*LONGNET, causal=True))]
 shapes = [shapes[int(i)] for i in args.shapes.split(",")]
 variants = {spec: {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in spec.split(","))}
-            for spec in args.variant or ["persistent=True"]}
+            for spec in args.variant or ["persistent=True"] if spec != "none"}
 # "mosaic.NAME=value" sets a module flag of backends/mosaic.py while the variant compiles.
 configs = {"default": (None, {}), **{
     spec: (mosaic.Config(**{k: v for k, v in kw.items() if not k.startswith("mosaic.")}),
