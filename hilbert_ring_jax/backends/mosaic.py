@@ -21,7 +21,10 @@ is asked for) merged in float32. What changes is the engine, built from Hopper's
   online base-2 softmax in float32 (one fused multiply-add per score: the piece's `log2 m`
   rides in the running maximum); the two consumers take turns on the tensor cores, so one's
   softmax overlaps the other's matrix products; blocks inside a piece and before every query
-  of a consumer run without a mask.
+  of a consumer run without a mask, and a masked block compares each score's column with a
+  per-row limit (the last key its query sees, worked out once per row: `_key_limit`), one
+  comparison a score (the key's position per score took seven instructions: masked blocks
+  ran at twice the unmasked ones' instruction count, and most of the LM's are masked).
 
 Work items are program blocks of rows (`2 * block_q` positions of one row, period and batch
 element). The kernels run persistent (`Config.persistent`): one program per SM walks a run of
@@ -56,6 +59,7 @@ rings, the same block walk), without the turn-taking, which measured slower ther
   their k and v tiles; the producer streams the query pieces of every query head reading that
   head (q, dout, lse, delta: a stride-1 piece from `[B, N, H, ...]`, a strided one from the
   view), s^T = k q^T, dp^T = v dout^T, dv += p^T dout, dk += ds^T q.
+Both load the next item's resident rows when a walk ends, while the item's results store.
 In launches whose rows are unstrided (full attention, stride-1 branches; `Config.backward_for`)
 dq moves into the dk/dv kernel: both consumers put their ds^T tiles in shared memory, one of
 them (taking turns) computes the query block's dq = ds_0 k_0 + ds_1 k_1 and adds it into a
