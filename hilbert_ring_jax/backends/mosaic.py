@@ -323,6 +323,10 @@ class _Program:
   start: jax.Array
   busy: jax.Array
 
+  def rows(self, wg, size: int):
+    """Consumer `wg`'s `size` rows of the item, in the strided view."""
+    return pl.ds(_aligned(self.row0 + self.start + wg * size), size)
+
   @classmethod
   def decode(cls, rows_ref, sched: schedule.Schedule, block_rows: int, n: int, item,
              reverse: bool):
@@ -846,8 +850,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
       def tile(i):  # this consumer's query tile for its i-th item
         return lax.rem(i, buffers) * 2 + wg
 
-      def q_rows(prog):
-        return pl.ds(_aligned(prog.row0 + prog.start + wg * bq), bq)
+      q_rows = lambda prog: prog.rows(wg, bq)
 
       def load_q(i, prog):
         pl.when(prog.busy)(lambda: plgpu.copy_gmem_to_smem(
@@ -998,12 +1001,9 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
         row_iota = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_stat)
       rows_of = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
 
-      def q_rows_of(prog):
-        return pl.ds(_aligned(prog.row0 + prog.start + wg * bq), bq)
-
       def load_rows(prog):
         """This consumer's query rows of item `prog`: q, dout, lse2, delta."""
-        b, head, cls, q_rows = prog.b, prog.head, prog.cls, q_rows_of(prog)
+        b, head, cls, q_rows = prog.b, prog.head, prog.cls, prog.rows(wg, bq)
 
         @pl.when(prog.busy)
         def _():
@@ -1019,7 +1019,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
       def item(i, prog, step):
         b, head, cls = prog.b, prog.head, prog.cls
         q_start = prog.start + wg * bq
-        q_rows = q_rows_of(prog)
+        q_rows = prog.rows(wg, bq)
 
         @pl.when(prog.busy)
         def _():
@@ -1217,12 +1217,9 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
               lambda rows, c: (acc_b, rows, h) if c is None else (acc_b, rows, c, h))
           _add_rows(add_at, dq, o_tile, acc_bar.at[wg], interpret)
 
-      def k_rows_of(prog):
-        return pl.ds(_aligned(prog.row0 + prog.start + wg * bk), bk)
-
       def load_rows(prog):
         """This consumer's key rows of item `prog`: k and v."""
-        b, head, cls, k_rows = prog.b, prog.head, prog.cls, k_rows_of(prog)
+        b, head, cls, k_rows = prog.b, prog.head, prog.cls, prog.rows(wg, bk)
 
         @pl.when(prog.busy)
         def _():
@@ -1239,7 +1236,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
         step, owed = carry
         b, head, cls = prog.b, prog.head, prog.cls  # head: the key/value head
         k_start = prog.start + wg * bk
-        k_rows = k_rows_of(prog)
+        k_rows = prog.rows(wg, bk)
 
         @pl.when(prog.busy)
         def _():
