@@ -5,7 +5,8 @@ Shapes (`--shapes`, indices): non-causal full attention and LongNet (where every
 costs the same), causal LongNet at D = 64 and 128, the attention of examples/lm_real.py's
 `--preset gpu` (6), full causal attention (7), full attention at D = 64 (8) and at 128K (9),
 the LM's local model (10), causal LongNet at 32K, D = 64 and 128 (11, 12). Timings are
-host-clocked: below a few milliseconds dispatch jitter shows (the LM shapes: `p_kernels.sh` reads the device's clock).
+host-clocked: below a few milliseconds dispatch jitter shows (the LM shapes: `p_kernels.sh`
+reads the device's clock).
 `--peers`: cuDNN (full attention; the LM shapes: full causal) or folded cuDNN (LongNet) in the
 same rounds, its ratio too its time over the default's."""
 import argparse, ast, json, statistics, sys, time

@@ -1294,7 +1294,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
         def _():
           if two_tiles:  # dk and dv each in a tile of its own: one wait, two stores
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            for t, (grad, out_ref) in enumerate(((dk * scale, dk_ref), (dv, dv_ref))):
+            for t, grad in enumerate((dk * scale, dv)):
               o_smem.at[wg + 2 * t][...] = grad.astype(o_tile.dtype)
             plgpu.commit_smem()
             for t, out_ref in enumerate((dk_ref, dv_ref)):
