@@ -714,22 +714,6 @@ class _Ranges:
                          bound)
 
 
-# Probe flag: column chunks folded elementwise before a row reduction (1: off).
-_SPLIT_REDUCE = 4
-
-
-def _row_reduce(op, x):
-  """`x [rows, cols]` with its `_SPLIT_REDUCE` column chunks folded together by `op`
-  (elementwise, a tree), so that the row reduction that follows runs a chain that much
-  shorter (Mosaic GPU reduces a thread's registers of a row in few partial accumulators)."""
-  parts = _SPLIT_REDUCE
-  width = x.shape[1] // parts
-  chunks = [x[:, i * width:(i + 1) * width] for i in range(parts)]
-  while len(chunks) > 1:
-    chunks = [op(a, b) for a, b in zip(chunks[::2], chunks[1::2])]
-  return chunks[0]
-
-
 def _opaque(x):
   """`x`, through an optimization barrier (side-effecting inline asm): the compiler cannot
   hoist what is computed from it out of a loop. A resident shared-memory tile indexed by it
@@ -903,13 +887,13 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
             s = jnp.where(cols_iota <= (rows_of(limit, s.shape) if causal else limit), s,
                           -jnp.inf)
           bias = piece.bias
-          m_new = jnp.maximum(m_i, _row_reduce(jnp.maximum, s).max(axis=1) * qk_scale + bias)
+          m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale + bias)
           # Rows that have seen nothing yet (masked blocks only) subtract 0, not -inf.
           m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
           alpha = jnp.exp2(m_i - m_use)
           p_ = jnp.exp2(s * qk_scale - rows_of(m_use - bias, s.shape))
           acc = acc * rows_of(alpha, acc.shape)
-          l_i = l_i * alpha + _row_reduce(jnp.add, p_).sum(axis=1)
+          l_i = l_i * alpha + p_.sum(axis=1)
           p16 = p_.astype(dtype)
           give_turn(lambda: plgpu.barrier_wait(v_bar.at[slot]))
           acc, = _accumulate([acc], [(p16, v_smem.at[slot])], interpret)
