@@ -277,15 +277,18 @@ def _cut(first, count, stride, base, n, L):
                      _div_stride(jnp.maximum(n - base - first + stride - 1, 0), stride, L))
 
 
-def _div_stride(x, stride, L):
-  """`x // stride` for `x >= 0`, where `stride` is 1 or the launch's `L` (the schedule's
-  strides; `_Work.of` checks): a division by a constant (by a runtime divisor it took ~20
-  instructions, and the LM's launches walk a piece or two per block)."""
+def _div_stride(x, stride, L, bound=0):
+  """`floor(x / stride)` for `x >= -bound` (scalars, or a tile's per-row vectors), where
+  `stride` is 1 or the launch's `L` (the schedule's strides; `_Work.of` checks): a division
+  by a constant (by a runtime divisor it took ~20 instructions, and the LM's launches walk a
+  piece or two per block), and no select (Mosaic GPU wants a select's predicate broadcast)."""
   if L == 1:
     return x
+  off = (bound // L + 1) * L if bound else 0
+  quotient = lax.div(x + off, L) - off // L
   if isinstance(stride, int):
-    return lax.div(x, stride)
-  return jnp.where(stride == 1, x, lax.div(x, L))
+    return quotient
+  return x + (stride != 1).astype(jnp.int32) * (quotient - x)
 
 
 def _aligned(row):
@@ -612,15 +615,6 @@ def _walk(prog: _Program, ranges, block, carry):
   return lax.fori_loop(prog.p0, prog.p1, per_piece, carry)
 
 
-def _floor_div_stride(x, piece, L, n):
-  """`floor(x / piece.stride)` of a vector `x >= -n` (per row of a tile), arithmetic only
-  (Mosaic GPU selects want their predicate broadcast)."""
-  if L == 1:
-    return x
-  off = (n // L + 1) * L
-  return x + (piece.stride != 1).astype(jnp.int32) * (lax.div(x + off, L) - off // L - x)
-
-
 def _key_limit(piece, key0, q_pos, causal, L, n):
   """The masks of the forward and dq kernels: per query row (`q_pos`, its positions), the
   last key of `piece` it sees counted from the block's first key `key0`; the row sees the
@@ -628,7 +622,7 @@ def _key_limit(piece, key0, q_pos, causal, L, n):
   last = piece.count - 1 - key0
   if not causal:
     return last
-  return jnp.minimum(_floor_div_stride(q_pos - piece.first, piece, L, n) - key0, last)
+  return jnp.minimum(_div_stride(q_pos - piece.first, piece.stride, L, n) - key0, last)
 
 
 def _query_bounds(piece, query0, k_pos, causal, L, n):
@@ -638,7 +632,7 @@ def _query_bounds(piece, query0, k_pos, causal, L, n):
   hi = piece.count - query0
   if not causal:
     return None, hi
-  return -_floor_div_stride(piece.first - k_pos, piece, L, n) - query0, hi
+  return -_div_stride(piece.first - k_pos, piece.stride, L, n) - query0, hi
 
 
 def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first=None):
