@@ -112,10 +112,11 @@ def adamw(lr: float, steps: int) -> optax.GradientTransformation:
 
 def masked_xent(logits, labels, mask):
   """Mean cross-entropy and accuracy over the positions where `mask` is set."""
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-  hits = jnp.argmax(logits, axis=-1) == labels
-  count = jnp.maximum(jnp.sum(mask), 1)
-  return jnp.sum(losses * mask) / count, jnp.sum(hits * mask) / count
+  with jax.named_scope("loss"):
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    hits = jnp.argmax(logits, axis=-1) == labels
+    count = jnp.maximum(jnp.sum(mask), 1)
+    return jnp.sum(losses * mask) / count, jnp.sum(hits * mask) / count
 
 
 class Block(nnx.Module):
@@ -131,8 +132,10 @@ class Block(nnx.Module):
 
   def __call__(self, x, **attn_kwargs):
     """`attn_kwargs` go to the attention layer (e.g. `prefill=True` when decoding)."""
-    x = x + self.attn(self.norm1(x), **attn_kwargs)
-    return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+    with jax.named_scope("attention"):  # names the ops in profiles (benchmarks/profile_step.py)
+      x = x + self.attn(self.norm1(x), **attn_kwargs)
+    with jax.named_scope("mlp"):
+      return x + self.down(nnx.gelu(self.up(self.norm2(x))))
 
 
 _ONE_HOT_VOCAB = 1024  # token inputs from vocabularies up to this size embed by a matmul
@@ -178,6 +181,16 @@ class SequenceModel(nnx.Module):
     self.head = nnx.Linear(dim, out, dtype=dtype, rngs=rngs)
 
   def __call__(self, inputs, **attn_kwargs):
+    with jax.named_scope("embed"):
+      x = self._embed(inputs)
+    for block in self.blocks:
+      call = lambda block, x: block(x, **attn_kwargs)
+      x = nnx.remat(call)(block, x) if self.remat else call(block, x)
+    with jax.named_scope("head"):
+      x = self.norm(x)
+      return self.head(jnp.mean(x, axis=1) if self.pool else x)
+
+  def _embed(self, inputs):
     if isinstance(self.embed, nnx.Embed) and self.embed.num_embeddings <= _ONE_HOT_VOCAB:
       # A one-hot matmul, not a gather: the gather's gradient is a scatter-add, which on a
       # GPU serializes on repeated tokens (text: measured 35 ms more per training step of
@@ -188,11 +201,7 @@ class SequenceModel(nnx.Module):
       x = self.embed(inputs)
     if self.pos is not None:
       x = x + self.pos[:inputs.shape[1]].astype(x.dtype)
-    for block in self.blocks:
-      call = lambda block, x: block(x, **attn_kwargs)
-      x = nnx.remat(call)(block, x) if self.remat else call(block, x)
-    x = self.norm(x)
-    return self.head(jnp.mean(x, axis=1) if self.pool else x)
+    return x
 
 
 def _checkpoint_manager(ckpt_dir):
@@ -244,8 +253,9 @@ def _functions(graphdef, loss_fn, lr: float, steps: int):
 
   def step_fn(params, rest, opt_state, batch):
     (loss, acc), grads = jax.value_and_grad(apply, has_aux=True)(params, rest, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss, acc
+    with jax.named_scope("optimizer"):
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss, acc
 
   # Parameters and optimizer state are donated: updated in place.
   return jax.jit(step_fn, donate_argnums=(0, 2)), jax.jit(apply)

@@ -1,0 +1,217 @@
+"""The device timeline of `examples/lm_real.py`'s training step, op by op (jax.profiler).
+
+For each model, the compiled training step (`examples/common.py`, the same function the example
+times) runs a few warm-up steps on a text batch, then `--steps` steps under `jax.profiler`;
+the trace's device events (GPU kernels; on a CPU, the XLA thunks) are summed per HLO
+instruction, tied to the model part it belongs to (the named scopes of `examples/common.py`
+in the optimized HLO's metadata: attention, mlp, embed, head, loss, each forward or backward,
+and the optimizer), and grouped by kind: matmuls (cuBLAS / XLA gemm fusions), attention (this library's kernels, cuDNN),
+everything else (fusions of elementwise ops and reductions, copies). It also reports the busy
+time (union of the kernels' intervals) and the span (first kernel's start to last kernel's end,
+the profiled steps dispatched without a host sync between them, as the example's loop does)
+against the host-timed step (synchronized each step), so the idle gaps show. XLA runs a
+step's kernels as command buffers (CUDA graphs), whose kernels the trace attributes to the
+buffer: `XLA_FLAGS=--xla_gpu_enable_command_buffer=` names each kernel's own op.
+
+  python benchmarks/profile_step.py --preset gpu --models dilated,full --json out/step.json
+  python benchmarks/profile_step.py --models dilated --steps 1        # CPU preset, quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+from flax import nnx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import common  # noqa: E402  (examples/common.py)
+import lm_real  # noqa: E402
+
+_META = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{op_name="([^"]*)"')
+SCOPES = ("attention", "mlp", "embed", "head", "loss", "optimizer")  # examples/common.py's
+
+
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+  """`instruction name -> op_name` (JAX's name stack) from the optimized HLO's metadata."""
+  return {m.group(1): m.group(2) for m in map(_META.match, hlo_text.splitlines()) if m}
+
+
+def part_of(op_name: str) -> str:
+  """The model part an op belongs to (`examples/common.py`'s named scopes), and the pass."""
+  scope = next((s for s in SCOPES if f"/{s}/" in f"/{op_name}/".replace("(", "/")
+                .replace(")", "/")), "other")
+  if scope in ("optimizer", "other"):
+    return scope
+  return f"{scope} {'backward' if 'transpose(' in op_name else 'forward'}"
+
+
+def kind_of(kernel: str, hlo_op: str, op_name: str) -> str:
+  k, h, o = kernel.lower(), hlo_op.lower(), op_name.lower()
+  if any(s in k for s in ("cudnn", "sdpa", "fmha", "flash")):
+    return "attention (cuDNN)"
+  if any(s in k for s in ("gemm", "nvjet", "xmma", "cutlass")) or "dot" in h:
+    return "matmul"
+  if any(s in k + o for s in ("pallas", "mosaic", "triton_call")) or "custom-call" in h:
+    return "attention (ours)"
+  if "copy" in h or "transpose" in h:
+    return "copy / transpose"
+  if "reduce" in k or "reduce" in h:
+    return "reduction fusion"
+  return "elementwise fusion / other"
+
+
+def device_events(path: str) -> list[dict]:
+  """Kernel (GPU) or thunk (CPU) events with an `hlo_op` stat: name, op, start, duration."""
+  from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
+  data = ProfileData.from_file(path)
+  gpu = [p for p in data.planes if p.name.startswith("/device:GPU")]
+  planes = gpu or [p for p in data.planes if p.name == "/host:CPU"]
+  events = []
+  for plane in planes:
+    for line in plane.lines:
+      if gpu and not line.name.startswith("Stream"):
+        continue
+      for ev in line.events:
+        stats = dict(ev.stats)
+        if "hlo_op" not in stats:
+          continue
+        events.append({"kernel": ev.name, "hlo_op": str(stats["hlo_op"]),
+                       "start": ev.start_ns, "ns": ev.duration_ns})
+  return events
+
+
+def busy_ns(events) -> float:
+  spans = sorted((e["start"], e["start"] + e["ns"]) for e in events)
+  total, end = 0.0, -1.0
+  for a, b in spans:
+    if b > end:
+      total += b - max(a, end)
+      end = b
+  return total
+
+
+def profile_model(name: str, cfg, full_impl: str, steps: int, top: int,
+                  loop_steps: int) -> dict:
+  cfg.impl = None
+  model, _ = lm_real.build_model(name, cfg, full_impl, seed=0)
+  graph, params, rest = nnx.split(model, nnx.Param, ...)
+  step_fn, _ = common._functions(graph, lm_real.loss_fn, cfg.lr, cfg.steps)  # pylint: disable=protected-access
+  opt_state = common.adamw(cfg.lr, cfg.steps).init(params)
+  corpus = lm_real.load_corpus(cfg.heldout_fraction, cfg.split_seed)
+  batch = lambda i: lm_real.train_batch(corpus["train"], cfg.seq_len, cfg.batch, 0, i)
+  compiled = step_fn.lower(params, rest, opt_state, batch(0)).compile()
+  op_names = hlo_op_names(compiled.as_text())
+  state = [params, opt_state]
+
+  def run(i):
+    state[0], state[1], loss, _ = compiled(state[0], rest, state[1], batch(i))
+    return loss
+
+  for i in range(3):
+    jax.block_until_ready(run(i))
+  times = []
+  for i in range(5):
+    t = time.perf_counter()
+    jax.block_until_ready(run(3 + i))
+    times.append(1e3 * (time.perf_counter() - t))
+  loop = []  # ms a step over chunks of 50 steps dispatched without a host sync
+  for c in range(0, loop_steps, 50):
+    t = time.perf_counter()
+    for i in range(c, min(c + 50, loop_steps)):
+      loss = run(8 + steps + i)
+    jax.block_until_ready(loss)
+    loop.append(1e3 * (time.perf_counter() - t) / (min(c + 50, loop_steps) - c))
+  result = {"model": name, "step_ms_host_median": statistics.median(times),
+            "loop_ms_per_step_by_chunk": loop}
+  if not steps:
+    return result
+  with tempfile.TemporaryDirectory() as log_dir:
+    with jax.profiler.trace(log_dir):
+      for i in range(steps):  # as examples/common.train's loop: no host sync between steps
+        loss = run(8 + i)
+      jax.block_until_ready(loss)
+    path = sorted(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True))[-1]
+    events = device_events(path)
+  by_op = collections.defaultdict(lambda: {"ns": 0.0, "count": 0, "kernels": set()})
+  for e in events:
+    row = by_op[e["hlo_op"]]
+    row["ns"] += e["ns"]
+    row["count"] += 1
+    row["kernels"].add(e["kernel"][:80])
+  ops = []
+  for op, row in by_op.items():
+    kernel, op_name = sorted(row["kernels"])[0], op_names.get(op, "")
+    ops.append({"hlo_op": op, "us_per_step": row["ns"] / 1e3 / steps,
+                "kernels_per_step": row["count"] / steps, "kernel": kernel,
+                "kind": kind_of(kernel, op, op_name), "part": part_of(op_name),
+                "op_name": op_name[-160:]})
+  ops.sort(key=lambda r: -r["us_per_step"])
+  kinds = collections.defaultdict(float)
+  for r in ops:
+    kinds[r["kind"]] += r["us_per_step"]
+  parts = collections.defaultdict(float)
+  for r in ops:
+    parts[f'{r["part"]}: {r["kind"]}'] += r["us_per_step"]
+  return {
+      **result, "kernel_ms_per_step": sum(r["us_per_step"] for r in ops) / 1e3,
+      "busy_ms_per_step": busy_ns(events) / 1e6 / steps,
+      "span_ms_per_step": (max(e["start"] + e["ns"] for e in events)
+                           - min(e["start"] for e in events)) / 1e6 / steps,
+      "by_kind_ms": {k: v / 1e3 for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+      "by_part_ms": {k: v / 1e3 for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+      "top_ops": ops[:top], "ops": len(ops)}
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--preset", default="cpu")
+  ap.add_argument("--models", default="dilated,full")
+  ap.add_argument("--steps", type=int, default=3, help="profiled steps (0: no trace)")
+  ap.add_argument("--top", type=int, default=40)
+  ap.add_argument("--loop", type=int, default=0, help="also time this many steps (chunks of 50, "
+                  "no host sync within a chunk: the example's loop), before the trace")
+  ap.add_argument("--set", default="", help="lm_real flags for every model, e.g. "
+                  "'--remat' (one string)")
+  ap.add_argument("--json")
+  args = ap.parse_args()
+  cfg = lm_real.parse_args(["--preset", args.preset] + args.set.split())
+  lm_real.check_args(cfg)
+  full_impl, _ = lm_real.resolve_full_impl(cfg)
+  results = []
+  for name in args.models.split(","):
+    r = profile_model(name, cfg, full_impl, args.steps, args.top, args.loop)
+    results.append(r)
+    print(f"== {name}: step {r['step_ms_host_median']:.2f} ms (host, synchronized); loop "
+          + " ".join(f"{t:.2f}" for t in r["loop_ms_per_step_by_chunk"]) + " ms a step",
+          flush=True)
+    if not args.steps:
+      continue
+    print(f"   kernels "
+          f"{r['kernel_ms_per_step']:.2f} ms, busy {r['busy_ms_per_step']:.2f} ms, span "
+          f"{r['span_ms_per_step']:.2f} ms; "
+          + ", ".join(f"{k} {v:.2f}" for k, v in r["by_kind_ms"].items()), flush=True)
+    for k, v in r["by_part_ms"].items():
+      print(f"   {v:8.3f} ms  {k}")
+    for o in r["top_ops"][:25]:
+      print(f"   {o['us_per_step']:9.1f} us x{o['kernels_per_step']:4.0f} {o['kind'][:18]:18s} "
+            f"{o['part'][:18]:18s} {o['hlo_op'][:30]:30s} {o['kernel'][:40]}")
+  if args.json:
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as fh:
+      json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                 "date": time.strftime("%Y-%m-%d %H:%M:%S"), "full_impl": full_impl,
+                 "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+  main()
