@@ -5,10 +5,12 @@ branches whose segments nest run in one launch, each (query, key) pair scored on
 bias `log m` of its multiplicity, causal blocks past the diagonal skipped, GQA by reading the
 shared key/value head. Launches group branches whose rows are at least one program block
 long (`_ROW_BLOCK`, 128 positions), so a pattern whose rows would be short all together runs
-as a few launches merged like branch-by-branch ones: the LM preset of examples/lm_real.py,
-`w = (512, 2048, 8192), r = (1, 4, 16)` (rows of 32 all together), as {512/1, 2048/4} (rows
-of 128) and {8192/16} (rows of 512), their partials in the output's dtype (float32 when none
-is asked for) merged in float32. What changes is the engine, built from Hopper's own parts:
+as a few launches: the LM preset of examples/lm_real.py, `w = (512, 2048, 8192), r = (1, 4,
+16)` (rows of 32 all together), as {512/1, 2048/4} (rows of 128) and {8192/16} (rows of 512).
+Each launch after the first merges the earlier launches' output and lse (in the output's
+dtype, float32 when none is asked for) into its own in its items' epilogues (`_merge_prior`),
+so the output is written once per launch and never merged apart. What changes is the
+engine, built from Hopper's own parts:
 
 - a program owns `2 * block_q` positions of one strided query row and runs three warpgroups:
   two consumers (`block_q` query rows each) and one producer that issues the TMA copies of
@@ -91,7 +93,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ..merge import merge
 from ..pattern import DilatedPattern, heads_per_kv
 from . import schedule
 from .base import YES, Problem, Support, batched, no
@@ -796,10 +797,38 @@ def _n_out(sched: schedule.Schedule, n_pad: int) -> int:
   return max(n_pad, -(-sched.periods * sched.period // (8 * L)) * 8 * L)
 
 
+def _merge_prior(prior_refs, prog, rows, o_tile, lse_tile, bars, acc, m_i, l_i, rows_of,
+                 row_stat):
+  """An item's epilogue merging its partial (`acc` unnormalized, base-2 running max `m_i`,
+  sum `l_i`) with the earlier launches' `(out, lse)` of its rows (`prior_refs`, loaded into
+  the output's tiles): `lse = log(e^lse_p + e^lse_i)`, `out = (e^lse_p o_p + acc e^m_i) /
+  e^lse` in base 2, a row neither has seen 0 with lse -inf; written into the same tiles."""
+  out_p, lse_p = prior_refs
+  plgpu.copy_gmem_to_smem(out_p.at[prog.b, rows, prog.cls, prog.head], o_tile, bars[0])
+  plgpu.copy_gmem_to_smem(lse_p.at[prog.b, prog.head, prog.cls, rows], lse_tile, bars[1])
+  for bar in bars:
+    plgpu.barrier_wait(bar)
+  a = plgpu.load(lse_tile, layout=row_stat) * _LOG2E  # prior, base 2
+  b = jnp.where(l_i > 0, m_i + jnp.log2(jnp.where(l_i > 0, l_i, 1.0)), -jnp.inf)
+  top = jnp.maximum(a, b)
+  top = jnp.where(top == -jnp.inf, 0.0, top)
+  w_p, w_i = jnp.exp2(a - top), jnp.exp2(m_i - top)  # 0 where unseen (-inf)
+  den = w_p + w_i * l_i
+  seen = den > 0
+  inv = 1.0 / jnp.where(seen, den, 1.0)
+  o_p = plgpu.load(o_tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+  out = o_p * rows_of(w_p * inv, acc.shape) + acc * rows_of(w_i * inv, acc.shape)
+  o_tile[...] = out.astype(o_tile.dtype)
+  lse_tile[...] = jnp.where(seen, (top + jnp.log2(jnp.where(seen, den, 1.0))) * _LN2, -jnp.inf)
+
+
 def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
-                    scale: float, out_dtype, config: Config):
+                    scale: float, out_dtype, config: Config, prior=None):
   """One launch over the padded `q, k, v [B, Np, H(kv), D]`: (out [B, No, H, D], lse
-  [B, No, H]), `No >= Np` (whole periods)."""
+  [B, No, H]), `No >= Np` (whole periods). `prior`: the `(out, lse)` of earlier launches
+  (`[B, No, H, D]` in `out_dtype`, `[B, No, H]`), merged into this launch's result in each
+  item's epilogue (its tile loaded into the output's tile once the walk is done): one pass
+  over the output instead of a partial written and merged apart."""
   batch, n_pad, num_heads, d = q.shape
   span = 2 * _n_out(sched, n_pad)  # exceeds any difference of two positions in a period
   dtype = q.dtype
@@ -820,9 +849,9 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
       config, d, dtype.itemsize, out_itemsize, 2) <= _SMEM_BYTES else 1
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref,
-             v5_ref, out_ref, lse_ref, smem, bars, free):
+             v5_ref, prior_refs, out_ref, lse_ref, smem, bars, free):
     q_smem, k_smem, v_smem, o_smem, lse_smem = smem
-    q_bar, k_bar, v_bar = bars
+    q_bar, k_bar, v_bar, prior_bars = bars
     (k_free, v_free), turn = free
     wg = lax.axis_index("wg")
 
@@ -904,11 +933,15 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         @pl.when(prog.busy)
         def _():
           end_turns()
-          seen = l_i > 0
-          l_safe = jnp.where(seen, l_i, 1.0)
           o_tile = q_tile if same else o_smem.at[wg]
-          o_tile[...] = (acc / rows_of(l_safe, acc.shape)).astype(o_tile.dtype)
-          lse_smem.at[wg][...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+          if prior_refs is None:
+            seen = l_i > 0
+            l_safe = jnp.where(seen, l_i, 1.0)
+            o_tile[...] = (acc / rows_of(l_safe, acc.shape)).astype(o_tile.dtype)
+            lse_smem.at[wg][...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+          else:
+            _merge_prior(prior_refs, prog, q_rows(prog), o_tile, lse_smem.at[wg],
+                         [bar.at[wg] for bar in prior_bars], acc, m_i, l_i, rows_of, row_stat)
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(o_tile, out_ref.at[prog.b, q_rows(prog), prog.cls, prog.head])
           plgpu.copy_smem_to_gmem(lse_smem.at[wg],
@@ -923,7 +956,8 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
     pl.when(wg == 2)(producer)
 
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref, v5_ref,
-            out_ref, lse_ref):
+            *refs):
+    prior_refs, (out_ref, lse_ref) = (None, refs) if prior is None else (refs[:2], refs[2:])
     tiles = _swizzled(dtype)
     smem = [plgpu.SMEM((2 * buffers, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
@@ -936,12 +970,14 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
       q_smem, k_smem, v_smem, lse_smem = smem[:4]
       o_smem = None if same else smem[4]
       kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref, v5_ref,
-             out_ref, lse_ref, (q_smem, k_smem, v_smem, o_smem, lse_smem), bars, free)
+             prior_refs, out_ref, lse_ref, (q_smem, k_smem, v_smem, o_smem, lse_smem), bars,
+             free)
 
     pl.run_scoped(
         scoped, smem,
         (plgpu.Barrier(num_barriers=2 * buffers), plgpu.Barrier(num_barriers=stages),
-         plgpu.Barrier(num_barriers=stages)),
+         plgpu.Barrier(num_barriers=stages),
+         None if prior is None else (plgpu.Barrier(num_barriers=2),) * 2),
         ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
          plgpu.Barrier(num_arrivals=2)),
         collective_axes="wg")
@@ -952,6 +988,10 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   rows, pieces, bias = tables
   view = functools.partial(_strided_view, stride=L)
   args = (work.table(rows), pieces.reshape(-1), bias, view(q), k, view(k), v, view(v))
+  if prior is not None:
+    out_p, lse_p = prior
+    args += (view(out_p.astype(out_dtype)), lse_p.astype(jnp.float32).reshape(
+        batch, n_out // L, L, num_heads).transpose(0, 3, 2, 1))
   out, lse = _run(entry, out_type, work.grid, args, interpret)
   lse = lse.transpose(0, 3, 2, 1).reshape(batch, n_out, num_heads)
   return out.reshape(batch, n_out, num_heads, d), lse
@@ -1350,12 +1390,12 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
 def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
             out_dtype=None):
-  """`(out, lse)` of `branches` (all if None): float32 partials, or `out` in `out_dtype` when
-  given: written by the kernel where one launch covers the branches, else each launch's
-  output in `out_dtype` too, merged in float32 (a partial rounded once more: at 16 bits
-  about the output's own rounding; measured on the LM preset's two launches, the forward
-  1.3x as fast as with float32 partials: its output tile takes the query tile's place, so
-  the next item's queries load during this one, and half the bytes go to the merge)."""
+  """`(out, lse)` of `branches` (all if None): `out` in float32, or in `out_dtype` when
+  given. Several launches chain: each merges the result so far (in `out_dtype`: the earlier
+  launches' output rounded once more, at 16 bits about the output's own rounding) into its
+  own in float32 registers, in its epilogues (measured on the LM preset's two launches with
+  the merge apart: 16-bit partials made the forward 1.3x as fast as float32 ones, the output
+  tile taking the query tile's place, so the next item's queries load during this one)."""
   out_itemsize = 4 if out_dtype is None else jnp.dtype(out_dtype).itemsize
   config = (config or Config()).resolved(q.shape[-1], q.dtype.itemsize, out_itemsize)
   fn = lambda q, k, v: _forward(q, k, v, pattern, scale, branches, config, out_dtype)
@@ -1383,17 +1423,19 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
   if why := geometry_problem(pattern, n, num_heads, k.shape[2], branches, config, batch):
     raise NotImplementedError(why)
   launches = _launches(pattern, n, num_heads, branches)
-  parts = []
+  result = None
   for fused in launches:
     sched = schedule.build(pattern, n, num_heads, k.shape[2], fused, False)
-    _, pad = _padded(n, sched)
+    n_pad, pad = _padded(n, sched)
+    prior = None
+    if result is not None:  # merged in this launch's epilogues, to its whole periods
+      extra = _n_out(sched, n_pad) - n
+      prior = (jnp.pad(result[0], [(0, 0), (0, extra), (0, 0), (0, 0)]),
+               jnp.pad(result[1], [(0, 0), (0, extra), (0, 0)], constant_values=-jnp.inf))
     out, lse = _forward_launch(pad(q), pad(k), pad(v), sched.arrays(), sched, n,
-                               pattern.causal, scale, out_dtype or jnp.float32, config)
-    parts.append((out[:, :n], lse[:, :n]))
-  if len(parts) > 1:  # merged in float32
-    parts = [(o.astype(jnp.float32), lse) for o, lse in parts]
-  out, lse = merge([o for o, _ in parts], [lse for _, lse in parts])
-  return out.astype(out_dtype or jnp.float32), lse
+                               pattern.causal, scale, out_dtype or jnp.float32, config, prior)
+    result = out[:, :n], lse[:, :n]
+  return result
 
 
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
