@@ -1,5 +1,5 @@
-"""GPU check of the attention shapes examples/lm_real.py's GPU preset trains (with the default
-offsets="head"): each backend that runs them against "xla" at float32 "highest" (outputs and
+"""GPU check of the attention shapes examples/lm_real.py's GPU preset trains (its own
+offsets="all" first, alone with `--lm`; then with the default offsets="head"): each backend that runs them against "xla" at float32 "highest" (outputs and
 gradients). Run from the repository root with PYTHONPATH=. (and the wheels of run_gpu.sh for
 "triton")."""
 import sys
@@ -8,11 +8,11 @@ import jax, jax.numpy as jnp, numpy as np
 from bench_pallas import ours, outputs_and_grads, rel_l2
 from hilbert_ring_jax import DilatedPattern, backends
 
-def check(n, h, hkv, d, segs, rates, causal, dtype, impls, batch=1):
+def check(n, h, hkv, d, segs, rates, causal, dtype, impls, batch=1, offsets="head"):
   rng = np.random.default_rng(0)
   q, dout = (jnp.asarray(rng.standard_normal((batch, n, h, d)), dtype) for _ in range(2))
   k, v = (jnp.asarray(rng.standard_normal((batch, n, hkv, d)), dtype) for _ in range(2))
-  pattern = DilatedPattern(segs, rates, causal=causal)
+  pattern = DilatedPattern(segs, rates, causal=causal, offsets=offsets)
   with jax.default_matmul_precision("highest"):
     ref = outputs_and_grads(ours("xla"), q, k, v, dout, pattern, d ** -0.5)
   for impl in impls:
@@ -23,8 +23,12 @@ def check(n, h, hkv, d, segs, rates, causal, dtype, impls, batch=1):
       errs = " ".join(f"{t}={rel_l2(g, r):.1e}" for t, g, r in zip(("out", "dq", "dk", "dv"), got, ref))
     except Exception as e:
       name, errs = "-", f"{type(e).__name__}: {str(e)[:200]}"
-    print(f"N={n} B={batch} H={h}/{hkv} D={d} w={segs} r={rates} causal={causal} {jnp.dtype(dtype).name} {impl}->{name}: {errs}", flush=True)
+    print(f"N={n} B={batch} H={h}/{hkv} D={d} w={segs} r={rates} causal={causal} offsets={offsets} {jnp.dtype(dtype).name} {impl}->{name}: {errs}", flush=True)
 
+check(8192, 6, 2, 128, (512, 2048, 8192), (1, 4, 16), True, jnp.bfloat16, [None], batch=2,
+      offsets="all")  # the LM preset's attention (two launches)
+if "--lm" in sys.argv:
+  sys.exit()
 for causal in (True, False):
   check(8192, 6, 2, 128, (512, 2048, 8192), (1, 4, 16), causal, jnp.bfloat16, [None, "triton"], batch=2)
 check(8192, 6, 6, 128, (512, 2048, 8192), (1, 4, 16), True, jnp.bfloat16, [None])
