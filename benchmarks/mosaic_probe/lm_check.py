@@ -1,6 +1,6 @@
 """GPU check of the attention shapes examples/lm_real.py's GPU preset trains (its own
-offsets="all" first, alone with `--lm`; then with the default offsets="head"): each backend that runs them against "xla" at float32 "highest" (outputs and
-gradients). Run from the repository root with PYTHONPATH=. (and the wheels of run_gpu.sh for
+offsets="all" first, alone with `--lm`; then with the default offsets="head"): each backend
+that runs them against "xla" at float32 "highest" (outputs and gradients). Run from the repository root with PYTHONPATH=. (and the wheels of run_gpu.sh for
 "triton")."""
 import sys
 sys.path.insert(0, "benchmarks")
