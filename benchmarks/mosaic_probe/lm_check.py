@@ -1,7 +1,7 @@
 """GPU check of the attention shapes examples/lm_real.py's GPU preset trains (its own
 offsets="all" first, alone with `--lm`; then with the default offsets="head"): each backend
-that runs them against "xla" at float32 "highest" (outputs and gradients). Run from the repository root with PYTHONPATH=. (and the wheels of run_gpu.sh for
-"triton")."""
+that runs them against "xla" at float32 "highest" (outputs and gradients). Run from the
+repository root with PYTHONPATH=. (and the wheels of run_gpu.sh for "triton")."""
 import sys
 sys.path.insert(0, "benchmarks")
 import jax, jax.numpy as jnp, numpy as np
