@@ -5,8 +5,9 @@ times) runs a few warm-up steps on a text batch, then `--steps` steps under `jax
 the trace's device events (GPU kernels; on a CPU, the XLA thunks) are summed per HLO
 instruction, tied to the model part it belongs to (the named scopes of `examples/common.py`
 in the optimized HLO's metadata: attention, mlp, embed, head, loss, each forward or backward,
-and the optimizer), and grouped by kind: matmuls (cuBLAS / XLA gemm fusions), attention (this library's kernels, cuDNN),
-everything else (fusions of elementwise ops and reductions, copies). It also reports the busy
+and the optimizer), and grouped by kind: matmuls (cuBLAS / XLA gemm fusions), attention
+(this library's kernels, cuDNN), everything else (fusions of elementwise ops and reductions,
+copies). It also reports the busy
 time (union of the kernels' intervals) and the span (first kernel's start to last kernel's end,
 the profiled steps dispatched without a host sync between them, as the example's loop does)
 against the host-timed step (synchronized each step), so the idle gaps show. XLA runs a
@@ -57,12 +58,12 @@ def part_of(op_name: str) -> str:
 
 def kind_of(kernel: str, hlo_op: str, op_name: str) -> str:
   k, h, o = kernel.lower(), hlo_op.lower(), op_name.lower()
-  if any(s in k for s in ("cudnn", "sdpa", "fmha", "flash")):
+  if "dot_product_attention" in h or any(s in k for s in ("cudnn", "sdpa", "fmha", "flash")):
     return "attention (cuDNN)"
-  if any(s in k for s in ("gemm", "nvjet", "xmma", "cutlass")) or "dot" in h:
-    return "matmul"
-  if any(s in k + o for s in ("pallas", "mosaic", "triton_call")) or "custom-call" in h:
+  if "mpmd_map" in h or any(s in k + o for s in ("pallas", "mosaic", "triton_call")):
     return "attention (ours)"
+  if "dot_general" in o or "dot" in h or any(s in k for s in ("gemm", "nvjet", "xmma")):
+    return "matmul"
   if "copy" in h or "transpose" in h:
     return "copy / transpose"
   if "reduce" in k or "reduce" in h:
@@ -142,15 +143,16 @@ def profile_model(name: str, cfg, full_impl: str, steps: int, top: int,
       jax.block_until_ready(loss)
     path = sorted(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True))[-1]
     events = device_events(path)
-  by_op = collections.defaultdict(lambda: {"ns": 0.0, "count": 0, "kernels": set()})
+  by_op = collections.defaultdict(lambda: {"ns": 0.0, "count": 0,
+                                           "kernels": collections.Counter()})
   for e in events:
     row = by_op[e["hlo_op"]]
     row["ns"] += e["ns"]
     row["count"] += 1
-    row["kernels"].add(e["kernel"][:80])
+    row["kernels"][e["kernel"][:80]] += e["ns"]
   ops = []
-  for op, row in by_op.items():
-    kernel, op_name = sorted(row["kernels"])[0], op_names.get(op, "")
+  for op, row in by_op.items():  # each op named by its longest-running kernel
+    kernel, op_name = row["kernels"].most_common(1)[0][0], op_names.get(op, "")
     ops.append({"hlo_op": op, "us_per_step": row["ns"] / 1e3 / steps,
                 "kernels_per_step": row["count"] / steps, "kernel": kernel,
                 "kind": kind_of(kernel, op, op_name), "part": part_of(op_name),
