@@ -990,8 +990,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   args = (work.table(rows), pieces.reshape(-1), bias, view(q), k, view(k), v, view(v))
   if prior is not None:
     out_p, lse_p = prior
-    args += (view(out_p.astype(out_dtype)), lse_p.astype(jnp.float32).reshape(
-        batch, n_out // L, L, num_heads).transpose(0, 3, 2, 1))
+    args += (view(out_p), lse_p.reshape(batch, n_out // L, L, num_heads).transpose(0, 3, 2, 1))
   out, lse = _run(entry, out_type, work.grid, args, interpret)
   lse = lse.transpose(0, 3, 2, 1).reshape(batch, n_out, num_heads)
   return out.reshape(batch, n_out, num_heads, d), lse
@@ -1427,15 +1426,14 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
   for fused in launches:
     sched = schedule.build(pattern, n, num_heads, k.shape[2], fused, False)
     n_pad, pad = _padded(n, sched)
-    prior = None
-    if result is not None:  # merged in this launch's epilogues, to its whole periods
-      extra = _n_out(sched, n_pad) - n
-      prior = (jnp.pad(result[0], [(0, 0), (0, extra), (0, 0), (0, 0)]),
-               jnp.pad(result[1], [(0, 0), (0, extra), (0, 0)], constant_values=-jnp.inf))
-    out, lse = _forward_launch(pad(q), pad(k), pad(v), sched.arrays(), sched, n,
-                               pattern.causal, scale, out_dtype or jnp.float32, config, prior)
-    result = out[:, :n], lse[:, :n]
-  return result
+    if result is not None:  # merged in this launch's epilogues: cut or padded to its rows
+      rows = _n_out(sched, n_pad)
+      result = tuple(jnp.pad(x[:, :rows], [(0, 0), (0, rows - min(rows, x.shape[1]))]
+                             + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+                     for x, fill in zip(result, (0.0, -jnp.inf)))
+    result = _forward_launch(pad(q), pad(k), pad(v), sched.arrays(), sched, n, pattern.causal,
+                             scale, out_dtype or jnp.float32, config, result)
+  return result[0][:, :n], result[1][:, :n]
 
 
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
