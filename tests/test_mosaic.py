@@ -62,7 +62,8 @@ def test_interpret_launches_in_whole_blocks(head_dim, causal):
   in rows of 128: {128/1, 256/1} and {512/4} (the LM preset's grouping in small), the
   second launch merging the first's float16 output (the output's dtype) into its own in its
   epilogues, the gradients of the two launches added: by default the unstrided launch's
-  dk/dv kernel adds dq (float32), the strided one has a dq kernel of its own. The kernels are persistent (list-scheduled under the mask)."""
+  dk/dv kernel adds dq (float32), the strided one has a dq kernel of its own. The kernels
+  are persistent (list-scheduled under the mask)."""
   case = Case(512, 2, 1, (128, 256, 512), (1, 1, 4), head_dim=head_dim)
   pattern = case.pattern(causal)
   assert schedule.launches(pattern, case.n, case.heads, min_row=128) == [(0, 1), (2,)]
