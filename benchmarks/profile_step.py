@@ -102,7 +102,7 @@ def busy_ns(events) -> float:
 
 
 def profile_model(name: str, cfg, full_impl: str, steps: int, top: int,
-                  loop_steps: int) -> dict:
+                  loop_steps: int, hlo_dir: str | None = None) -> dict:
   cfg.impl = None
   model, _ = lm_real.build_model(name, cfg, full_impl, seed=0)
   graph, params, rest = nnx.split(model, nnx.Param, ...)
@@ -112,6 +112,10 @@ def profile_model(name: str, cfg, full_impl: str, steps: int, top: int,
   batch = lambda i: lm_real.train_batch(corpus["train"], cfg.seq_len, cfg.batch, 0, i)
   compiled = step_fn.lower(params, rest, opt_state, batch(0)).compile()
   op_names = hlo_op_names(compiled.as_text())
+  if hlo_dir:  # the optimized HLO, to read what each fusion holds
+    os.makedirs(hlo_dir, exist_ok=True)
+    with open(os.path.join(hlo_dir, f"step_{name}.hlo.txt"), "w") as fh:
+      fh.write(compiled.as_text())
   state = [params, opt_state]
 
   def run(i):
@@ -174,6 +178,59 @@ def profile_model(name: str, cfg, full_impl: str, steps: int, top: int,
       "top_ops": ops[:top], "ops": len(ops)}
 
 
+def ab_loop(name: str, cfg, full_impl: str, variant: dict, rounds: int, chunk: int) -> dict:
+  """The training step as it is (A) and with `variant`'s module attributes set while it is
+  traced (B), timed in alternating chunks of `chunk` steps (no host sync within a chunk), so
+  both see the same clocks (the H100 runs at its power cap here): ms a step by chunk."""
+  cfg.impl = None
+  model, _ = lm_real.build_model(name, cfg, full_impl, seed=0)
+  graph, params, rest = nnx.split(model, nnx.Param, ...)
+  corpus = lm_real.load_corpus(cfg.heldout_fraction, cfg.split_seed)
+  batch = lambda i: lm_real.train_batch(corpus["train"], cfg.seq_len, cfg.batch, 0, i)
+  runs = {}
+  for label in ("A", "B"):
+    saved = {}
+    if label == "B":
+      for (module, attr), value in variant.items():
+        saved[module, attr] = getattr(module, attr)
+        setattr(module, attr, value)
+    try:  # a fresh jitted step (not _functions' cached one), traced with the attributes set
+      step_fn, _ = common._functions.__wrapped__(graph, lm_real.loss_fn, cfg.lr, cfg.steps)  # pylint: disable=protected-access
+      p = jax.tree.map(jax.numpy.copy, params)
+      opt_state = common.adamw(cfg.lr, cfg.steps).init(p)
+      compiled = step_fn.lower(p, rest, opt_state, batch(0)).compile()
+    finally:
+      for (module, attr), value in saved.items():
+        setattr(module, attr, value)
+    runs[label] = (compiled, [p, opt_state])
+  times = {"A": [], "B": []}
+  for r in range(rounds + 1):  # round 0 warms up
+    for label, (compiled, state) in runs.items():
+      t = time.perf_counter()
+      for i in range(chunk):
+        state[0], state[1], loss, _ = compiled(state[0], rest, state[1], batch(r * chunk + i))
+      jax.block_until_ready(loss)
+      if r:
+        times[label].append(1e3 * (time.perf_counter() - t) / chunk)
+  return {"model": name, "variant": {f"{m.__name__}.{a}": repr(v) for (m, a), v in
+                                     variant.items()},
+          "ms_by_chunk": times, "median_ms": {k: statistics.median(v) for k, v in times.items()}}
+
+
+def parse_variant(specs: list[str]) -> dict:
+  """`["common._x=EXPR", ...]` -> `{(module, attr): value}`; EXPR evaluated with jax, jnp, nnx
+  and the example modules in scope."""
+  scope = {"jax": jax, "jnp": jax.numpy, "nnx": nnx, "common": common, "lm_real": lm_real}
+  variant = {}
+  for spec in specs:
+    target, _, expr = spec.partition("=")
+    module, _, attr = target.strip().rpartition(".")
+    if module not in ("common", "lm_real") or not expr:
+      raise ValueError(f"--ab takes common.NAME=EXPR or lm_real.NAME=EXPR, got {spec!r}")
+    variant[scope[module], attr] = eval(expr, scope)  # pylint: disable=eval-used
+  return variant
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--preset", default="cpu")
@@ -184,14 +241,29 @@ def main():
                   "no host sync within a chunk: the example's loop), before the trace")
   ap.add_argument("--set", default="", help="lm_real flags for every model, e.g. "
                   "'--remat' (one string)")
+  ap.add_argument("--ab", action="append", default=[], metavar="common.NAME=EXPR",
+                  help="instead of profiling, time the step as it is against the step traced "
+                  "with these attributes set (repeatable), in alternating chunks")
+  ap.add_argument("--rounds", type=int, default=6, help="--ab: chunks each way")
+  ap.add_argument("--chunk", type=int, default=40, help="--ab: steps a chunk")
+  ap.add_argument("--hlo-dir", help="write each model's optimized HLO here")
   ap.add_argument("--json")
   args = ap.parse_args()
   cfg = lm_real.parse_args(["--preset", args.preset] + args.set.split())
   lm_real.check_args(cfg)
   full_impl, _ = lm_real.resolve_full_impl(cfg)
   results = []
-  for name in args.models.split(","):
-    r = profile_model(name, cfg, full_impl, args.steps, args.top, args.loop)
+  if args.ab:
+    variant = parse_variant(args.ab)
+    for name in args.models.split(","):
+      r = ab_loop(name, cfg, full_impl, variant, args.rounds, args.chunk)
+      results.append(r)
+      print(f"== {name}: A {r['median_ms']['A']:.2f} ms, B {r['median_ms']['B']:.2f} ms a step "
+            f"(medians of {args.rounds} chunks of {args.chunk}); A "
+            + " ".join(f"{t:.2f}" for t in r["ms_by_chunk"]["A"]) + "; B "
+            + " ".join(f"{t:.2f}" for t in r["ms_by_chunk"]["B"]), flush=True)
+  for name in [] if args.ab else args.models.split(","):
+    r = profile_model(name, cfg, full_impl, args.steps, args.top, args.loop, args.hlo_dir)
     results.append(r)
     print(f"== {name}: step {r['step_ms_host_median']:.2f} ms (host, synchronized); loop "
           + " ".join(f"{t:.2f}" for t in r["loop_ms_per_step_by_chunk"]) + " ms a step",

@@ -133,9 +133,23 @@ class Block(nnx.Module):
   def __call__(self, x, **attn_kwargs):
     """`attn_kwargs` go to the attention layer (e.g. `prefill=True` when decoding)."""
     with jax.named_scope("attention"):  # names the ops in profiles (benchmarks/profile_step.py)
-      x = x + self.attn(self.norm1(x), **attn_kwargs)
+      x = x + self.attn(_recomputed(self.norm1, x), **attn_kwargs)
     with jax.named_scope("mlp"):
-      return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+      return x + self.down(self._up_gelu(_recomputed(self.norm2, x)))
+
+  def _up_gelu(self, x):
+    """`gelu(self.up(x))`, the GELU recomputed in the backward pass from the matmul's output."""
+    up = self.up
+    x, kernel, bias = up.promote_dtype((x, up.kernel[...], up.bias[...]), dtype=up.dtype)
+    return _bias_gelu(jnp.dot(x, kernel, precision=up.precision), bias)
+
+
+# The norms and the GELU are memory-bound: the backward pass recomputes them from their inputs
+# (which the matmuls keep anyway) instead of keeping their intermediates (the GELU's: five
+# arrays of the MLP's width; the norms': float32 copies), which writes and reads less memory
+# (examples/lm_real.py --preset gpu on an H100: 0.8% faster steps; benchmarks/RESULTS.md).
+_recomputed = nnx.remat(lambda module, x: module(x))
+_bias_gelu = jax.checkpoint(lambda y, bias: nnx.gelu(y + bias))
 
 
 _ONE_HOT_VOCAB = 1024  # token inputs from vocabularies up to this size embed by a matmul
