@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import importlib
 import json
 import os
 import re
@@ -218,16 +219,20 @@ def ab_loop(name: str, cfg, full_impl: str, variant: dict, rounds: int, chunk: i
 
 
 def parse_variant(specs: list[str]) -> dict:
-  """`["common._x=EXPR", ...]` -> `{(module, attr): value}`; EXPR evaluated with jax, jnp, nnx
-  and the example modules in scope."""
+  """`["MODULE.NAME=EXPR", ...]` -> `{(module, name): value}`: MODULE is `common`, `lm_real`
+  (the examples') or an importable module (e.g. `hilbert_ring_jax.backends.mosaic`); EXPR is
+  evaluated with jax, jnp, nnx and those two in scope."""
   scope = {"jax": jax, "jnp": jax.numpy, "nnx": nnx, "common": common, "lm_real": lm_real}
   variant = {}
   for spec in specs:
     target, _, expr = spec.partition("=")
     module, _, attr = target.strip().rpartition(".")
-    if module not in ("common", "lm_real") or not expr:
-      raise ValueError(f"--ab takes common.NAME=EXPR or lm_real.NAME=EXPR, got {spec!r}")
-    variant[scope[module], attr] = eval(expr, scope)  # pylint: disable=eval-used
+    if not module or not expr:
+      raise ValueError(f"--ab takes MODULE.NAME=EXPR, got {spec!r}")
+    module = scope[module] if module in scope else importlib.import_module(module)
+    if not hasattr(module, attr):
+      raise ValueError(f"--ab: {module.__name__} has no {attr!r}")
+    variant[module, attr] = eval(expr, scope)  # pylint: disable=eval-used
   return variant
 
 
@@ -241,7 +246,7 @@ def main():
                   "no host sync within a chunk: the example's loop), before the trace")
   ap.add_argument("--set", default="", help="lm_real flags for every model, e.g. "
                   "'--remat' (one string)")
-  ap.add_argument("--ab", action="append", default=[], metavar="common.NAME=EXPR",
+  ap.add_argument("--ab", action="append", default=[], metavar="MODULE.NAME=EXPR",
                   help="instead of profiling, time the step as it is against the step traced "
                   "with these attributes set (repeatable), in alternating chunks")
   ap.add_argument("--rounds", type=int, default=6, help="--ab: chunks each way")

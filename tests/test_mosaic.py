@@ -56,20 +56,24 @@ def test_interpret_nested_gqa_float16():
 
 
 @INTERPRET
-@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, True), (128, False)])
-def test_interpret_launches_in_whole_blocks(head_dim, causal):
+@pytest.mark.parametrize("head_dim,causal,fused", [(64, True, None), (128, True, None),
+                                                  (128, False, None), (64, True, False),
+                                                  (64, False, True)])
+def test_interpret_launches_in_whole_blocks(head_dim, causal, fused):
   """Rows of 32 all together (w0 / L = 128 / 4), so the kernels' launches group the branches
   in rows of 128: {128/1, 256/1} and {512/4} (the LM preset's grouping in small), the
   second launch merging the first's float16 output (the output's dtype) into its own in its
-  epilogues, the gradients of the two launches added: by default the unstrided launch's
-  dk/dv kernel adds dq (float32), the strided one has a dq kernel of its own. The kernels
-  are persistent (list-scheduled under the mask)."""
+  epilogues, and adding the first's gradients to its own in its epilogues: by default
+  (`fused` None) the unstrided launch's dk/dv kernel adds dq (float32), the strided one has
+  a dq kernel of its own; False: both launches' split (the LM preset's), True: both fused.
+  The kernels are persistent (list-scheduled under the mask)."""
   case = Case(512, 2, 1, (128, 256, 512), (1, 1, 4), head_dim=head_dim)
   pattern = case.pattern(causal)
   assert schedule.launches(pattern, case.n, case.heads, min_row=128) == [(0, 1), (2,)]
   assert mosaic.geometry_problem(pattern, case.n, case.heads, case.kv_heads, None,
                                  mosaic.Config().resolved(head_dim)) is None
-  _both_passes_vs_reference(case, causal, jnp.float16, mosaic.Config(interpret=True))
+  _both_passes_vs_reference(case, causal, jnp.float16,
+                            mosaic.Config(interpret=True, fused_backward=fused))
 
 
 @INTERPRET

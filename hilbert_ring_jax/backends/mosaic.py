@@ -9,7 +9,9 @@ as a few launches: the LM preset of examples/lm_real.py, `w = (512, 2048, 8192),
 16)` (rows of 32 all together), as {512/1, 2048/4} (rows of 128) and {8192/16} (rows of 512).
 Each launch after the first merges the earlier launches' output and lse (in the output's
 dtype, float32 when none is asked for) into its own in its items' epilogues (`_merge_prior`),
-so the output is written once per launch and never merged apart. What changes is the
+so the output is written once per launch and never merged apart; in the backward, each
+launch's kernels add the earlier launches' dq, dk, dv to their own likewise (`_add_prior`).
+What changes is the
 engine, built from Hopper's own parts:
 
 - a program owns `2 * block_q` positions of one strided query row and runs three warpgroups:
@@ -822,6 +824,19 @@ def _merge_prior(prior_refs, prog, rows, o_tile, lse_tile, bars, acc, m_i, l_i, 
   lse_tile[...] = jnp.where(seen, (top + jnp.log2(jnp.where(seen, den, 1.0))) * _LN2, -jnp.inf)
 
 
+def _add_prior(prior_refs, b, rows, cls, head, tiles, bars, wg, grads):
+  """An item's epilogue adding the earlier launches' gradients of its rows (`prior_refs`,
+  None: none; loaded into the output's `tiles`, whose stores before have read them) to its
+  float32 `grads` (a list, updated)."""
+  if prior_refs[0] is None:
+    return
+  for i, (ref, tile) in enumerate(zip(prior_refs, tiles)):
+    plgpu.copy_gmem_to_smem(ref.at[b, rows, cls, head], tile, bars[i].at[wg])
+  for i, tile in enumerate(tiles):
+    plgpu.barrier_wait(bars[i].at[wg])
+    grads[i] = grads[i] + plgpu.load(tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+
+
 def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
                     scale: float, out_dtype, config: Config, prior=None):
   """One launch over the padded `q, k, v [B, Np, H(kv), D]`: (out [B, No, H, D], lse
@@ -997,9 +1012,10 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
 
 
 def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: int,
-               causal: bool, scale: float, config: Config, out_dtype=jnp.float32):
+               causal: bool, scale: float, config: Config, out_dtype=jnp.float32, prior=None):
   """dq of one launch over the padded `[B, Np, ...]` inputs (lse2, delta `[B, H, L, Np/L]`,
-  lse2 in base 2, +inf where no key is seen): `[B, No, H, D]` in `out_dtype`."""
+  lse2 in base 2, +inf where no key is seen): `[B, No, H, D]` in `out_dtype`, plus `prior`
+  (the earlier launches' dq, `[B, No, H, D]` in `out_dtype`), added in the epilogues."""
   batch, n_pad, num_heads, d = q.shape
   span = 2 * _n_out(sched, n_pad)  # exceeds any difference of two positions in a period
   dtype = q.dtype
@@ -1013,9 +1029,9 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
   work = _Work.of(sched, batch, config, causal, key_ranges)
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
-             k4_ref, k5_ref, v4_ref, v5_ref, dq_ref, smem, bars, free):
+             k4_ref, k5_ref, v4_ref, v5_ref, prior_ref, dq_ref, smem, bars, free):
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, o_smem = smem
-    row_bars, k_bar, v_bar = bars
+    row_bars, k_bar, v_bar, prior_bar = bars
     k_free, v_free = free
     wg = lax.axis_index("wg")
 
@@ -1093,7 +1109,9 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
         @pl.when(prog.busy)
         def _():
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the item before's store
-          o_tile[...] = (dq * scale).astype(o_tile.dtype)
+          grad = [dq * scale]
+          _add_prior([prior_ref], b, q_rows, cls, head, [o_tile], prior_bar, wg, grad)
+          o_tile[...] = grad[0].astype(o_tile.dtype)
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(o_tile, dq_ref.at[b, q_rows, cls, head])
 
@@ -1106,7 +1124,8 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
     pl.when(wg == 2)(producer)
 
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
-            k4_ref, k5_ref, v4_ref, v5_ref, dq_ref):
+            k4_ref, k5_ref, v4_ref, v5_ref, *refs):
+    prior_ref, dq_ref = refs if prior is not None else (None, *refs)
     tiles = _swizzled(dtype)
     smem = [plgpu.SMEM((2, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((2, bq, d), dtype, transforms=tiles),
@@ -1117,10 +1136,11 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
     pl.run_scoped(
         lambda smem, bars, free: kernel(
             origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
-            k4_ref, k5_ref, v4_ref, v5_ref, dq_ref, smem, bars, free),
+            k4_ref, k5_ref, v4_ref, v5_ref, prior_ref, dq_ref, smem, bars, free),
         smem,
         ((plgpu.Barrier(num_barriers=2),) * 4, plgpu.Barrier(num_barriers=stages),
-         plgpu.Barrier(num_barriers=stages)),
+         plgpu.Barrier(num_barriers=stages),
+         None if prior is None else (plgpu.Barrier(num_barriers=2),)),
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
         collective_axes="wg")
 
@@ -1129,18 +1149,19 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
   rows, pieces, bias = tables
   view = functools.partial(_strided_view, stride=L)
   args = (work.table(rows), pieces.reshape(-1), bias, view(q), view(dout), lse2, delta,
-          k, view(k), v, view(v))
+          k, view(k), v, view(v), *([] if prior is None else [view(prior)]))
   dq, = _run(entry, out_type, work.grid, args, interpret)
   return dq.reshape(batch, n_out, num_heads, d)
 
 
 def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
                  causal: bool, scale: float, config: Config, dq_accs=None,
-                 out_dtype=jnp.float32):
+                 out_dtype=jnp.float32, prior=None):
   """dk, dv of one launch (the transposed schedule: key rows of each key/value head, query
   pieces of the query heads reading it) over the padded `[B, Np, ...]` inputs (`stats`:
   lse2 and delta as `[B, H, Np]` and `[B, H, L, Np/L]`): `[B, No, Hkv, D]` each, in
-  `out_dtype` (float32 when fused: the output tile stages dq too).
+  `out_dtype` (float32 when fused: the output tile stages dq too), plus `prior` (the
+  earlier launches' `(dk, dv)`, `[B, No, Hkv, D]` in `out_dtype`), added in the epilogues.
 
   With `dq_accs` (float32 refs `[C B, Na, H, D]` and, for L > 1, `[C B, Na/L, L, H, D]`,
   C = 2 in interpret mode, else 1) the kernel also adds dq into them: each step both
@@ -1164,11 +1185,11 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   two_tiles = jnp.dtype(out_dtype).itemsize == 2
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref,
-             do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dq_refs, dk_ref,
-             dv_ref, smem, bars, free):
+             do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dq_refs, prior_refs,
+             dk_ref, dv_ref, smem, bars, free):
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem = smem[:7]
-    row_bars, q_bar, do_bar, lse_bar, delta_bar = bars[:5]
-    ds_smem, ds_bars = (smem[7], bars[5]) if fused else (None, None)
+    row_bars, q_bar, do_bar, lse_bar, delta_bar, prior_bars = bars[:6]
+    ds_smem, ds_bars = (smem[7], bars[6]) if fused else (None, None)
     q_free, do_free, stat_free = free
     wg = lax.axis_index("wg")
 
@@ -1325,18 +1346,24 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
         @pl.when(prog.busy)
         def _():
+          add_prior = functools.partial(_add_prior, b=b, rows=k_rows, cls=cls, head=head,
+                                        wg=wg)
           if two_tiles:  # dk and dv each in a tile of its own: one wait, two stores
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            for t, grad in enumerate((dk * scale, dv)):
-              o_smem.at[wg + 2 * t][...] = grad.astype(o_tile.dtype)
+            grads, tiles = [dk * scale, dv], [o_smem.at[wg + 2 * t] for t in range(2)]
+            add_prior(prior_refs, tiles=tiles, bars=prior_bars, grads=grads)
+            for tile, grad in zip(tiles, grads):
+              tile[...] = grad.astype(o_tile.dtype)
             plgpu.commit_smem()
-            for t, out_ref in enumerate((dk_ref, dv_ref)):
-              plgpu.copy_smem_to_gmem(o_smem.at[wg + 2 * t], out_ref.at[b, k_rows, cls, head])
+            for tile, out_ref in zip(tiles, (dk_ref, dv_ref)):
+              plgpu.copy_smem_to_gmem(tile, out_ref.at[b, k_rows, cls, head])
             return
-          for grad, out_ref in ((dk * scale, dk_ref), (dv, dv_ref)):
+          for t, (grad, out_ref) in enumerate(((dk * scale, dk_ref), (dv, dv_ref))):
             # The store before (the item before's dv, dk, a dq block) has read the tile.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            o_tile[...] = grad.astype(o_tile.dtype)
+            grad = [grad]
+            add_prior(prior_refs[t:t + 1], tiles=[o_tile], bars=prior_bars[t:t + 1], grads=grad)
+            o_tile[...] = grad[0].astype(o_tile.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, k_rows, cls, head])
 
@@ -1352,7 +1379,9 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref, do4_ref,
             do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, *refs):
-    dq_refs, (dk_ref, dv_ref) = refs[:-2], refs[-2:]
+    split = len(refs) - 2 - (prior is not None) * 2
+    dq_refs, prior_refs, (dk_ref, dv_ref) = refs[:split], refs[split:-2], refs[-2:]
+    prior_refs = prior_refs or (None, None)
     if L == 1 and fused:
       dq_refs = (*dq_refs, None)
     tiles = _swizzled(dtype)
@@ -1363,7 +1392,8 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((4 if two_tiles else 2, bk, d), out_dtype,
                        transforms=_swizzled(out_dtype))]
-    bars = [(plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 4]
+    bars = [(plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 4,
+            (None, None) if prior is None else (plgpu.Barrier(num_barriers=2),) * 2]
     if fused:
       smem.append(plgpu.SMEM((2, bk, bq), dtype, transforms=tiles))
       bars.append((plgpu.Barrier(num_arrivals=2, num_barriers=2),
@@ -1371,8 +1401,8 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
     pl.run_scoped(
         lambda smem, bars, free: kernel(
             origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref, do4_ref,
-            do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dq_refs, dk_ref, dv_ref,
-            smem, bars, free),
+            do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dq_refs, prior_refs, dk_ref,
+            dv_ref, smem, bars, free),
         smem, bars,
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 3,
         collective_axes="wg")
@@ -1382,7 +1412,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   rows, pieces, bias = tables
   view = functools.partial(_strided_view, stride=L)
   args = (work.table(rows), pieces.reshape(-1), bias, view(k), view(v), q, view(q), dout,
-          view(dout), *stats, *(dq_accs or ()))
+          view(dout), *stats, *(dq_accs or ()), *map(view, prior or ()))
   dk, dv = _run(entry, out_type, work.grid, args, interpret)
   return tuple(x.reshape(batch, n_out, num_kv, d) for x in (dk, dv))
 
@@ -1417,6 +1447,14 @@ def _padded(n, sched):
   return n_pad, pad
 
 
+def _to_rows(arrays, rows: int, fills):
+  """The earlier launches' results `[B, N', ...]` cut or padded (with `fills`) to a launch's
+  `rows`, for its epilogues to merge or add."""
+  return tuple(jnp.pad(x[:, :rows], [(0, 0), (0, rows - min(rows, x.shape[1]))]
+                       + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+               for x, fill in zip(arrays, fills))
+
+
 def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
   batch, n, num_heads, _ = q.shape
   if why := geometry_problem(pattern, n, num_heads, k.shape[2], branches, config, batch):
@@ -1426,11 +1464,8 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
   for fused in launches:
     sched = schedule.build(pattern, n, num_heads, k.shape[2], fused, False)
     n_pad, pad = _padded(n, sched)
-    if result is not None:  # merged in this launch's epilogues: cut or padded to its rows
-      rows = _n_out(sched, n_pad)
-      result = tuple(jnp.pad(x[:, :rows], [(0, 0), (0, rows - min(rows, x.shape[1]))]
-                             + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-                     for x, fill in zip(result, (0.0, -jnp.inf)))
+    if result is not None:  # merged in this launch's epilogues
+      result = _to_rows(result, _n_out(sched, n_pad), (0.0, -jnp.inf))
     result = _forward_launch(pad(q), pad(k), pad(v), sched.arrays(), sched, n, pattern.causal,
                              scale, out_dtype or jnp.float32, config, result)
   return result[0][:, :n], result[1][:, :n]
@@ -1440,10 +1475,12 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
              branches=None, config=None, grad_dtype=None):
   """float32 `(dq, dk, dv)` of `branches` from the global `lse` and `delta`: a dk/dv kernel
   over key rows (the transposed schedule) that also adds dq (`Config.fused_backward`), or
-  with a dq kernel over query rows (the forward's schedule); each launch adds to the
-  previous launches' results. With `grad_dtype` bfloat16 the separate kernels write the
-  gradients in bfloat16 (no float32 copy; several launches' summed in float32). At head dim
-  256 (where the tiles exceed shared memory) the "triton" backend's."""
+  with a dq kernel over query rows (the forward's schedule); each launch's kernels add the
+  earlier launches' gradients to their own in their epilogues (fused: dk, dv; dq added to
+  the float32 accumulators' sum). With `grad_dtype` bfloat16 the separate kernels write the
+  gradients in bfloat16 (no float32 copy; the earlier launches' read in bfloat16 and added
+  in float32). At head dim 256 (where the tiles exceed shared memory) the "triton"
+  backend's."""
   if q.shape[-1] not in (64, 128):  # at 256 the tiles exceed shared memory
     from . import triton  # pylint: disable=g-import-not-at-top
     return triton.backward(q, k, v, dout, lse, delta, pattern, scale, branches=branches)
@@ -1464,7 +1501,7 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config, final
   lse2, delta = lse2.transpose(0, 2, 1), delta.astype(jnp.float32).transpose(0, 2, 1)
   launches = _launches(pattern, n, num_heads, branches)
   out_dtype = jnp.bfloat16 if final else jnp.float32
-  grads = None
+  grads = None  # the launches' so far, added in the next one's epilogues
   for fused in launches:
     sched = schedule.build(pattern, n, num_heads, num_kv, fused, False)
     n_pad, pad = _padded(n, sched)
@@ -1475,24 +1512,28 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config, final
     transposed = schedule.build(pattern, n, num_heads, num_kv, fused, True)
     stats = (flat[0], strided[0], flat[1], strided[1])
     cfg = config.backward_for(L, q.shape[-1], q.dtype.itemsize)
+    if grads is not None:  # in the dtype of this launch's outputs (float32 when fused)
+      dtype = jnp.float32 if cfg.fused_backward else out_dtype
+      grads = tuple(g.astype(dtype) for g in _to_rows(grads, _n_out(sched, n_pad), (0.0,) * 3))
     if cfg.fused_backward:
-      dq, dk, dv = _fused_backward(x, stats, transposed, n, pattern.causal, scale, cfg)
+      dq, dk, dv = _fused_backward(x, stats, transposed, n, pattern.causal, scale, cfg,
+                                   grads)
     else:
       dq = _dq_launch(*x, *strided, sched.arrays(), sched, n, pattern.causal, scale, cfg,
-                      out_dtype)
+                      out_dtype, None if grads is None else grads[0])
       dk, dv = _dkdv_launch(*x, stats, transposed.arrays(), transposed, n, pattern.causal,
-                            scale, cfg, out_dtype=out_dtype)
-    now = tuple(g[:, :n] for g in (dq, dk, dv))
-    if len(launches) > 1:  # summed in float32
-      now = tuple(g.astype(jnp.float32) for g in now)
-    grads = now if grads is None else tuple(a + b for a, b in zip(grads, now))
-  return grads
+                            scale, cfg, out_dtype=out_dtype,
+                            prior=None if grads is None else grads[1:])
+    grads = dq, dk, dv
+  return tuple(g[:, :n] for g in grads)
 
 
-def _fused_backward(x, stats, transposed: schedule.Schedule, n, causal, scale, config):
+def _fused_backward(x, stats, transposed: schedule.Schedule, n, causal, scale, config,
+                    prior=None):
   """dq, dk, dv of one launch from the dk/dv kernel alone: dq added into zeroed float32
   accumulators (a second one in the strided view when L > 1: TMA cannot address one array
-  through both; one per consumer in interpret mode), summed here."""
+  through both; one per consumer in interpret mode), summed here; plus `prior` (float32
+  `(dq, dk, dv)` of the earlier launches, `[B, No, ...]`)."""
   batch, n_pad, num_heads, d = x[0].shape
   L = transposed.stride
   copies = 2 if config.interpret else 1
@@ -1503,6 +1544,7 @@ def _fused_backward(x, stats, transposed: schedule.Schedule, n, causal, scale, c
     shapes.append((copies * batch, n_acc // L, L, num_heads, d))
   accs = [jax.new_ref(jnp.zeros(shape, jnp.float32)) for shape in shapes]
   dk, dv = _dkdv_launch(*x, stats, transposed.arrays(), transposed, n, causal, scale, config,
-                        dq_accs=accs)
+                        dq_accs=accs, prior=None if prior is None else prior[1:])
   dq = sum(acc[...].reshape(copies, batch, n_acc, num_heads, d).sum(0) for acc in accs)
-  return dq * scale, dk, dv
+  dq = dq[:, :dk.shape[1]] * scale
+  return dq if prior is None else dq + prior[0], dk, dv
