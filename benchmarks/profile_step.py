@@ -213,9 +213,7 @@ def ab_loop(name: str, cfg, full_impl: str, variant: dict, rounds: int, chunk: i
       jax.block_until_ready(loss)
       if r:
         times[label].append(1e3 * (time.perf_counter() - t) / chunk)
-  return {"model": name, "variant": {f"{m.__name__}.{a}": repr(v) for (m, a), v in
-                                     variant.items()},
-          "ms_by_chunk": times, "median_ms": {k: statistics.median(v) for k, v in times.items()}}
+  return {"model": name, "ms_by_chunk": times, "median_ms": {k: statistics.median(v) for k, v in times.items()}}
 
 
 def parse_variant(specs: list[str]) -> dict:
@@ -261,7 +259,7 @@ def main():
   if args.ab:
     variant = parse_variant(args.ab)
     for name in args.models.split(","):
-      r = ab_loop(name, cfg, full_impl, variant, args.rounds, args.chunk)
+      r = {**ab_loop(name, cfg, full_impl, variant, args.rounds, args.chunk), "b": args.ab}
       results.append(r)
       print(f"== {name}: A {r['median_ms']['A']:.2f} ms, B {r['median_ms']['B']:.2f} ms a step "
             f"(medians of {args.rounds} chunks of {args.chunk}); A "
