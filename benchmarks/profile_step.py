@@ -16,6 +16,12 @@ buffer: `XLA_FLAGS=--xla_gpu_enable_command_buffer=` names each kernel's own op.
 
   python benchmarks/profile_step.py --preset gpu --models dilated,full --json out/step.json
   python benchmarks/profile_step.py --models dilated --steps 1        # CPU preset, quick
+
+`--ab MODULE.NAME=EXPR` (repeatable) times instead the step as it is against the step traced
+with those attributes set, in alternating chunks (both under the same clocks: the H100 is
+power-capped in these steps), e.g. the GELU kept as before:
+  python benchmarks/profile_step.py --preset gpu --models dilated,full \
+      --ab 'common._bias_gelu=lambda y, b: nnx.gelu(y + b)'
 """
 
 from __future__ import annotations
