@@ -219,7 +219,8 @@ def ab_loop(name: str, cfg, full_impl: str, variant: dict, rounds: int, chunk: i
       jax.block_until_ready(loss)
       if r:
         times[label].append(1e3 * (time.perf_counter() - t) / chunk)
-  return {"model": name, "ms_by_chunk": times, "median_ms": {k: statistics.median(v) for k, v in times.items()}}
+  return {"model": name, "ms_by_chunk": times,
+          "median_ms": {k: statistics.median(v) for k, v in times.items()}}
 
 
 def parse_variant(specs: list[str]) -> dict:
