@@ -108,15 +108,21 @@ def busy_ns(events) -> float:
   return total
 
 
-def profile_model(name: str, cfg, full_impl: str, steps: int, top: int,
-                  loop_steps: int, hlo_dir: str | None = None) -> dict:
+def _model_and_batches(name: str, cfg, full_impl: str):
+  """Model `name` of seed 0 split into (graph, params, rest), and `step -> batch` of text."""
   cfg.impl = None
   model, _ = lm_real.build_model(name, cfg, full_impl, seed=0)
   graph, params, rest = nnx.split(model, nnx.Param, ...)
-  step_fn, _ = common._functions(graph, lm_real.loss_fn, cfg.lr, cfg.steps)  # pylint: disable=protected-access
-  opt_state = common.adamw(cfg.lr, cfg.steps).init(params)
   corpus = lm_real.load_corpus(cfg.heldout_fraction, cfg.split_seed)
   batch = lambda i: lm_real.train_batch(corpus["train"], cfg.seq_len, cfg.batch, 0, i)
+  return graph, params, rest, batch
+
+
+def profile_model(name: str, cfg, full_impl: str, steps: int, top: int,
+                  loop_steps: int, hlo_dir: str | None = None) -> dict:
+  graph, params, rest, batch = _model_and_batches(name, cfg, full_impl)
+  step_fn, _ = common._functions(graph, lm_real.loss_fn, cfg.lr, cfg.steps)  # pylint: disable=protected-access
+  opt_state = common.adamw(cfg.lr, cfg.steps).init(params)
   compiled = step_fn.lower(params, rest, opt_state, batch(0)).compile()
   op_names = hlo_op_names(compiled.as_text())
   if hlo_dir:  # the optimized HLO, to read what each fusion holds
@@ -189,11 +195,7 @@ def ab_loop(name: str, cfg, full_impl: str, variant: dict, rounds: int, chunk: i
   """The training step as it is (A) and with `variant`'s module attributes set while it is
   traced (B), timed in alternating chunks of `chunk` steps (no host sync within a chunk), so
   both see the same clocks (the H100 runs at its power cap here): ms a step by chunk."""
-  cfg.impl = None
-  model, _ = lm_real.build_model(name, cfg, full_impl, seed=0)
-  graph, params, rest = nnx.split(model, nnx.Param, ...)
-  corpus = lm_real.load_corpus(cfg.heldout_fraction, cfg.split_seed)
-  batch = lambda i: lm_real.train_batch(corpus["train"], cfg.seq_len, cfg.batch, 0, i)
+  graph, params, rest, batch = _model_and_batches(name, cfg, full_impl)
   runs = {}
   for label in ("A", "B"):
     saved = {}

@@ -11,8 +11,7 @@ Each launch after the first merges the earlier launches' output and lse (in the 
 dtype, float32 when none is asked for) into its own in its items' epilogues (`_merge_prior`),
 so the output is written once per launch and never merged apart; in the backward, each
 launch's kernels add the earlier launches' dq, dk, dv to their own likewise (`_add_prior`).
-What changes is the
-engine, built from Hopper's own parts:
+What changes is the engine, built from Hopper's own parts:
 
 - a program owns `2 * block_q` positions of one strided query row and runs three warpgroups:
   two consumers (`block_q` query rows each) and one producer that issues the TMA copies of
@@ -1346,12 +1345,10 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
         @pl.when(prog.busy)
         def _():
-          add_prior = functools.partial(_add_prior, b=b, rows=k_rows, cls=cls, head=head,
-                                        wg=wg)
           if two_tiles:  # dk and dv each in a tile of its own: one wait, two stores
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             grads, tiles = [dk * scale, dv], [o_smem.at[wg + 2 * t] for t in range(2)]
-            add_prior(prior_refs, tiles=tiles, bars=prior_bars, grads=grads)
+            _add_prior(prior_refs, b, k_rows, cls, head, tiles, prior_bars, wg, grads)
             for tile, grad in zip(tiles, grads):
               tile[...] = grad.astype(o_tile.dtype)
             plgpu.commit_smem()
@@ -1362,7 +1359,8 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             # The store before (the item before's dv, dk, a dq block) has read the tile.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             grad = [grad]
-            add_prior(prior_refs[t:t + 1], tiles=[o_tile], bars=prior_bars[t:t + 1], grads=grad)
+            _add_prior(prior_refs[t:t + 1], b, k_rows, cls, head, [o_tile],
+                       prior_bars[t:t + 1], wg, grad)
             o_tile[...] = grad[0].astype(o_tile.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, k_rows, cls, head])
