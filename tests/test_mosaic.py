@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 import helpers
 from helpers import Case
+from hilbert_ring_jax import DilatedPattern
 from hilbert_ring_jax.api import _Dispatch
 from hilbert_ring_jax.backends import base, mosaic, schedule
 
@@ -108,6 +109,38 @@ def test_interpret_causal_partial_backward(fused):
       interpret=True, backward_stages=3, fused_backward=fused))
 
 
+@INTERPRET
+@pytest.mark.parametrize("n,block_k", [(768, None), (640, 192)])
+def test_interpret_blocks_of_192_keys(n, block_k):
+  """Full attention in blocks of 192 keys: chosen by default where the rows are long and
+  unmasked (N = 768: four whole blocks), or asked for (N = 640: the last block partial, its
+  keys past N read as zeros and masked)."""
+  case = Case(n, 2, 1, (n,), (1,), head_dim=128)
+  sched = schedule.build(case.pattern(False), n, 2, 1, (0,), False)
+  assert mosaic._long_keys(sched, False) == (block_k is None)
+  _both_passes_vs_reference(case, False, jnp.bfloat16,
+                            mosaic.Config(interpret=True, block_k=block_k))
+
+
+def test_blocks_of_192_keys_where_rows_are_long():
+  """Blocks of 192 keys only where the launch's rows are unmasked, unstrided and whole
+  blocks of 192 to within 1%: full attention from ~19K keys or in multiples of 192, not
+  under a causal mask, not LongNet's strided pieces, not 2048 keys (11 blocks, 3% spare)."""
+  def long(n, segments, rates, causal=False, heads=2):
+    pattern = DilatedPattern(segments, rates, causal=causal)
+    fused, *_ = mosaic._launches(pattern, n, heads, None)
+    return mosaic._long_keys(schedule.build(pattern, n, heads, heads, fused, False), causal)
+  assert long(32768, (32768,), (1,)) and long(6144, (6144,), (1,))
+  assert not long(32768, (32768,), (1,), causal=True)
+  assert not long(2048, (2048,), (1,))
+  assert not long(131072, (2048, 4096, 8192), (1, 2, 4), heads=16)
+  config = mosaic.Config()
+  assert config.resolved(128, 2, 2, long_keys=True).block_k == 192
+  assert config.resolved(64, 2, 2, long_keys=True).block_k == 128  # measured at D = 128
+  assert config.resolved(128, 2, 4, long_keys=True).block_k == 128  # float32 tiles: no room
+  assert mosaic.Config(block_k=64).resolved(128, 2, 2, long_keys=True).block_k == 64
+
+
 @pytest.mark.skipif(jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",
                     reason="CPU only (a GPU compiles them for real), JAX >= 0.11")
 @pytest.mark.parametrize("head_dim,causal", [(64, True), (128, True), (128, False)])
@@ -129,6 +162,10 @@ def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal):
   for grad_dtype in (jnp.bfloat16, None):
     lower(lambda q, k, v, do, lse, delta: mosaic.backward(
         q, k, v, do, lse, delta, pattern, scale, grad_dtype=grad_dtype), q, k, k, q, stat, stat)
+  if head_dim == 128 and not causal:  # full attention's blocks of 192 keys fit shared memory
+    full = DilatedPattern((case.n,), (1,))
+    lower(lambda q, k, v: mosaic.forward(q, k, v, full, scale, out_dtype=q.dtype,
+                                         config=mosaic.Config(block_k=192)), q, k, k)
 
 
 def test_causal_plan_balances_items():

@@ -4,7 +4,8 @@ a table (each variant's ratio of medians to the default's).
 Shapes (`--shapes`, indices): non-causal full attention and LongNet (where every work item
 costs the same), causal LongNet at D = 64 and 128, the attention of examples/lm_real.py's
 `--preset gpu` (6), full causal attention (7), full attention at D = 64 (8) and at 128K (9),
-the LM's local model (10), causal LongNet at 32K, D = 64 and 128 (11, 12). Timings are
+the LM's local model (10), causal LongNet at 32K, D = 64 and 128 (11, 12), full causal
+attention at 128K (13). Timings are
 host-clocked: below a few milliseconds dispatch jitter shows (the LM shapes: `p_kernels.sh`
 reads the device's clock).
 `--peers`: cuDNN (full attention; the LM shapes: full causal) or folded cuDNN (LongNet) in the
@@ -39,7 +40,8 @@ shapes = [("full", 1, 32768, 16, 16, 128, DilatedPattern((32768,), (1,))),
           ("full", 1, 131072, 16, 16, 128, DilatedPattern((131072,), (1,))),
           ("lm-local", 8, 8192, 6, 2, 128, DilatedPattern((512,), (1,), causal=True)),
           ("longnet-causal", 1, 32768, 16, 16, 64, DilatedPattern(*LONGNET, causal=True)),
-          ("longnet-causal", 1, 32768, 16, 16, 128, DilatedPattern(*LONGNET, causal=True))]
+          ("longnet-causal", 1, 32768, 16, 16, 128, DilatedPattern(*LONGNET, causal=True)),
+          ("full-causal", 1, 131072, 16, 16, 128, DilatedPattern((131072,), (1,), causal=True))]
 shapes = [shapes[int(i)] for i in args.shapes.split(",")]
 variants = {spec: {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in spec.split(","))}
             for spec in args.variant or ["persistent=True"] if spec != "none"}

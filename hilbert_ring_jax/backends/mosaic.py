@@ -101,6 +101,9 @@ from .base import YES, Problem, Support, batched, no
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
+# Barriers and alignment beside the tiles (no reduction scratch: `_run`'s kernels reduce
+# within warps only).
+_SMEM_SLACK = 1024
 _MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA's grid x)
 # Causal work items are walked by persistent programs (`Config.persistent=None`) where they
 # walk at most this many blocks on average (estimated): there an item's fixed cost (its
@@ -121,7 +124,8 @@ class Config:
   Attributes:
     block_q: forward: query rows per consumer warpgroup (64 or 128; a program takes twice
       as many).
-    block_k: forward: keys per pipeline step (64 or 128).
+    block_k: forward: keys per pipeline step (64, 128 or 192). None: 192 in launches of
+      long unmasked rows (see `resolved`), else 128 (64 at head dim 256).
     stages: forward: key/value blocks in flight (2..4).
     backward_stages: backward: blocks in flight (2..4; blocks of 64 queries and keys).
     fused_backward: backward: dq inside the dk/dv kernel (TMA reduce-add stores into a
@@ -150,7 +154,7 @@ class Config:
   interpret: bool = False
 
   def __post_init__(self):
-    for name, allowed in (("block_q", (64, 128)), ("block_k", (64, 128)),
+    for name, allowed in (("block_q", (64, 128)), ("block_k", (64, 128, 192)),
                           ("stages", (2, 3, 4)), ("backward_stages", (2, 3, 4))):
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or value not in allowed):
@@ -161,12 +165,18 @@ class Config:
     if not isinstance(self.interpret, bool):
       raise ValueError(f"interpret must be a bool, got interpret={self.interpret!r}")
 
-  def resolved(self, head_dim: int, itemsize: int = 2, out_itemsize: int = 2) -> Config:
+  def resolved(self, head_dim: int, itemsize: int = 2, out_itemsize: int = 2,
+               long_keys: bool = False) -> Config:
     """This config with the forward's tuned defaults filled in: the first of the preferred
     tiles whose buffers fit in shared memory (float32 outputs take a tile of their own).
-    `ValueError` if the chosen forward tiles do not fit. (The backward's are per launch:
-    `backward_for`.)"""
+    `long_keys` (a launch whose rows are unmasked and read unstrided, its pieces whole blocks
+    of 192 keys to within 1%: `_long_keys`) puts blocks of 192 keys first at head dim 128
+    (H100, full attention 32K and 128K: forward 4% faster than with 128; LongNet's pieces of
+    a few blocks and the causal diagonal measured slower). `ValueError` if the chosen forward
+    tiles do not fit. (The backward's are per launch: `backward_for`.)"""
     preferred = [(64, 128 if head_dim <= 128 else 64, 2), (64, 64, 3), (64, 64, 2)]
+    if long_keys and head_dim == 128:
+      preferred.insert(0, (64, 192, 2))
     for bq, bk, fwd_stages in preferred:
       config = dataclasses.replace(self, block_q=self.block_q or bq, block_k=self.block_k or bk,
                                    stages=self.stages or fwd_stages)
@@ -193,7 +203,7 @@ def _smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int,
   q = 2 * q_buffers * config.block_q * head_dim * itemsize
   kv = 2 * config.stages * config.block_k * head_dim * itemsize
   out = 0 if out_itemsize == itemsize else 2 * config.block_q * head_dim * out_itemsize
-  return q + kv + out + 2 * config.block_q * 4 + 3072  # + lse tiles, barriers, alignment
+  return q + kv + out + 2 * config.block_q * 4 + _SMEM_SLACK  # + lse tiles
 
 
 _BWD_BLOCK = 64  # queries and keys per backward block (a program: two blocks of a row)
@@ -209,7 +219,7 @@ def _backward_smem_bytes(stages: int, head_dim: int, itemsize: int) -> int:
   tile = _BWD_BLOCK * head_dim
   resident = 2 * 2 * tile * itemsize + 2 * tile * 4
   ring = stages * (2 * tile * itemsize + 2 * _BWD_BLOCK * 4)
-  return resident + ring + 2 * 2 * _BWD_BLOCK * 4 + 3072
+  return resident + ring + 2 * 2 * _BWD_BLOCK * 4 + _SMEM_SLACK
 
 
 def _is_hopper() -> bool:
@@ -774,7 +784,8 @@ def _run(entry, out_type, grid, args, interpret: bool, num_threads: int = 3):
   zeroed buffers."""
   launch = functools.partial(
       plgpu.kernel, entry, out_type=out_type, grid_names=("row", "bp"), num_threads=num_threads,
-      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))
   if not interpret:
     return launch(grid=grid)(jnp.zeros((2,), jnp.int32), *args)
   call = launch(grid=(1, 1), interpret=plgpu.InterpretGPUParams(
@@ -1423,10 +1434,22 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
   own in float32 registers, in its epilogues (measured on the LM preset's two launches with
   the merge apart: 16-bit partials made the forward 1.3x as fast as float32 ones, the output
   tile taking the query tile's place, so the next item's queries load during this one)."""
-  out_itemsize = 4 if out_dtype is None else jnp.dtype(out_dtype).itemsize
-  config = (config or Config()).resolved(q.shape[-1], q.dtype.itemsize, out_itemsize)
+  config = config or Config()
+  config.resolved(q.shape[-1], q.dtype.itemsize, _itemsize(out_dtype))  # explicit tiles fit?
   fn = lambda q, k, v: _forward(q, k, v, pattern, scale, branches, config, out_dtype)
   return batched(fn)(q, k, v)
+
+
+def _itemsize(out_dtype) -> int:
+  return 4 if out_dtype is None else jnp.dtype(out_dtype).itemsize
+
+
+def _long_keys(sched: schedule.Schedule, causal: bool) -> bool:
+  """Whether a launch's rows read unmasked, unstrided pieces that blocks of 192 keys
+  cover with at most 1% to spare (full attention from ~19K keys)."""
+  lengths = sched.pieces[:, schedule.PIECE_LENGTH]
+  return (not causal and sched.stride == 1 and len(lengths) > 0
+          and (-(-lengths // 192) * 192).sum() <= 1.01 * lengths.sum())
 
 
 def _padded(n, sched):
@@ -1454,8 +1477,9 @@ def _to_rows(arrays, rows: int, fills):
 
 
 def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
-  batch, n, num_heads, _ = q.shape
-  if why := geometry_problem(pattern, n, num_heads, k.shape[2], branches, config, batch):
+  batch, n, num_heads, d = q.shape
+  resolved = functools.partial(config.resolved, d, q.dtype.itemsize, _itemsize(out_dtype))
+  if why := geometry_problem(pattern, n, num_heads, k.shape[2], branches, resolved(), batch):
     raise NotImplementedError(why)
   launches = _launches(pattern, n, num_heads, branches)
   result = None
@@ -1465,7 +1489,8 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
     if result is not None:  # merged in this launch's epilogues
       result = _to_rows(result, _n_out(sched, n_pad), (0.0, -jnp.inf))
     result = _forward_launch(pad(q), pad(k), pad(v), sched.arrays(), sched, n, pattern.causal,
-                             scale, out_dtype or jnp.float32, config, result)
+                             scale, out_dtype or jnp.float32,
+                             resolved(_long_keys(sched, pattern.causal)), result)
   return result[0][:, :n], result[1][:, :n]
 
 
