@@ -5,11 +5,12 @@ Shapes (`--shapes`, indices): non-causal full attention and LongNet (where every
 costs the same), causal LongNet at D = 64 and 128, the attention of examples/lm_real.py's
 `--preset gpu` (6), full causal attention (7), full attention at D = 64 (8) and at 128K (9),
 the LM's local model (10), causal LongNet at 32K, D = 64 and 128 (11, 12), full causal
-attention at 128K (13). Timings are
+attention at 128K (13), LongNet at 32K, D = 128 (14). Timings are
 host-clocked: below a few milliseconds dispatch jitter shows (the LM shapes: `p_kernels.sh`
 reads the device's clock).
 `--peers`: cuDNN (full attention; the LM shapes: full causal) or folded cuDNN (LongNet) in the
-same rounds, its ratio too its time over the default's."""
+same rounds, its ratio too its time over the default's; `--tokamax`: tokamax's attention
+too (full attention; its wheels carried, as `run_gpu.sh` says)."""
 import argparse, ast, json, statistics, sys, time
 sys.path.insert(0, "benchmarks")
 import jax, jax.numpy as jnp, numpy as np
@@ -25,6 +26,8 @@ ap.add_argument("--variant", action="append",
 ap.add_argument("--shapes", default="0,1,2,3,4")
 ap.add_argument("--peers", action="store_true",
                 help="also time the peer in the same rounds: cuDNN (full), folded cuDNN (LongNet)")
+ap.add_argument("--tokamax", action="store_true",
+                help="full attention: also tokamax's Mosaic GPU attention in the same rounds")
 args = ap.parse_args()
 LONGNET = ((2048, 4096, 8192), (1, 2, 4))
 LM = ((512, 2048, 8192), (1, 4, 16))  # examples/lm_real.py --preset gpu: B=8, H=6, Hkv=2
@@ -41,7 +44,8 @@ shapes = [("full", 1, 32768, 16, 16, 128, DilatedPattern((32768,), (1,))),
           ("lm-local", 8, 8192, 6, 2, 128, DilatedPattern((512,), (1,), causal=True)),
           ("longnet-causal", 1, 32768, 16, 16, 64, DilatedPattern(*LONGNET, causal=True)),
           ("longnet-causal", 1, 32768, 16, 16, 128, DilatedPattern(*LONGNET, causal=True)),
-          ("full-causal", 1, 131072, 16, 16, 128, DilatedPattern((131072,), (1,), causal=True))]
+          ("full-causal", 1, 131072, 16, 16, 128, DilatedPattern((131072,), (1,), causal=True)),
+          ("longnet", 1, 32768, 16, 16, 128, DilatedPattern(*LONGNET))]
 shapes = [shapes[int(i)] for i in args.shapes.split(",")]
 variants = {spec: {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in spec.split(","))}
             for spec in args.variant or ["persistent=True"] if spec != "none"}
@@ -71,6 +75,10 @@ for kind, b, n, h, hkv, d, pattern in shapes:
         cudnn_full_causal if pattern.causal else cudnn_full
     f = lambda q, k, v: peer(q, k, v, pattern, d ** -0.5)
     fns["peer"] = (jax.jit(f), jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)))
+  if args.tokamax and kind.startswith("full"):
+    from bench_pallas import tokamax_mosaic
+    f = lambda q, k, v: tokamax_mosaic(q, k, v, pattern, d ** -0.5)
+    fns["tokamax"] = (jax.jit(f), jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)))
   results = {}
   for name, (fwd, fb) in fns.items():
     saved = {attr: getattr(mosaic, attr) for attr in flags.get(name, {})}
@@ -87,7 +95,7 @@ for kind, b, n, h, hkv, d, pattern in shapes:
   # Each variant's output and gradients against the default's (the same math: 0 expected
   # where only the schedule or the kernel's waits change).
   for name in results:
-    if name not in ("default", "peer") and "default" in results:
+    if name not in ("default", "peer", "tokamax") and "default" in results:
       rel = lambda x, y: float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
                                / jnp.max(jnp.abs(y.astype(jnp.float32))))
       diff = [rel(x, y) for x, y in zip(jax.tree.leaves(results[name]),
@@ -114,7 +122,7 @@ for r in rows:
   med = lambda name, p: statistics.median(r[f"{name}_{p}"] or [float("nan")])
   print(f"{r['kind']:15s} N={r['n']:7d} D={r['d']:3d} default fwd {med('default', 'fwd'):8.2f} "
         f"fwd+bwd {med('default', 'fwdbwd'):8.2f}")
-  for spec in [*variants, "peer"]:
+  for spec in [*variants, "peer", "tokamax"]:
     if f"ratio_fwd {spec}" not in r:
       continue
     print(f"    {spec:40s} fwd {med(spec, 'fwd'):8.2f} ({r['ratio_fwd ' + spec]})  fwd+bwd "
