@@ -104,6 +104,7 @@ _SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
 # Barriers and alignment beside the tiles (no reduction scratch: `_run`'s kernels reduce
 # within warps only).
 _SMEM_SLACK = 1024
+_LONG_BLOCK_K = 192  # the forward's key block in long unmasked rows (`_long_keys`)
 _MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA's grid x)
 # Causal work items are walked by persistent programs (`Config.persistent=None`) where they
 # walk at most this many blocks on average (estimated): there an item's fixed cost (its
@@ -176,7 +177,7 @@ class Config:
     tiles do not fit. (The backward's are per launch: `backward_for`.)"""
     preferred = [(64, 128 if head_dim <= 128 else 64, 2), (64, 64, 3), (64, 64, 2)]
     if long_keys and head_dim == 128:
-      preferred.insert(0, (64, 192, 2))
+      preferred.insert(0, (64, _LONG_BLOCK_K, 2))
     for bq, bk, fwd_stages in preferred:
       config = dataclasses.replace(self, block_q=self.block_q or bq, block_k=self.block_k or bk,
                                    stages=self.stages or fwd_stages)
@@ -1448,8 +1449,9 @@ def _long_keys(sched: schedule.Schedule, causal: bool) -> bool:
   """Whether a launch's rows read unmasked, unstrided pieces that blocks of 192 keys
   cover with at most 1% to spare (full attention from ~19K keys)."""
   lengths = sched.pieces[:, schedule.PIECE_LENGTH]
-  return (not causal and sched.stride == 1 and len(lengths) > 0
-          and (-(-lengths // 192) * 192).sum() <= 1.01 * lengths.sum())
+  covered = -(-lengths // _LONG_BLOCK_K) * _LONG_BLOCK_K
+  return not causal and sched.stride == 1 and len(lengths) > 0 and \
+      covered.sum() <= 1.01 * lengths.sum()
 
 
 def _padded(n, sched):
