@@ -110,10 +110,10 @@ def test_interpret_causal_partial_backward(fused):
 
 
 @INTERPRET
-@pytest.mark.parametrize("n,block_k", [(768, None), (640, 192)])
+@pytest.mark.parametrize("n,block_k", [(384, None), (256, 192)])
 def test_interpret_blocks_of_192_keys(n, block_k):
   """Full attention in blocks of 192 keys: chosen by default where the rows are long and
-  unmasked (N = 768: four whole blocks), or asked for (N = 640: the last block partial, its
+  unmasked (N = 384: two whole blocks), or asked for (N = 256: the last block partial, its
   keys past N read as zeros and masked)."""
   case = Case(n, 2, 1, (n,), (1,), head_dim=128)
   sched = schedule.build(case.pattern(False), n, 2, 1, (0,), False)
