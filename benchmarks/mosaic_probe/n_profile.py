@@ -20,7 +20,8 @@ SHAPES = {"full-32k": (1, 32768, 16, 16, 128, DilatedPattern((32768,), (1,))),
           "longnet-causal-64": (1, 131072, 16, 16, 64, DilatedPattern(*LONGNET, causal=True)),
           "longnet-causal-128": (1, 131072, 16, 16, 128, DilatedPattern(*LONGNET, causal=True)),
           "lm": (8, 8192, 6, 2, 128, DilatedPattern(*LM, causal=True, offsets="all")),
-          "lm-local": (8, 8192, 6, 2, 128, DilatedPattern((512,), (1,), causal=True))}
+          "lm-local": (8, 8192, 6, 2, 128, DilatedPattern((512,), (1,), causal=True)),
+          "lm-full": (8, 8192, 6, 2, 128, DilatedPattern((8192,), (1,), causal=True))}
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", choices=list(SHAPES), required=True)
