@@ -1,7 +1,7 @@
 """Speed relative to the peer from `m_persistent.py` logs (their JSON lines): per shape, the
 peer's median time over ours (and over tokamax's, when timed), forward and forward+backward,
-as bars around 1 (above: faster than the peer; dashed: LongNet's goals of issue 13). Rows of several logs are all drawn, labelled
-by log, so that run-to-run spread shows.
+as bars around 1 (above: faster than the peer; dashed: LongNet's goals of issue 13). Rows of
+several logs are all drawn, labelled by log, so that run-to-run spread shows.
 
   python3 benchmarks/mosaic_probe/plot_rounds.py LOG... --out speed.png [--labels a,b]
 """

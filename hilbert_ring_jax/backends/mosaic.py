@@ -1435,8 +1435,7 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
   own in float32 registers, in its epilogues (measured on the LM preset's two launches with
   the merge apart: 16-bit partials made the forward 1.3x as fast as float32 ones, the output
   tile taking the query tile's place, so the next item's queries load during this one)."""
-  config = config or Config()
-  config.resolved(q.shape[-1], q.dtype.itemsize, _itemsize(out_dtype))  # explicit tiles fit?
+  config = config or Config()  # resolved per launch (`_forward`)
   fn = lambda q, k, v: _forward(q, k, v, pattern, scale, branches, config, out_dtype)
   return batched(fn)(q, k, v)
 
