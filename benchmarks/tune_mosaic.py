@@ -7,7 +7,7 @@ gradients, relative L2 errors. Timings: forward and forward+backward of "mosaic"
 tokamax's Mosaic GPU attention (full attention, when importable) and folded cuDNN (LongNet),
 and forward+backward of each backward `mosaic.Config` variant, all in one run; medians over
 `--runs`. JSON lines on stdout, a table at the end, `--json` for all. The "lm" shape is the
-attention of examples/lm_real.py's `--preset gpu` (B=8, N=8192, H=6/2, D=128, causal,
+attention examples/lm_real.py's `--preset gpu` trained until 2026-11-26 (B=8, N=8192, H=6/2, D=128, causal,
 offsets="all", (512, 2048, 8192) x (1, 4, 16): two mosaic launches), timed next to "triton";
 `--only lm` checks and times just that shape.
 
@@ -35,7 +35,7 @@ from hilbert_ring_jax.api import _Dispatch
 from hilbert_ring_jax.backends import base, mosaic
 
 LONGNET = ((2048, 4096, 8192), (1, 2, 4))
-# The attention of examples/lm_real.py's `--preset gpu`: (batch, heads, kv_heads, head dim).
+# The attention of examples/lm_real.py's first `--preset gpu`: (batch, heads, kv_heads, head dim).
 LM = ((512, 2048, 8192), (1, 4, 16))
 LM_SHAPE = dict(b=8, h=6, hkv=2, d=128)
 # Variants, by head dim: dq fused into the dk/dv kernel everywhere, or separate kernels

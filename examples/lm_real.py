@@ -12,7 +12,9 @@ Three decoder-only transformers, identical but for their attention, are trained 
 initial parameters (same seed), data order, steps and optimizer (AdamW, warmup and cosine
 decay):
   dilated  LongNet-style causal dilated attention (`--segments` x `--rates`; the library's
-           `DilatedMultiHeadAttention`),
+           `DilatedMultiHeadAttention`), each branch in its own group of heads
+           (`--head-groups`, on by default; `--no-head-groups`: every head all branches,
+           mixed by their softmax denominators),
   full     causal full attention: `jax.nn.dot_product_attention` in `flax.nnx.MultiHeadAttention`
            (cuDNN on a GPU where it runs, XLA elsewhere; `--full-impl ours` runs this
            library's kernels with a single full causal branch instead),
@@ -36,8 +38,11 @@ The device's peak memory is a high-water mark of the whole process: run one mode
 same configuration are merged into one JSON and plot) to read each model's own peak.
 
 CPU default (about two minutes on two cores): 512-byte windows, a 2-layer d=64 model, 80
-steps. `--preset gpu`: 8192-byte windows, segments (512, 2048, 8192) x rates (1, 4, 16), an
-8-layer d=768 model, bf16 compute, 1000 steps of 8 windows. Any flag overrides the preset.
+steps. `--preset gpu`: 8192-byte windows, segments (512, 2048, 8192) x rates (1, 1, 4) in
+head groups (two of the six heads each: a 512-byte and a 2048-byte window, every fourth byte
+of 8192), an 8-layer d=768 model, bf16 compute, 600 steps of 8 windows. Any flag overrides
+the preset. The local model is the first branch in every head; a wider one for comparison:
+`--models local --segments 2048,8192 --rates 1,4`.
 """
 
 from __future__ import annotations
@@ -64,12 +69,12 @@ MODELS = ("dilated", "full", "local")
 FULL_IMPLS = ("auto", "cudnn", "xla", "ours")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 PRESETS = {
-    "cpu": dict(seq_len=512, segments="32,128,512", rates="1,4,16", dim=64, layers=2, heads=4,
+    "cpu": dict(seq_len=512, segments="32,128,512", rates="1,1,4", dim=64, layers=2, heads=4,
                 kv_heads=2, batch=8, steps=80, lr=3e-3, eval_every=20, eval_windows=64,
-                dtype="float32", rotary_base=10000.0),
-    "gpu": dict(seq_len=8192, segments="512,2048,8192", rates="1,4,16", dim=768, layers=8,
-                heads=6, kv_heads=2, batch=8, steps=1000, lr=8e-4, eval_every=250,
-                eval_windows=128, dtype="bfloat16", rotary_base=10000.0),
+                dtype="float32", rotary_base=10000.0, head_groups=True),
+    "gpu": dict(seq_len=8192, segments="512,2048,8192", rates="1,1,4", dim=768, layers=8,
+                heads=6, kv_heads=2, batch=8, steps=600, lr=8e-4, eval_every=250,
+                eval_windows=128, dtype="bfloat16", rotary_base=10000.0, head_groups=True),
 }
 SEPARATOR = b"\0"  # between files; NUL does not occur in the standard library's source
 
@@ -181,7 +186,8 @@ def attention_spec(name: str, args, full_impl: str) -> tuple[DilatedPattern, str
   """The causal pattern a model's attention computes (full: one branch over the window) and,
   for the full model through `jax.nn.dot_product_attention`, its implementation."""
   if name == "dilated":
-    return DilatedPattern(args.segments, args.rates, causal=True, offsets="all"), None
+    return DilatedPattern(args.segments, args.rates, causal=True, offsets="all",
+                          head_groups=args.head_groups), None
   if name == "local":
     return DilatedPattern(args.segments[:1], (1,), causal=True), None
   pattern = DilatedPattern((args.seq_len,), (1,), causal=True)
@@ -254,6 +260,10 @@ def parse_args(argv=None):
   parser.add_argument("--segments", help="dilated segment lengths, comma-separated; the "
                       "first is the local model's segment")
   parser.add_argument("--rates", help="dilation rates, comma-separated")
+  parser.add_argument("--head-groups", action=argparse.BooleanOptionalAction,
+                      help="the dilated model gives each branch its own contiguous group of "
+                      "heads (`DilatedPattern(head_groups=True)`) instead of every head all "
+                      "branches (default: on in both presets)")
   parser.add_argument("--dim", type=int)
   parser.add_argument("--layers", type=int)
   parser.add_argument("--heads", type=int)
@@ -321,6 +331,9 @@ def check_args(args) -> None:
   if args.rates[0] != 1:
     raise ValueError(f"--rates must start with 1 (the local branch), got {args.rates}")
   DilatedPattern(args.segments, args.rates, causal=True, offsets="all")  # ValueError if bad
+  if args.head_groups and args.heads < len(args.segments):
+    raise ValueError(f"--head-groups needs a head per branch: --heads {args.heads} < "
+                     f"{len(args.segments)} branches")
   if args.dim % args.heads:
     raise ValueError(f"--dim {args.dim} must be divisible by --heads {args.heads}")
   if args.heads % args.kv_heads:
@@ -350,7 +363,7 @@ def run_config(args, split: dict) -> dict:
   any entry names a new checkpoint folder (the full model's also names its implementation)."""
   keys = ("seq_len", "segments", "rates", "dim", "layers", "heads", "kv_heads", "batch",
           "steps", "lr", "eval_every", "eval_windows", "dtype", "rotary_base", "remat", "impl",
-          "split_seed", "heldout_fraction")
+          "head_groups", "split_seed", "heldout_fraction")
   config = {k: list(v) if isinstance(v, tuple) else v for k in keys
             for v in [getattr(args, k)]}  # as JSON reads back: lists
   config["data_sha256"] = split["train_bytes_sha256"][:16] + split["heldout_bytes_sha256"][:16]
@@ -383,7 +396,8 @@ def train_one(name: str, seed: int, args, full_impl: str, corpus: dict, config: 
                  if full_impl != "ours" else "full causal, hilbert_ring_jax (one branch)")
   else:
     attention = (f"{name}: segments {pattern.segment_lengths} x rates "
-                 f"{pattern.dilation_rates}, causal, offsets={pattern.offsets}")
+                 f"{pattern.dilation_rates}, causal, offsets={pattern.offsets}"
+                 + (", head groups" if pattern.head_groups else ""))
   ln2 = math.log(2)
   return {
       "model": name, "seed": seed, "attention": attention,

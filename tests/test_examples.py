@@ -11,8 +11,8 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
-LM_TINY = ["--seq-len", "64", "--segments", "8,32,64", "--rates", "1,4,16", "--dim", "32",
-           "--layers", "1", "--heads", "2", "--kv-heads", "1", "--batch", "4", "--steps", "16",
+LM_TINY = ["--seq-len", "64", "--segments", "8,32,64", "--rates", "1,1,4", "--dim", "32",
+           "--layers", "1", "--heads", "4", "--kv-heads", "2", "--batch", "4", "--steps", "16",
            "--eval-every", "16", "--eval-windows", "8", "--lr", "1e-2"]
 DIGITS_TINY = ["--size", "8", "--dim", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
                "--batch", "32", "--steps", "40", "--eval-every", "20", "--seeds", "0,1",
@@ -62,8 +62,13 @@ def test_lm_real(examples, tmp_path):
   local, pattern = lm_real.build_model("local", args, "xla", 0)
   assert pattern.segment_lengths == (8,) and pattern.causal
   flops = lm_real.common.train_step_flops(
-      local, batch=4, seq_len=64, attention_pairs=pattern.visible_pairs(64, 2, distinct=True),
-      head_dim=16, layers=1)
+      local, batch=4, seq_len=64, attention_pairs=pattern.visible_pairs(64, 4, distinct=True),
+      head_dim=8, layers=1)
+  # The presets give each branch its own heads; --no-head-groups gives every head all three.
+  assert lm_real.attention_spec("dilated", args, "xla")[0].head_groups
+  mixed = lm_real.parse_args(LM_TINY + ["--no-head-groups"])
+  lm_real.check_args(mixed)
+  assert not lm_real.attention_spec("dilated", mixed, "xla")[0].head_groups
   assert runs["full"]["model_flops_per_step"] > runs["dilated"]["model_flops_per_step"] > flops
   # Again for one model: re-evaluated from its checkpoint (the same figure, the timing kept)
   # and merged into the same JSON next to the other.
@@ -109,6 +114,7 @@ def test_image_digits(examples, tmp_path):
     ("lm_real", ["--steps", "0"], "--steps must be positive"),
     ("lm_real", ["--seeds", "a"], "--seeds"),
     ("lm_real", ["--rotary-base", "0.5"], "--rotary-base"),
+    ("lm_real", ["--heads", "2", "--kv-heads", "1"], "--head-groups needs a head per branch"),
     ("image_digits", ["--size", "4"], "--size must be at least 8"),
     ("image_digits", ["--kv-heads", "3"], "--kv-heads 3 must divide --heads"),
     ("image_digits", ["--lr", "-1"], "--lr must be positive"),

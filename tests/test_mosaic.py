@@ -62,11 +62,11 @@ def test_interpret_nested_gqa_float16():
                                                   (64, False, True)])
 def test_interpret_launches_in_whole_blocks(head_dim, causal, fused):
   """Rows of 32 all together (w0 / L = 128 / 4), so the kernels' launches group the branches
-  in rows of 128: {128/1, 256/1} and {512/4} (the LM preset's grouping in small), the
+  in rows of 128: {128/1, 256/1} and {512/4} (the first LM preset's grouping in small), the
   second launch merging the first's float16 output (the output's dtype) into its own in its
   epilogues, and adding the first's gradients to its own in its epilogues: by default
   (`fused` None) the unstrided launch's dk/dv kernel adds dq (float32), the strided one has
-  a dq kernel of its own; False: both launches' split (the LM preset's), True: both fused.
+  a dq kernel of its own; False: both launches' split (the first LM preset's), True: both fused.
   The kernels are persistent (list-scheduled under the mask)."""
   case = Case(512, 2, 1, (128, 256, 512), (1, 1, 4), head_dim=head_dim)
   pattern = case.pattern(causal)

@@ -101,7 +101,7 @@ def test_launches():
 
 
 def test_launches_group_greedily():
-  """Consecutive branches, each launch as many as qualify: the LM preset of
+  """Consecutive branches, each launch as many as qualify: the first LM preset of
   examples/lm_real.py in the mosaic backend's blocks of 128 (rows 512 / 4 = 128, then
   8192 / 16 = 512; all three together would have rows of 512 / 16 = 32)."""
   launches = lambda p, n, **kw: schedule.launches(p, n, 6, None, **kw)
@@ -123,7 +123,7 @@ def test_launches_group_greedily():
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_lm_like_launches_reproduce_multiplicity(transposed):
-  """The LM preset's shape at a 16th of its size, in rows of 8: launches (0, 1) and (2,)
+  """The first LM preset's shape at a 16th of its size, in rows of 8: launches (0, 1) and (2,)
   (the grouping the mosaic backend gets for the full size) sum to SPEC's multiplicities."""
   segs, rates = (32, 128, 512), (1, 4, 16)
   pattern = DilatedPattern(segs, rates, causal=True)

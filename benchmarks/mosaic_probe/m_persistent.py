@@ -3,7 +3,7 @@ the default, interleaved (A B C ... A B C ...), medians of `--runs` per round; J
 a table (each variant's ratio of medians to the default's).
 Shapes (`--shapes`, indices): non-causal full attention and LongNet (where every work item
 costs the same), causal LongNet at D = 64 and 128, the attention of examples/lm_real.py's
-`--preset gpu` (6), full causal attention (7), full attention at D = 64 (8) and at 128K (9),
+first `--preset gpu` (6), full causal attention (7), full attention at D = 64 (8) and at 128K (9),
 the LM's local model (10), causal LongNet at 32K, D = 64 and 128 (11, 12), full causal
 attention at 128K (13), LongNet at 32K, D = 128 (14). Timings are
 host-clocked: below a few milliseconds dispatch jitter shows (the LM shapes: `p_kernels.sh`

@@ -5,8 +5,8 @@ branches whose segments nest run in one launch, each (query, key) pair scored on
 bias `log m` of its multiplicity, causal blocks past the diagonal skipped, GQA by reading the
 shared key/value head. Launches group branches whose rows are at least one program block
 long (`_ROW_BLOCK`, 128 positions), so a pattern whose rows would be short all together runs
-as a few launches: the LM preset of examples/lm_real.py, `w = (512, 2048, 8192), r = (1, 4,
-16)` (rows of 32 all together), as {512/1, 2048/4} (rows of 128) and {8192/16} (rows of 512).
+as a few launches: LongNet at 8K as examples/lm_real.py first trained it, `w = (512, 2048,
+8192), r = (1, 4, 16)` (rows of 32 all together), as {512/1, 2048/4} (rows of 128) and {8192/16} (rows of 512).
 Each launch after the first merges the earlier launches' output and lse (in the output's
 dtype, float32 when none is asked for) into its own in its items' epilogues (`_merge_prior`),
 so the output is written once per launch and never merged apart; in the backward, each
@@ -41,7 +41,7 @@ blocks it walks, by the producer's own ranges) and list-schedules the items in l
 (each to the program that frees first: what the GPU's own block scheduler does, decided
 ahead, which keeps the programs in flight on neighbouring keys, in L2). The default does so
 where items walk at most `_SHORT_ITEMS` blocks on average (causal LongNet 128K: forward
-1.09-1.12x as fast as a program per item, forward+backward 0.996-1.02x; the LM preset's
+1.09-1.12x as fast as a program per item, forward+backward 0.996-1.02x; that 8K LongNet's
 forward+backward 1.05x); longer items (full causal attention) have little fixed cost to hide,
 and an A/B measured its list-scheduled backward at 0.88x, so each item is a program there.
 
@@ -1432,7 +1432,7 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
   """`(out, lse)` of `branches` (all if None): `out` in float32, or in `out_dtype` when
   given. Several launches chain: each merges the result so far (in `out_dtype`: the earlier
   launches' output rounded once more, at 16 bits about the output's own rounding) into its
-  own in float32 registers, in its epilogues (measured on the LM preset's two launches with
+  own in float32 registers, in its epilogues (measured on that 8K LongNet's two launches with
   the merge apart: 16-bit partials made the forward 1.3x as fast as float32 ones, the output
   tile taking the query tile's place, so the next item's queries load during this one)."""
   config = config or Config()  # resolved per launch (`_forward`)
