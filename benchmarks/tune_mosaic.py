@@ -7,9 +7,9 @@ gradients, relative L2 errors. Timings: forward and forward+backward of "mosaic"
 tokamax's Mosaic GPU attention (full attention, when importable) and folded cuDNN (LongNet),
 and forward+backward of each backward `mosaic.Config` variant, all in one run; medians over
 `--runs`. JSON lines on stdout, a table at the end, `--json` for all. The "lm" shape is the
-attention examples/lm_real.py's `--preset gpu` trained until 2026-11-26 (B=8, N=8192, H=6/2, D=128, causal,
-offsets="all", (512, 2048, 8192) x (1, 4, 16): two mosaic launches), timed next to "triton";
-`--only lm` checks and times just that shape.
+attention examples/lm_real.py's `--preset gpu` trained until 2026-11-26 (B=8, N=8192, H=6/2,
+D=128, causal, offsets="all", (512, 2048, 8192) x (1, 4, 16): two mosaic launches), timed next
+to "triton"; `--only lm` checks and times just that shape.
 
   python benchmarks/tune_mosaic.py --json out/mosaic.json
   python benchmarks/tune_mosaic.py --only lm --json out/mosaic_lm.json

@@ -6,7 +6,8 @@ bias `log m` of its multiplicity, causal blocks past the diagonal skipped, GQA b
 shared key/value head. Launches group branches whose rows are at least one program block
 long (`_ROW_BLOCK`, 128 positions), so a pattern whose rows would be short all together runs
 as a few launches: LongNet at 8K as examples/lm_real.py first trained it, `w = (512, 2048,
-8192), r = (1, 4, 16)` (rows of 32 all together), as {512/1, 2048/4} (rows of 128) and {8192/16} (rows of 512).
+8192), r = (1, 4, 16)` (rows of 32 all together), as {512/1, 2048/4} (rows of 128) and
+{8192/16} (rows of 512).
 Each launch after the first merges the earlier launches' output and lse (in the output's
 dtype, float32 when none is asked for) into its own in its items' epilogues (`_merge_prior`),
 so the output is written once per launch and never merged apart; in the backward, each
