@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from common import mean_std  # noqa: E402  (the examples' own mean and sample std)
 
 
 def series(spec: str, steps: int) -> tuple[str, list[dict]]:
@@ -46,16 +50,14 @@ def main(argv=None):
   fig, (by_pos, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
   for spec in args.series:
     label, runs = series(spec, args.steps)
-    bpb = [r["heldout_bpb"] for r in runs]
+    bpb, std = mean_std([r["heldout_bpb"] for r in runs])
     tok = [r["tokens_per_s"] for r in runs]
-    std = statistics.stdev(bpb) if len(bpb) > 1 else 0.0
     edges = runs[0]["position_edges"]
-    pos = [statistics.mean(r["bpb_by_position"][i] for r in runs) for i in range(len(edges) - 1)]
+    pos = [mean_std([r["bpb_by_position"][i] for r in runs])[0] for i in range(len(edges) - 1)]
     by_pos.plot([max(e, 32) for e in edges[:-1]], pos, marker="o", label=label)
-    speed.errorbar(statistics.mean(tok), statistics.mean(bpb), yerr=std, fmt="o", capsize=4,
-                   label=label)
-    print(f"{label}: seeds {[r['seed'] for r in runs]}, bpb {statistics.mean(bpb):.4f} +- "
-          f"{std:.4f}, tokens/s {min(tok):,.0f}-{max(tok):,.0f}")
+    speed.errorbar(mean_std(tok)[0], bpb, yerr=std, fmt="o", capsize=4, label=label)
+    print(f"{label}: seeds {[r['seed'] for r in runs]}, bpb {bpb:.4f} +- {std:.4f}, "
+          f"tokens/s {min(tok):,.0f}-{max(tok):,.0f}")
   by_pos.set_xscale("log", base=2)
   by_pos.set_xlabel("position in the window (bucket start; 0 drawn at 32)")
   by_pos.set_ylabel("held-out bits per byte (mean over seeds)")

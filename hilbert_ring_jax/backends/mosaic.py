@@ -1450,8 +1450,8 @@ def _long_keys(sched: schedule.Schedule, causal: bool) -> bool:
   cover with at most 1% to spare (full attention from ~19K keys)."""
   lengths = sched.pieces[:, schedule.PIECE_LENGTH]
   covered = -(-lengths // _LONG_BLOCK_K) * _LONG_BLOCK_K
-  return not causal and sched.stride == 1 and len(lengths) > 0 and \
-      covered.sum() <= 1.01 * lengths.sum()
+  return (not causal and sched.stride == 1 and len(lengths) > 0
+          and covered.sum() <= 1.01 * lengths.sum())
 
 
 def _padded(n, sched):
