@@ -91,7 +91,7 @@ def _compact(x, branch, head_of):
 
 
 class _RingBranch:
-  """One branch's backend (resolved once) and the layout its steps use (compact or not).
+  """One branch's steps: the layout they use (compact or not) and the pattern of each step.
 
   A step hands a backend an ordinary problem, with a pattern made for the step's arrays:
   - compact ring: the arrays are the residue rows of one segment, one key head per query
@@ -103,10 +103,14 @@ class _RingBranch:
     having decided which are visible at all;
   - local and gather: the arrays are whole segments at their true positions: the pattern
     itself, restricted to the branch (local: to `branches`, every local branch).
+
+  Each step resolves its backend from its own problem (shapes, pattern, causality, pass),
+  as `dilated_attention` does: a step one backend declines (a zigzag half-shard shorter than
+  its blocks, say) runs on the next candidate, never raises where one device would run.
   """
 
   def __init__(self, plan, pattern, scale, names, config, q, k, branches=None):
-    self.plan, self.scale = plan, scale
+    self.plan, self.scale, self.names, self.config = plan, scale, names, config
     br = plan.branch
     self.per_kv = heads_per_kv(q.shape[2], k.shape[2])
     if plan.kind == "ring" and plan.compact:
@@ -123,16 +127,14 @@ class _RingBranch:
       self.pattern = lambda causal, length: dataclasses.replace(pattern, causal=causal)
       self.branches = branches or (br.index,)
     self.causal = br.causal
-    # One resolution per branch, from the shapes of its first step; forward and backward
-    # ask the same question. `like=q`: inside shard_map the inputs vary over the mesh.
-    n = plan.n * plan.shards if plan.kind == "gather" else plan.n
-    heads = (len(br.heads),) * 2 if plan.compact else (q.shape[2], k.shape[2])
-    rows = n // br.r if plan.compact else n
-    sq, sk = (jax.ShapeDtypeStruct((x.shape[0], rows, e, x.shape[3]), x.dtype)
-              for x, e in zip((q, k), heads))
-    problem = backends.Problem.of(sq, sk, self.pattern(br.causal, rows), self.branches, like=q)
-    self.backend = backends.load(backends.resolve(names, problem))
-    self.backend_config = backends.config_for(self.backend, config)
+
+  def backend(self, q, k, causal, backward=False):
+    """The backend of a step on arrays shaped like `q`, `k` (inside shard_map `q` is the
+    real, varying array: "pallas" declines it) and the module's config for it."""
+    problem = backends.Problem.of(q, k, self.pattern(causal, q.shape[1]), self.branches)
+    backend = backends.load(backends.resolve(
+        self.names, dataclasses.replace(problem, backward=backward)))
+    return backend, backends.config_for(backend, self.config)
 
   # Layout: compaction for the "compact" ring, identity otherwise.
   def query(self, x):
@@ -159,25 +161,17 @@ class _RingBranch:
 
   def forward(self, q, k, v, causal):
     pattern = self.pattern(causal, q.shape[1])
-    parts = self.backend.forward(q, k, v, pattern, self.scale, branches=self.branches,
-                                 config=self.backend_config)
-    return _vary_like(parts, q)
+    backend, config = self.backend(q, k, causal)
+    parts = backend.forward(q, k, v, pattern, self.scale, branches=self.branches,
+                            config=config)
+    return backends.vary_like(parts, q, k, v)
 
   def backward(self, q, k, v, dout, lse, delta, causal):
     pattern = self.pattern(causal, q.shape[1])
-    grads = self.backend.backward(q, k, v, dout, lse, delta, pattern, self.scale,
-                                  branches=self.branches, config=self.backend_config)
-    return _vary_like(grads, q)
-
-
-def _vary_like(xs, ref):
-  """Gives a backend's results `ref`'s varying-mesh-axes type.
-
-  A custom kernel call (jax_triton's) inside `shard_map` returns device-invariant types;
-  adding a zero that varies like `ref` restores the type the rest of the ring expects.
-  """
-  zero = jnp.zeros_like(ref, shape=(), dtype=jnp.float32)
-  return tuple(x + zero.astype(x.dtype) for x in xs)
+    backend, config = self.backend(q, k, causal, backward=True)
+    grads = backend.backward(q, k, v, dout, lse, delta, pattern, self.scale,
+                             branches=self.branches, config=config)
+    return backends.vary_like(grads, q, k, v)
 
 
 def _step_position(plan, axis_name):
@@ -248,7 +242,7 @@ def _ring_forward(st, q, k, v, axis_name):
   acc = st.forward(qs, *kv, st.causal)
   # An empty step's result: typed like a real one (varying over every mesh axis q varies
   # over, the data axis included), as lax.cond needs.
-  zeros = lambda: _vary_like((jnp.zeros(acc[0].shape, acc[0].dtype),
+  zeros = lambda: backends.vary_like((jnp.zeros(acc[0].shape, acc[0].dtype),
                               jnp.full(acc[1].shape, -jnp.inf, acc[1].dtype)), qs)
   for step in range(1, plan.span):
     # Issued before the previous step's compute is consumed, so XLA overlaps the two.
@@ -311,7 +305,8 @@ def _ring_backward(st, q, k, v, dout, lse, delta, axis_name):
   if plan.zigzag:
     return _zigzag_backward(st, rows, kv, axis_name)
   grads = st.backward(rows[0], *kv, *rows[1:], st.causal)
-  zeros = lambda: _vary_like(tuple(jnp.zeros(x.shape, x.dtype) for x in grads), rows[0])
+  zeros = lambda: backends.vary_like(tuple(jnp.zeros(x.shape, x.dtype) for x in grads),
+                                     rows[0])
 
   def step_grads(kv, step):
     return jax.lax.cond(_visible(plan, st.causal, step, axis_name),
@@ -382,7 +377,8 @@ class _Ring:
     local = [(plan, st) for plan, st in pairs if plan.kind == "local"]
     if len(local) > 1:
       together = make(local[0][0], tuple(plan.branch.index for plan, _ in local))
-      if all(st.backend is together.backend for _, st in local):
+      chosen = lambda st: st.backend(q, k, st.causal)[0]
+      if all(chosen(st) is chosen(together) for _, st in local):
         pairs = [(local[0][0], together)] + [(p, st) for p, st in pairs if p.kind != "local"]
     return pairs
 

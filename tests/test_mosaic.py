@@ -122,6 +122,36 @@ def test_interpret_blocks_of_192_keys(n, block_k):
                             mosaic.Config(interpret=True, block_k=block_k))
 
 
+@INTERPRET
+@pytest.mark.parametrize("n,causal,fused", [(200, True, False), (320, False, None)])
+def test_interpret_one_segment_of_any_length(n, causal, fused):
+  """One segment over all N (full attention, the ring's steps) at an N that is no multiple
+  of the blocks: the rows' last program blocks are partial (queries past N read zeros, keys
+  past N masked, outputs into the padding), both passes; dq from its own kernel or added
+  by the dk/dv kernel."""
+  case = Case(n, 2, 1, (n,), (1,), head_dim=64)
+  _both_passes_vs_reference(case, causal, jnp.bfloat16,
+                            mosaic.Config(interpret=True, fused_backward=fused))
+
+
+def test_one_segment_rows_of_any_length():
+  """Rows that are not whole program blocks are taken where the launch is one segment (all
+  rows end at N), and the outputs then cover every program's boxes (stores past an array's
+  end are not clipped reliably on the GPU); several segments still need whole blocks."""
+  config = mosaic.Config().resolved(64)
+  for n, w, r, heads in [(200, 200, 1, 2), (1000, 4096, 1, 2), (192, 192, 2, 1), (64, 64, 1, 4)]:
+    pattern = DilatedPattern((w,), (r,), causal=True)
+    assert mosaic.geometry_problem(pattern, n, heads, 1, None, config) is None
+    for transposed in (False, True):
+      sched = schedule.build(pattern, n, heads, 1, (0,), transposed)
+      n_pad = -(-n // (8 * r)) * 8 * r
+      for block_rows in (128, 256):
+        last = sched.row_blocks(block_rows) * block_rows * sched.stride  # past every box
+        assert mosaic._n_out(sched, n_pad, block_rows) >= last >= n
+  two = DilatedPattern((192, 384), (1, 1))
+  assert "whole blocks" in mosaic.geometry_problem(two, 384, 2, 1, None, config)
+
+
 def test_blocks_of_192_keys_where_rows_are_long():
   """Blocks of 192 keys only where the launch's rows are unmasked, unstrided and whole
   blocks of 192 to within 1%: full attention from ~19K keys or in multiples of 192, not

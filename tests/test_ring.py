@@ -1,6 +1,7 @@
 """Ring dilated attention on 8 CPU devices equals the single-device result, gradients too."""
 
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import pytest
 import helpers
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 from hilbert_ring_jax import ring as ring_module
+from hilbert_ring_jax.backends import xla
 from hilbert_ring_jax.ring import _plans, ring_dilated_attention, sharded_dilated_attention
 
 AUTO = jax.sharding.AxisType.Auto
@@ -175,6 +177,110 @@ def test_ring_steps_fall_back_to_the_next_backend():
     ring("pallas")(q, k, v)
 
 
+def test_each_step_takes_the_first_backend_that_runs_it(monkeypatch):
+  """A backend that declines some of a branch's steps (here: rows not in whole blocks of 512,
+  like a GPU kernel's blocks) runs the steps it supports; the others go to the next
+  candidate, forward and backward, and the ring still equals one device."""
+  from hilbert_ring_jax import backends  # pylint: disable=g-import-not-at-top
+  from hilbert_ring_jax.backends import base  # pylint: disable=g-import-not-at-top
+  seen = []
+
+  def supports(problem):
+    return base.Support(problem.q_shape[1] % 512 == 0, "rows of whole blocks of 512")
+
+  def record(name):
+    def run(q, *args, **kwargs):
+      seen.append((name, q.shape[1]))
+      return getattr(xla, name)(q, *args, **kwargs)
+    return run
+
+  picky = types.SimpleNamespace(Config=xla.Config, supports=supports,
+                                forward=record("forward"), backward=record("backward"))
+  load = base.load
+  for module in (base, backends):
+    monkeypatch.setattr(module, "load", lambda name: picky if name == "triton" else load(name))
+  # 512 tokens a shard: 512/1 local (the picky backend), 2048/2 a compact zigzag ring of
+  # half-shard steps of 128 residue rows (declined: "xla").
+  pattern = DilatedPattern((512, 2048), (1, 2), causal=True)
+  case = helpers.Case(2048, 2, 2, pattern.segment_lengths, pattern.dilation_rates, head_dim=8)
+  q, k, v, dout, _ = helpers.random_inputs(case, jnp.float32, 24)
+  ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
+      q, k, v, pattern, mesh=mesh(4), axis_name="seq", implementation=("triton", "xla")))
+  out, vjp = jax.vjp(ring, q, k, v)
+  grads = vjp(dout)
+  assert set(seen) == {("forward", 512), ("backward", 512)}, seen
+  ref, ref_vjp = jax.vjp(lambda q, k, v: dilated_attention(q, k, v, pattern), q, k, v)
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+  for g, r in zip(grads, ref_vjp(dout)):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+  with pytest.raises(NotImplementedError, match="whole blocks of 512"):
+    jax.eval_shape(lambda q, k, v: sharded_dilated_attention(
+        q, k, v, pattern, mesh=mesh(4), axis_name="seq", implementation="triton"), q, k, v)
+
+
+def _ring_step_problems(monkeypatch, pattern, shards, q_shape, kv_shape, dtype):
+  """The problems the ring's steps resolve a backend for (traced with "xla", not run)."""
+  from hilbert_ring_jax import backends  # pylint: disable=g-import-not-at-top
+  problems, resolve = [], backends.resolve
+  monkeypatch.setattr(backends, "resolve",
+                      lambda names, problem: (problems.append(problem), resolve(names, problem))[1])
+  shapes = [jax.ShapeDtypeStruct(s, dtype) for s in (q_shape, kv_shape, kv_shape)]
+  f = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh(shards),
+                                                axis_name="seq", implementation="xla")
+  jax.eval_shape(jax.grad(lambda *x: f(*x).astype(jnp.float32).sum(), (0, 1, 2)), *shapes)
+  monkeypatch.undo()
+  return problems
+
+
+def _random_ring_configs(count, seed):
+  """Configurations users run on GPUs that the mosaic kernels run on one device: head dims
+  64/128, 2-8 shards of 256-2048 tokens, LongNet-like patterns of 1-3 branches, causal or
+  not, offsets, GQA."""
+  from hilbert_ring_jax.backends import mosaic  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed)
+  configs = []
+  while len(configs) < count:
+    shards, per = int(rng.choice([2, 4, 8])), int(rng.choice([256, 512, 1024, 2048]))
+    n = shards * per
+    k = int(rng.integers(1, 4))
+    segments = sorted(int(x) for x in rng.choice([256, 512, 1024, 2048, 4096, 8192, n], k,
+                                                 replace=False) if x <= n)
+    if not segments:
+      continue
+    rates = [int(rng.choice([r for r in (1, 2, 4, 8) if r <= w // 64])) for w in segments]
+    h = int(rng.choice([2, 4, 8]))
+    hkv = int(rng.choice([x for x in (1, 2, h) if h % x == 0]))
+    pattern = DilatedPattern(tuple(segments), tuple(rates), causal=bool(rng.integers(2)),
+                             offsets=str(rng.choice(["head", "all"])))
+    d = int(rng.choice([64, 128]))
+    if mosaic.geometry_problem(pattern, n, h, hkv, None, mosaic.Config().resolved(d)) is None:
+      configs.append((pattern, shards, (1, n, h, d), hkv))
+  return configs
+
+
+@pytest.mark.parametrize("pattern,shards,q_shape,hkv", [
+    # The configuration the default dispatch refused on 4 GPUs (2026-11-26).
+    (DilatedPattern((256, 512, 1024), (1, 1, 4), causal=True), 4, (1, 2048, 2, 64), 1),
+    *_random_ring_configs(12, 5),
+])
+def test_mosaic_runs_every_ring_step_it_runs_on_one_device(monkeypatch, pattern, shards,
+                                                           q_shape, hkv):
+  """Wherever the mosaic kernels' geometry takes the whole problem on one device, it takes
+  every step the ring makes of it (zigzag half-shards and compact residue rows included,
+  partial row blocks in one-segment steps), forward and backward: no refusal on a mesh."""
+  from hilbert_ring_jax.backends import mosaic  # pylint: disable=g-import-not-at-top
+  b, n, h, d = q_shape
+  config = mosaic.Config().resolved(d)
+  assert mosaic.geometry_problem(pattern, n, h, hkv, None, config, b) is None
+  problems = _ring_step_problems(monkeypatch, pattern, shards, q_shape, (b, n, hkv, d),
+                                 jnp.bfloat16)
+  assert problems
+  for p in problems:
+    why = mosaic.geometry_problem(p.pattern, p.q_shape[1], p.q_shape[2], p.kv_shape[2],
+                                  p.branches, config, p.q_shape[0])
+    assert why is None, (p.q_shape, p.pattern, p.branches, why)
+
+
 # Data x sequence meshes: every plan kind, (data=2, seq=4) and (data=4, seq=2), both axis types.
 DATA_SEQ = [("spanning_head", 2, EXPLICIT), ("mqa_not_compact", 2, AUTO),
             ("head_groups_gqa", 2, AUTO), ("gather_fallback", 2, EXPLICIT),
@@ -281,3 +387,106 @@ def test_ring_on_gpus(name, monkeypatch):
     assert g.dtype == jnp.bfloat16 and helpers.rel_err(g, ref) < tol
   if mosaic._is_hopper():  # pylint: disable=protected-access
     assert launches, "no step ran the mosaic kernels"
+
+
+# Shard sizes users run: >= 1024 keys per device, so every step walks several key blocks
+# ("xla": 512 keys a block by default; the cases marked 128 ask for blocks of 128 so that
+# short compact and zigzag steps walk several too). Heads and head dims stay small for CI.
+# (data, seq, tokens per device, H, Hkv, pattern over N = seq x tokens, key block or None)
+REALISTIC = {
+    "full": (1, 8, 1024, 2, 1, lambda n: DilatedPattern((n,), (1,)), None),
+    "full_causal_zigzag": (1, 4, 2048, 1, 1, lambda n: DilatedPattern((n,), (1,), causal=True),
+                           None),
+    "longnet_causal": (1, 4, 1024, 2, 2, lambda n: DilatedPattern(
+        (1024, 2048, 4096), (1, 2, 4), causal=True), 128),
+    "longnet_gqa": (1, 4, 1024, 4, 2, lambda n: DilatedPattern(
+        (1024, 2048, 4096), (1, 2, 4)), None),
+    "gather": (1, 4, 1024, 2, 1, lambda n: DilatedPattern((512, 1536), (1, 3), causal=True),
+               None),
+    "partial_sub_rings_no_zigzag": (1, 4, 1200, 1, 1, lambda n: DilatedPattern(
+        (3600,), (16,), causal=True, offsets="all"), 128),
+    "data4_seq2": (4, 2, 2048, 1, 1, lambda n: DilatedPattern((2048,), (1,)), None),
+    "data2_seq4_causal": (2, 4, 1024, 2, 1, lambda n: DilatedPattern(
+        (1024, 4096), (1, 2), causal=True), None),
+}
+
+
+def _realistic(name):
+  data, seq, per, h, hkv, make, key_block = REALISTIC[name]
+  n = seq * per
+  pattern = make(n)
+  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
+                      pattern.offsets, batch=data, head_dim=8)
+  devices = jax.devices()[:data * seq]
+  m = (jax.make_mesh((seq,), ("seq",), axis_types=(AUTO,), devices=devices) if data == 1 else
+       jax.make_mesh((data, seq), ("data", "seq"), axis_types=(AUTO, AUTO), devices=devices))
+  config = None if key_block is None else xla.Config(key_block=key_block)
+  return case, pattern, m, config
+
+
+def test_realistic_cases_cover_every_plan():
+  kinds = set()
+  for name in REALISTIC:
+    case, pattern, m, _ = _realistic(name)
+    seq = m.shape["seq"]
+    for plan in _plans(pattern, case.n // seq, seq, case.heads, case.heads // case.kv_heads):
+      kinds.add((plan.kind, plan.compact, plan.zigzag, plan.shards % plan.span != 0))
+  assert {("local", False, False, False), ("gather", False, False, False),
+          ("ring", True, True, False), ("ring", False, True, False),
+          ("ring", False, False, False), ("ring", True, False, False),
+          ("ring", False, False, True)} <= kinds, kinds
+
+
+@pytest.mark.parametrize("name", REALISTIC)
+def test_ring_at_realistic_shard_sizes(name):
+  """Forward, lse and gradients of the ring equal one device's, every plan kind, data x
+  sequence meshes included (the scans over key blocks meet mesh-varying data here)."""
+  case, pattern, m, config = _realistic(name)
+  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.float32, 21)
+  batch_axis = "data" if "data" in m.shape else None
+  ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
+      q, k, v, pattern, mesh=m, axis_name="seq", batch_axis=batch_axis, return_lse=True,
+      config=config))
+  single = jax.jit(lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True))
+  (out, lse), vjp = jax.vjp(single, q, k, v)
+  (rout, rlse), rvjp = jax.vjp(ring, q, k, v)
+  np.testing.assert_allclose(rout, out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.isneginf(rlse), np.isneginf(lse))
+  finite = np.isfinite(np.asarray(lse))
+  np.testing.assert_allclose(np.asarray(rlse)[finite], np.asarray(lse)[finite], atol=1e-5)
+  for g, rg in zip(vjp((dout, dlse)), rvjp((dout, dlse))):
+    np.testing.assert_allclose(rg, g, rtol=1e-4, atol=1e-5)
+
+
+def test_ring_inside_user_shard_map_at_2048_keys_per_shard():
+  """The inner entry in the caller's own shard_map, at a shard size users run, gradients
+  through the caller's jit too."""
+  pattern = DilatedPattern((2048, 8192), (1, 4), causal=True)
+  case = helpers.Case(8192, 2, 2, pattern.segment_lengths, pattern.dilation_rates, head_dim=8)
+  q, k, v, dout, _ = helpers.random_inputs(case, jnp.float32, 22)
+  spec = jax.P(None, "seq")
+  f = jax.shard_map(lambda q, k, v: ring_dilated_attention(q, k, v, pattern, axis_name="seq"),
+                    mesh=mesh(4), in_specs=(spec,) * 3, out_specs=spec)
+  out, vjp = jax.vjp(jax.jit(f), q, k, v)
+  ref, ref_vjp = jax.vjp(lambda q, k, v: dilated_attention(q, k, v, pattern), q, k, v)
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+  for g, r in zip(vjp(dout), ref_vjp(dout)):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_layers_with_mesh_at_1024_tokens_per_device():
+  """Both layers with `mesh=` at 1024 tokens per device equal the single-device layer."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from hilbert_ring_jax import DilatedMultiHeadAttention, linen  # pylint: disable=g-import-not-at-top
+  pattern = DilatedPattern((1024, 4096), (1, 4), causal=True)
+  m = mesh(4)
+  x = jnp.asarray(np.random.default_rng(23).standard_normal((1, 4096, 16)), jnp.float32)
+  make = lambda **kw: DilatedMultiHeadAttention(2, 16, pattern=pattern, rngs=nnx.Rngs(0), **kw)
+  sharded, plain = make(mesh=m, seq_axis="seq"), make()
+  np.testing.assert_allclose(jax.jit(lambda x: sharded(x))(x), plain(x), rtol=1e-5, atol=1e-5)
+  module = linen.DilatedMultiHeadAttention(num_heads=2, pattern=pattern, mesh=m, seq_axis="seq")
+  single = linen.DilatedMultiHeadAttention(num_heads=2, pattern=pattern)
+  params = single.init(jax.random.PRNGKey(0), x[:, :1024])
+  loss = lambda mod: lambda p: jnp.sum(mod.apply(p, x) ** 2)
+  g, ref = jax.jit(jax.grad(loss(module)))(params), jax.grad(loss(single))(params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), g, ref)

@@ -3,7 +3,8 @@
 """
 
 from .base import (NAMES, Backend, Kernel, Name, NoBackendError, Problem, Support, attention,
-                   candidates, check_config, config_for, load, resolve)
+                   candidates, check_config, config_for, load, resolve, vary_like)
 
 __all__ = ["NAMES", "Backend", "Kernel", "Name", "NoBackendError", "Problem", "Support",
-           "attention", "candidates", "check_config", "config_for", "load", "resolve"]
+           "attention", "candidates", "check_config", "config_for", "load", "resolve",
+           "vary_like"]

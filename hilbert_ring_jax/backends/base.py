@@ -182,6 +182,25 @@ def _loaded(name):
     return None
 
 
+def vary_like(xs, *refs):
+  """`xs` (an array or a tuple of them) typed to vary over every mesh axis any of `refs`
+  varies over.
+
+  Inside `jax.shard_map(check_vma=True)` an array built from shapes alone (`jnp.zeros`) is
+  device-invariant, while results computed from the inputs vary over the mesh axes the inputs
+  vary over; `lax.scan` and `lax.cond` need the two to agree. Adding a zero that varies like
+  each of `refs` gives `xs` their type; outside `shard_map` it is a no-op (exact for every
+  value, -inf included). Also restores the type of kernel calls (jax_triton's) that return
+  device-invariant results inside `shard_map`.
+  """
+  def one(x):
+    for r in refs:
+      x = x + jnp.zeros_like(r, shape=(), dtype=x.dtype)
+    return x
+
+  return tuple(one(x) for x in xs) if isinstance(xs, tuple) else one(xs)
+
+
 def batched(fn):
   """`fn(*arrays)` that `vmap` maps by folding the mapped axis into the batch axis 0.
 

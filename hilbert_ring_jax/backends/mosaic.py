@@ -238,15 +238,23 @@ def _launches(pattern: DilatedPattern, n: int, num_heads: int, branches):
 
 def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_heads: int,
                      branches, config: Config, batch: int = 1) -> str | None:
-  """Why the schedule of this problem does not fit the kernels' blocks or grid, or None."""
+  """Why the schedule of this problem does not fit the kernels' blocks or grid, or None.
+
+  A launch's rows come in whole program blocks (a program's boxes never reach into the next
+  row's positions), except in a launch of one segment (every branch's segment covers all N:
+  full attention, a ring step), whose rows all end at the sequence's end: there a partial
+  last block reads zeros past N, masks those keys and writes into the outputs' padding
+  (`_n_out`), so any N runs."""
   rows = math.lcm(2 * config.block_q, 2 * _BWD_BLOCK)  # a forward and a backward program
   for fused in _launches(pattern, n, num_heads, branches):
     s = schedule.build(pattern, n, num_heads, num_kv_heads, fused, False)
-    if s.period % s.stride or np.any(s.rows[:, schedule.ROW_LENGTH] % rows):
+    one_segment = all(br.w == n for br in pattern.layout(n, num_heads, fused))
+    if s.period % s.stride or (
+        not one_segment and np.any(s.rows[:, schedule.ROW_LENGTH] % rows)):
       return (f"the mosaic backend needs query rows of whole blocks of {rows} positions "
-              f"(per launch, the shortest segment over the rates' lcm a multiple of {rows}); "
-              f"got rows of {sorted(set(s.rows[:, schedule.ROW_LENGTH].tolist()))} for "
-              f"branches {fused}")
+              f"(per launch, the shortest segment over the rates' lcm a multiple of {rows}, "
+              f"or one segment over all N); got rows of "
+              f"{sorted(set(s.rows[:, schedule.ROW_LENGTH].tolist()))} for branches {fused}")
     if (items := math.prod(s.grid(batch, 2 * _BWD_BLOCK))) > _MAX_ITEMS:
       return f"the mosaic backend numbers a launch's blocks in int32; got {items}"
   return None
@@ -803,12 +811,14 @@ def _strided_view(x, stride: int):
   return x.reshape(x.shape[0], x.shape[1] // stride, stride, *x.shape[2:])
 
 
-def _n_out(sched: schedule.Schedule, n_pad: int) -> int:
-  """Outputs cover whole periods (every program's boxes lie inside them): TMA stores that
-  run past the end of an array are not clipped reliably on the GPU (measured: rows of the
-  last, partial period landed at the start), so none is issued."""
+def _n_out(sched: schedule.Schedule, n_pad: int, block_rows: int) -> int:
+  """Outputs cover whole periods and every program's boxes (`block_rows` positions of a row;
+  a one-segment launch's last block may be partial): TMA stores that run past the end of an
+  array are not clipped reliably on the GPU (measured: rows of the last, partial period
+  landed at the start), so none is issued."""
   L = sched.stride
-  return max(n_pad, -(-sched.periods * sched.period // (8 * L)) * 8 * L)
+  covered = max(sched.periods * sched.period, sched.row_blocks(block_rows) * block_rows * L)
+  return max(n_pad, -(-covered // (8 * L)) * 8 * L)
 
 
 def _merge_prior(prior_refs, prog, rows, o_tile, lse_tile, bars, acc, m_i, l_i, rows_of,
@@ -857,11 +867,12 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   item's epilogue (its tile loaded into the output's tile once the walk is done): one pass
   over the output instead of a partial written and merged apart."""
   batch, n_pad, num_heads, d = q.shape
-  span = 2 * _n_out(sched, n_pad)  # exceeds any difference of two positions in a period
   dtype = q.dtype
   L = sched.stride
   bq, bk, stages = config.block_q, config.block_k, config.stages
   block_rows = 2 * bq
+  n_out = _n_out(sched, n_pad, block_rows)
+  span = 2 * n_out  # exceeds any difference of two positions in a period
   per_kv = heads_per_kv(num_heads, k.shape[2])
   qk_scale = scale * _LOG2E
   interpret = config.interpret
@@ -1009,7 +1020,6 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
          plgpu.Barrier(num_arrivals=2)),
         collective_axes="wg")
 
-  n_out = _n_out(sched, n_pad)
   out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_heads, d), out_dtype),
               jax.ShapeDtypeStruct((batch, num_heads, L, n_out // L), jnp.float32))
   rows, pieces, bias = tables
@@ -1029,11 +1039,12 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
   lse2 in base 2, +inf where no key is seen): `[B, No, H, D]` in `out_dtype`, plus `prior`
   (the earlier launches' dq, `[B, No, H, D]` in `out_dtype`), added in the epilogues."""
   batch, n_pad, num_heads, d = q.shape
-  span = 2 * _n_out(sched, n_pad)  # exceeds any difference of two positions in a period
   dtype = q.dtype
   L = sched.stride
   bq, bk, stages = _BWD_BLOCK, _BWD_BLOCK, config.backward_stages
   block_rows = 2 * bq
+  n_out = _n_out(sched, n_pad, block_rows)
+  span = 2 * n_out  # exceeds any difference of two positions in a period
   per_kv = heads_per_kv(num_heads, k.shape[2])
   qk_scale = scale * _LOG2E
   interpret = config.interpret
@@ -1156,7 +1167,6 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
         collective_axes="wg")
 
-  n_out = _n_out(sched, n_pad)
   out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_heads, d), out_dtype),)
   rows, pieces, bias = tables
   view = functools.partial(_strided_view, stride=L)
@@ -1181,12 +1191,13 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   dq of the query block from both halves (dq = ds_0 k_0 + ds_1 k_1) and adds it with a TMA
   reduce-add store."""
   batch, n_pad, num_heads, d = q.shape
-  span = 2 * _n_out(sched, n_pad)  # exceeds any difference of two positions in a period
   num_kv = k.shape[2]
   dtype = q.dtype
   L = sched.stride
   bq, bk, stages = _BWD_BLOCK, _BWD_BLOCK, config.backward_stages
   block_rows = 2 * bk
+  n_out = _n_out(sched, n_pad, block_rows)
+  span = 2 * n_out  # exceeds any difference of two positions in a period
   qk_scale = scale * _LOG2E
   interpret = config.interpret
   fused = dq_accs is not None
@@ -1418,7 +1429,6 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 3,
         collective_axes="wg")
 
-  n_out = _n_out(sched, n_pad)
   out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_kv, d), out_dtype),) * 2
   rows, pieces, bias = tables
   view = functools.partial(_strided_view, stride=L)
@@ -1488,11 +1498,12 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
   for fused in launches:
     sched = schedule.build(pattern, n, num_heads, k.shape[2], fused, False)
     n_pad, pad = _padded(n, sched)
+    launch_config = resolved(_long_keys(sched, pattern.causal))
     if result is not None:  # merged in this launch's epilogues
-      result = _to_rows(result, _n_out(sched, n_pad), (0.0, -jnp.inf))
+      result = _to_rows(result, _n_out(sched, n_pad, 2 * launch_config.block_q),
+                        (0.0, -jnp.inf))
     result = _forward_launch(pad(q), pad(k), pad(v), sched.arrays(), sched, n, pattern.causal,
-                             scale, out_dtype or jnp.float32,
-                             resolved(_long_keys(sched, pattern.causal)), result)
+                             scale, out_dtype or jnp.float32, launch_config, result)
   return result[0][:, :n], result[1][:, :n]
 
 
@@ -1539,7 +1550,8 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config, final
     cfg = config.backward_for(L, q.shape[-1], q.dtype.itemsize)
     if grads is not None:  # in the dtype of this launch's outputs (float32 when fused)
       dtype = jnp.float32 if cfg.fused_backward else out_dtype
-      grads = tuple(g.astype(dtype) for g in _to_rows(grads, _n_out(sched, n_pad), (0.0,) * 3))
+      grads = tuple(g.astype(dtype)
+                    for g in _to_rows(grads, _n_out(sched, n_pad, _ROW_BLOCK), (0.0,) * 3))
     if cfg.fused_backward:
       dq, dk, dv = _fused_backward(x, stats, transposed, n, pattern.causal, scale, cfg,
                                    grads)
@@ -1563,7 +1575,7 @@ def _fused_backward(x, stats, transposed: schedule.Schedule, n, causal, scale, c
   L = transposed.stride
   copies = 2 if config.interpret else 1
   # Query blocks round up past their piece (adding zeros there): one block of slack.
-  n_acc = _n_out(transposed, n_pad) + _BWD_BLOCK * L
+  n_acc = _n_out(transposed, n_pad, _ROW_BLOCK) + _BWD_BLOCK * L
   shapes = [(copies * batch, n_acc, num_heads, d)]
   if L > 1:
     shapes.append((copies * batch, n_acc // L, L, num_heads, d))

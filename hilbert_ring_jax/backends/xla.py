@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from ..merge import merge
 from ..pattern import Branch, DilatedPattern, heads_per_kv
-from .base import YES, Problem, Support
+from .base import YES, Problem, Support, vary_like
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -172,7 +172,8 @@ def _branch_forward(fold, q, k, v, scale, key_block):
     ob = ob / jnp.where(den > 0, den, 1.0)[..., None]
     return merge([carry[0], ob], [carry[1], mx + jnp.log(den)]), None
 
-  init = (jnp.zeros(qf.shape, acc), jnp.full(qf.shape[:-1], -jnp.inf, acc))
+  # Typed like the data the steps compute from (inside shard_map, as `lax.scan` needs).
+  init = vary_like((jnp.zeros(qf.shape, acc), jnp.full(qf.shape[:-1], -jnp.inf, acc)), q, k, v)
   return _scan(step, init, blocks)[0]
 
 
@@ -241,7 +242,8 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
       dkb = jnp.einsum("BZKTJ,BZKTD->BZKJD", *ds_operands(ds, qf), preferred_element_type=acc)
       return dqf, (dkb, dvb)
 
-    dqf, (dkb, dvb) = _scan(step, jnp.zeros(qf.shape, acc), blocks)
+    init = vary_like(jnp.zeros(qf.shape, acc), q, k, v, dout, lse, delta)
+    dqf, (dkb, dvb) = _scan(step, init, blocks)
     # [nb, B, Z, K, bk, D] -> [B, Z, K, M, D]
     rows = fold.branch.rows
     dkb, dvb = (jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], -1, x.shape[-1])[..., :rows, :]
