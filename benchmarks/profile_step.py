@@ -44,6 +44,7 @@ from flax import nnx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import common  # noqa: E402  (examples/common.py)
 import lm_real  # noqa: E402
+from timing import busy_ns, device_events  # noqa: E402
 
 _META = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{op_name="([^"]*)"')
 SCOPES = ("attention", "mlp", "embed", "head", "loss", "optimizer")  # examples/common.py's
@@ -76,36 +77,6 @@ def kind_of(kernel: str, hlo_op: str, op_name: str) -> str:
   if "reduce" in k or "reduce" in h:
     return "reduction fusion"
   return "elementwise fusion / other"
-
-
-def device_events(path: str) -> list[dict]:
-  """Kernel (GPU) or thunk (CPU) events with an `hlo_op` stat: name, op, start, duration."""
-  from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
-  data = ProfileData.from_file(path)
-  gpu = [p for p in data.planes if p.name.startswith("/device:GPU")]
-  planes = gpu or [p for p in data.planes if p.name == "/host:CPU"]
-  events = []
-  for plane in planes:
-    for line in plane.lines:
-      if gpu and not line.name.startswith("Stream"):
-        continue
-      for ev in line.events:
-        stats = dict(ev.stats)
-        if "hlo_op" not in stats:
-          continue
-        events.append({"kernel": ev.name, "hlo_op": str(stats["hlo_op"]),
-                       "start": ev.start_ns, "ns": ev.duration_ns})
-  return events
-
-
-def busy_ns(events) -> float:
-  spans = sorted((e["start"], e["start"] + e["ns"]) for e in events)
-  total, end = 0.0, -1.0
-  for a, b in spans:
-    if b > end:
-      total += b - max(a, end)
-      end = b
-  return total
 
 
 def _model_and_batches(name: str, cfg, full_impl: str):

@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: timing with device synchronization."""
+"""What the benchmark scripts share: timing with device synchronization, device traces."""
 
 import statistics
 import time
@@ -17,3 +17,35 @@ def median_ms(fn, args, runs=5, warmup=2):
     jax.block_until_ready(fn(*args))
     times.append(1e3 * (time.perf_counter() - t))
   return statistics.median(times)
+
+
+def device_events(path: str) -> list[dict]:
+  """Kernel (GPU) or thunk (CPU) events of a `jax.profiler` trace (`*.xplane.pb`) with an
+  `hlo_op` stat: name, op, device (plane), stream (line), start, duration."""
+  from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
+  data = ProfileData.from_file(path)
+  gpu = [p for p in data.planes if p.name.startswith("/device:GPU")]
+  planes = gpu or [p for p in data.planes if p.name == "/host:CPU"]
+  events = []
+  for plane in planes:
+    for line in plane.lines:
+      if gpu and not line.name.startswith("Stream"):
+        continue
+      for ev in line.events:
+        stats = dict(ev.stats)
+        if "hlo_op" not in stats:
+          continue
+        events.append({"kernel": ev.name, "hlo_op": str(stats["hlo_op"]), "device": plane.name,
+                       "stream": line.name, "start": ev.start_ns, "ns": ev.duration_ns})
+  return events
+
+
+def busy_ns(events) -> float:
+  """The union of the events' intervals, in ns."""
+  spans = sorted((e["start"], e["start"] + e["ns"]) for e in events)
+  total, end = 0.0, -1.0
+  for a, b in spans:
+    if b > end:
+      total += b - max(a, end)
+      end = b
+  return total

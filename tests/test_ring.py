@@ -343,35 +343,33 @@ GPU_CASES = {
         (2048, 4096, 8192), (1, 2, 4), causal=True)),
     "lm_preset": (2, 8192, 6, 2, 128, lambda n: DilatedPattern(
         (512, 2048, 8192), (1, 4, 16), causal=True, offsets="all")),
+    # Refused by the default dispatch on 4 GPUs (2026-11-26): compact zigzag half-shards of
+    # 64 residue rows (here on 2 GPUs: the same steps).
+    "short_compact_steps": (1, 512, 2, 1, 64, lambda n: DilatedPattern(
+        (256, 512, 2 * 512), (1, 1, 4), causal=True)),
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", GPU_CASES)
-def test_ring_on_gpus(name, monkeypatch):
-  """The ring over every GPU of the host, bf16, each step on the default backend ("mosaic" on
-  Hopper: its float32 partials and gradients), against one GPU's float32 "xla" result:
-  outputs, lse and gradients (`run_gpu.sh tests-ring`; needs two GPUs)."""
+def _check_ring_on_gpus(b, n, h, hkv, d, pattern, implementation=None):
+  """The ring over every GPU of the host, bf16, against one GPU's float32 "xla" result:
+  outputs, lse and gradients. Returns the mosaic forward launches traced."""
   from hilbert_ring_jax.backends import mosaic  # pylint: disable=g-import-not-at-top
   gpus = jax.devices("gpu")
-  if len(gpus) < 2:
-    pytest.skip("needs two GPUs")
-  b, per_gpu, h, hkv, d, make = GPU_CASES[name]
-  p, n = len(gpus), len(gpus) * per_gpu
-  pattern = make(n)
   case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
                       pattern.offsets, head_dim=d, batch=b)
   q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 3)
   launches = []
   launch = mosaic._forward_launch  # pylint: disable=protected-access
-  monkeypatch.setattr(mosaic, "_forward_launch",
-                      lambda *a, **kw: (launches.append(1), launch(*a, **kw))[1])
-  jax.clear_caches()
-  gpu_mesh = jax.make_mesh((p,), ("seq",), axis_types=(AUTO,), devices=gpus)
-  ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
-      q, k, v, pattern, mesh=gpu_mesh, axis_name="seq", return_lse=True))
-  (out, lse), vjp = jax.vjp(ring, q, k, v)
-  grads = vjp((dout, dlse))
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(mosaic, "_forward_launch",
+                  lambda *a, **kw: (launches.append(1), launch(*a, **kw))[1])
+    jax.clear_caches()
+    gpu_mesh = jax.make_mesh((len(gpus),), ("seq",), axis_types=(AUTO,), devices=gpus)
+    ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
+        q, k, v, pattern, mesh=gpu_mesh, axis_name="seq", return_lse=True,
+        implementation=implementation))
+    (out, lse), vjp = jax.vjp(ring, q, k, v)
+    grads = vjp((dout, dlse))
   f32 = lambda *xs: [jax.device_put(x.astype(jnp.float32), gpus[0]) for x in xs]
   single = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True,
                                              implementation="xla")
@@ -385,9 +383,41 @@ def test_ring_on_gpus(name, monkeypatch):
   helpers.check_lse(lse, ref_lse, tol)
   for g, ref in zip(grads, ref_grads):
     assert g.dtype == jnp.bfloat16 and helpers.rel_err(g, ref) < tol
+  return launches
+
+
+def _gpus():
+  gpus = jax.devices("gpu")
+  if len(gpus) < 2:
+    pytest.skip("needs two GPUs")
+  return gpus
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_CASES)
+def test_ring_on_gpus(name):
+  """Each step on the default backend ("mosaic" on Hopper: its float32 partials and
+  gradients) (`run_gpu.sh tests-ring`; needs two GPUs)."""
+  from hilbert_ring_jax.backends import mosaic  # pylint: disable=g-import-not-at-top
+  p = len(_gpus())
+  b, per_gpu, h, hkv, d, make = GPU_CASES[name]
+  launches = _check_ring_on_gpus(b, p * per_gpu, h, hkv, d, make(p * per_gpu))
   if mosaic._is_hopper():  # pylint: disable=protected-access
     assert launches, "no step ran the mosaic kernels"
 
+
+@pytest.mark.gpu
+def test_ring_random_configurations_on_gpus_mosaic_only():
+  """Configurations the mosaic kernels run on one GPU run on the ring with
+  `implementation="mosaic"` alone (no step declined), exact."""
+  from hilbert_ring_jax.backends import mosaic  # pylint: disable=g-import-not-at-top
+  p = len(_gpus())
+  if not mosaic._is_hopper():  # pylint: disable=protected-access
+    pytest.skip("needs Hopper GPUs")
+  configs = [c for c in _random_ring_configs(40, 6) if c[1] == p][:6]
+  assert configs
+  for pattern, _, (b, n, h, d), hkv in configs:
+    assert _check_ring_on_gpus(b, n, h, hkv, d, pattern, implementation="mosaic")
 
 # Shard sizes users run: >= 1024 keys per device, so every step walks several key blocks
 # ("xla": 512 keys a block by default; the cases marked 128 ask for blocks of 128 so that
