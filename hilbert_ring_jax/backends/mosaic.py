@@ -51,8 +51,11 @@ The output goes back through shared memory with TMA stores; lse is written as
 Boxes past the end of an input read zeros (the kernel masks keys past each piece's end);
 outputs are allocated in whole periods, so that no store runs past their end, and sliced.
 Each launch's rows must come in whole program blocks (`2 * block_q` positions per row and
-period, and the backward's 128), else `supports` declines; a length that `8 * L` does not
-divide is zero-padded (a copy, only then: the views' row axes must be whole tiles of 8).
+period, and the backward's 128), else `supports` declines, except in a launch of one segment
+over all N (full attention, a ring step), whose rows all end at N: there a partial last block
+reads zeros past N and writes into the outputs' padding, so any N runs. A length that `8 * L`
+does not divide is zero-padded (a copy, only then: the views' row axes must be whole tiles
+of 8).
 
 The backward has two kernels built the same way (producer and consumer warpgroups, TMA
 rings, the same block walk), without the turn-taking, which measured slower there:
@@ -262,7 +265,7 @@ def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_hea
 
 def supports(problem: Problem) -> Support:
   """Hopper GPUs (sm_90); bf16 and f16; head dims 64, 128 and 256 (where the output is final,
-  and triton runs the backward); rows of whole blocks."""
+  and triton runs the backward); rows of whole blocks, or one segment of any length."""
   if problem.platform != "gpu" or not _is_hopper():
     return no("the mosaic backend runs on Hopper GPUs (sm_90) only")
   if jax.__version_info__ < (0, 11):
