@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 import helpers
 from helpers import Case
-from hilbert_ring_jax import DilatedPattern
+from hilbert_ring_jax import DilatedPattern, dilated_attention
 from hilbert_ring_jax.api import _Dispatch
 from hilbert_ring_jax.backends import base, mosaic, schedule
 
@@ -311,6 +311,29 @@ def test_one_segment_of_any_length_gpu(n, causal, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scale", ["large", -0.3, 0.0])
+def test_large_logits_and_any_scale_gpu(scale):
+  """The compiled forward (its fused multiply-adds for real): logits up to the documented
+  range with v = 1 give 1; negative and zero scales match the reference, gradients too."""
+  case = Case(1024, 4, 2, (256, 1024), (1, 2), head_dim=64)
+  pattern = case.pattern(True)
+  if scale == "large":
+    q, k = _large_logits(case)
+    out = dilated_attention(q, k, jnp.ones_like(k), pattern, implementation="mosaic")
+    np.testing.assert_allclose(np.asarray(out, np.float32), 1.0, atol=1e-2)
+    return
+  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 2)
+  fn = lambda q, k, v: dilated_attention(q, k, v, pattern, scale=scale, return_lse=True,
+                                         implementation="mosaic")
+  (out, lse), vjp = jax.vjp(jax.jit(fn), q, k, v)
+  ref_out, ref_lse, ref_grads = helpers.reference(case, True, q, k, v, dout, dlse, scale=scale)
+  assert helpers.rel_err(out, ref_out) < helpers.TOL[jnp.bfloat16]
+  helpers.check_lse(lse, ref_lse, helpers.TOL[jnp.bfloat16])
+  for g, ref in zip(vjp((dout, dlse)), ref_grads):
+    assert helpers.rel_err(g, ref) < 2 * helpers.TOL[jnp.bfloat16]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fwd,bwd", [("mosaic", "xla"), ("xla", "mosaic")])
 def test_cross_pass_gpu(fwd, bwd):
   case = Case(2048, 4, 2, (512, 1024, 2048), (1, 2, 4), head_dim=128)
@@ -336,3 +359,39 @@ def test_interpret_bfloat16_gradients_when_final():
   for w, f in zip(wide, final):
     assert w.dtype == jnp.float32 and f.dtype == jnp.bfloat16
     assert jnp.array_equal(w.astype(jnp.bfloat16), f)
+
+
+@INTERPRET
+@pytest.mark.parametrize("scale", ["large", -0.3, 0.0])
+def test_interpret_large_logits_and_any_scale(scale):
+  """Logits up to the forward's documented range (|s log2 e| < 2^27, docs/SPEC.md) with
+  v = 1 give 1 (no row inf, NaN or 0); a negative scale (the row maximum is then the
+  smallest score) and a zero one match the reference."""
+  case = Case(256, 2, 1, (256,), (1,), head_dim=64)
+  pattern = case.pattern(True)
+  config = mosaic.Config(interpret=True)
+  if scale == "large":
+    q, k = _large_logits(case)
+    out, lse = mosaic.forward(q, k, jnp.ones_like(k), pattern, 64 ** -0.5, config=config)
+    np.testing.assert_allclose(out, 1.0, atol=1e-2)  # p rounds to bf16 in P @ V
+    assert np.isfinite(np.asarray(lse)).all()
+    return
+  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 1)
+  out, lse = mosaic.forward(q, k, v, pattern, scale, config=config)
+  ref_out, ref_lse, _ = helpers.reference(case, True, q, k, v, dout, dlse, scale=scale)
+  assert helpers.rel_err(out, ref_out) < helpers.TOL[jnp.bfloat16]
+  helpers.check_lse(lse, ref_lse, helpers.TOL[jnp.bfloat16])
+
+
+def _large_logits(case):
+  """bfloat16 q, k whose largest |s log2 e| (over every pair of heads) is in [2^25, 2^27)."""
+  rng = np.random.default_rng(3)
+  shapes = [(1, case.n, h, case.head_dim) for h in (case.heads, case.kv_heads)]
+  c = case.head_dim ** -0.5 * math.log2(math.e)
+  top = lambda q, k: c * np.abs(np.einsum("bnhd,bmgd->bhgnm", *(np.asarray(x, np.float64)
+                                                               for x in (q, k)))).max()
+  q, k = (jnp.asarray(rng.uniform(-1.0, 1.0, shape), jnp.bfloat16) for shape in shapes)
+  a = float(2 ** 13 / np.sqrt(top(q, k)))  # |s| grows with a^2: to about 2^26
+  q, k = (jnp.asarray(np.asarray(x, np.float32) * a, jnp.bfloat16) for x in (q, k))
+  assert 2 ** 25 <= top(q, k) < 2 ** 27
+  return q, k

@@ -507,7 +507,8 @@ def test_ring_inside_user_shard_map_at_2048_keys_per_shard():
 def test_layers_with_mesh_at_1024_tokens_per_device():
   """Both layers with `mesh=` at 1024 tokens per device equal the single-device layer."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from hilbert_ring_jax import DilatedMultiHeadAttention, linen  # pylint: disable=g-import-not-at-top
+  from hilbert_ring_jax import (  # pylint: disable=g-import-not-at-top
+      DilatedMultiHeadAttention, linen)
   pattern = DilatedPattern((1024, 4096), (1, 4), causal=True)
   m = mesh(4)
   x = jnp.asarray(np.random.default_rng(23).standard_normal((1, 4096, 16)), jnp.float32)

@@ -23,12 +23,13 @@ What changes is the engine, built from Hopper's own parts:
   piece a box of `[B, N, Hkv, D]`; the tiles land in 128-byte-swizzled shared memory;
 - both products are wgmma (QK^T from shared memory, PV with P from registers), with an
   online base-2 softmax in float32 (one fused multiply-add per score: the piece's `log2 m`
-  rides in the running maximum); the two consumers take turns on the tensor cores, so one's
-  softmax overlaps the other's matrix products; blocks inside a piece and before every query
-  of a consumer run without a mask, and a masked block compares each score's column with a
-  per-row limit (the last key its query sees, worked out once per row: `_key_limit`), one
-  comparison a score (the key's position per score took seven instructions: masked blocks
-  ran at twice the unmasked ones' instruction count, and most of the LM's are masked).
+  rides in the running maximum, taken before scaling); the two consumers take turns on the
+  tensor cores, so one's softmax overlaps the other's matrix products; blocks inside a piece
+  and before every query of a consumer run without a mask, and a masked block compares each
+  score's column with a per-row limit (the last key its query sees, worked out once per
+  row: `_key_limit`), one comparison a score (the key's position per score took seven
+  instructions: masked blocks ran at twice the unmasked ones' instruction count, and most
+  of the LM's are masked).
 
 Work items are program blocks of rows (`2 * block_q` positions of one row, period and batch
 element). The kernels run persistent (`Config.persistent`): one program per SM walks a run of
@@ -878,6 +879,12 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   span = 2 * n_out  # exceeds any difference of two positions in a period
   per_kv = heads_per_kv(num_heads, k.shape[2])
   qk_scale = scale * _LOG2E
+  # Masked scores lie past every score in the order the row maximum is taken in (the
+  # minimum for a negative scale), so that `s c` is -inf either way; a zero scale scores
+  # every visible key 0 (`block`), with c = 1.
+  scale_sign = -1.0 if qk_scale < 0 else 1.0
+  scale_c = qk_scale or 1.0
+  hidden = -scale_sign * jnp.inf
   interpret = config.interpret
   key_ranges = _Ranges(True, n, L, causal, block_rows, bk)
   work = _Work.of(sched, batch, config, causal, key_ranges)
@@ -940,22 +947,31 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
         def block(carry, piece, j, masked: bool):
           """One key block: scores, online softmax (base 2; `m` includes the piece's
           `log2 m` bias, so p is one fused multiply-add and an exp2 per score), P @ V.
-          Unmasked blocks (all keys exist and precede every query) skip the mask."""
+          Unmasked blocks (all keys exist and precede every query) skip the mask.
+
+          The row maximum is taken before scaling (the largest score, or the smallest
+          for a negative scale), so each exponent is one rounding of `s c - m`: exact while
+          it stays in exp2's range, i.e. for |s c| < 2^27 (docs/SPEC.md, "Numerical
+          range"); a maximum taken over the scaled scores, exact for any logits, costs an
+          instruction per score (full attention's forward 5.7% slower, H100)."""
           acc, m_i, l_i, step = carry
           slot = lax.rem(step, stages)
           plgpu.barrier_wait(k_bar.at[slot])
           s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
           plgpu.barrier_arrive(k_free.at[slot])
+          if qk_scale == 0:  # every visible score is 0 (and -inf * 0 would be NaN)
+            s = jnp.zeros_like(s)
           if masked:
             limit = _key_limit(piece, j * bk, q_pos, causal, L, span)
             s = jnp.where(cols_iota <= (rows_of(limit, s.shape) if causal else limit), s,
-                          -jnp.inf)
+                          hidden)
           bias = piece.bias
-          m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale + bias)
+          top = s.max(axis=1) if scale_sign > 0 else s.min(axis=1)
+          m_new = jnp.maximum(m_i, top * scale_c + bias)
           # Rows that have seen nothing yet (masked blocks only) subtract 0, not -inf.
           m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
           alpha = jnp.exp2(m_i - m_use)
-          p_ = jnp.exp2(s * qk_scale - rows_of(m_use - bias, s.shape))
+          p_ = jnp.exp2(s * scale_c - rows_of(m_use - bias, s.shape))
           acc = acc * rows_of(alpha, acc.shape)
           l_i = l_i * alpha + p_.sum(axis=1)
           p16 = p_.astype(dtype)

@@ -371,31 +371,37 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode):
   n_valid = br.n_valid(s, c)
   dmask = _head_mask(d, dp)
   q = _load(q_ref, dmask)  # [bq, Dp]
+  q = -q if scale < 0 else q  # (exact) so that the scale applied below is positive
+  c = abs(scale) * _LOG2E  # scores in base 2 so the exponentials are exp2
   q_rows = i * bq + jnp.arange(bq)
 
   def body(masked, j, carry):
-    acc, m2, l = carry
+    # m: the running maximum of the unscaled products t. The exponent scales differences,
+    # t - m <= 0 exactly: scaling t first, the compiler may fuse the product into the
+    # subtraction (an FMA) but not into the maximum, and at |s| ~ 1e9 one ulp of difference
+    # is beyond exp2's range (inf, NaN or 0 for finite logits).
+    acc, m, l = carry
     kb = _load(k_ref.at[pl.ds(j * bk, bk)], dmask)
-    # s2: [bq, bk], scores in base 2 so the exponentials are exp2
-    s2 = _dot(q, kb, trans_b=True) * (scale * _LOG2E)
+    t = _dot(q, kb, trans_b=True)  # [bq, bk]
     if masked:
-      s2 = jnp.where(_mask(br, q_rows, j * bk + jnp.arange(bk), n_valid), s2, -jnp.inf)
-    m_new = jnp.maximum(m2, jnp.max(s2, axis=1))
+      t = jnp.where(_mask(br, q_rows, j * bk + jnp.arange(bk), n_valid), t, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(t, axis=1))
     # A row with nothing visible yet keeps m = -inf; shifting by 0 keeps exp2 from NaN.
     shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp2(s2 - shift[:, None])
-    alpha = jnp.exp2(m2 - shift)
+    exp2 = lambda x: jnp.where(x == -jnp.inf, 0.0, jnp.exp2(x * c))  # c = 0: -inf * 0 = NaN
+    p = exp2(t - shift[:, None])
+    alpha = exp2(m - shift)
     vb = _load(v_ref.at[pl.ds(j * bk, bk)], dmask)
     acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb)
     return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
   init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
           jnp.zeros((bq,), jnp.float32))
-  acc, m2, l = _fori(_key_ranges(br, i, bq, bk, n_valid), body, init)
+  acc, m, l = _fori(_key_ranges(br, i, bq, bk, n_valid), body, init)
   seen = l > 0
   l = jnp.where(seen, l, 1.0)
   out = acc / l[:, None]
-  lse = jnp.where(seen, (m2 + jnp.log2(l)) * _LN2, -jnp.inf)
+  lse = jnp.where(seen, (m * c + jnp.log2(l)) * _LN2, -jnp.inf)
   if mode == "merge":
     out, lse = merge([_load(o_prev_ref, dmask), out], [lse_prev_ref[...], lse])
   _store(o_ref, out.astype(o_ref.dtype), dmask)

@@ -140,32 +140,43 @@ def _key_scan(fold, k, v, valid, key_block):
           _blocked(valid, 2, nb, bk, fill=False)), bk
 
 
-def _scores(fold, qf, kb, valid, first_key, scale):
-  """Masked scores `[B, Z, K, T, bk]` of all folded queries against one key block."""
-  acc = jnp.promote_types(qf.dtype, jnp.float32)
+def _scores(fold, qs, kb, valid, first_key):
+  """Masked scores `[B, Z, K, T, bk]` of the folded, scaled queries `qs` (`_scaled_queries`)
+  against one key block."""
+  acc = jnp.promote_types(qs.dtype, jnp.float32)
   # s: [B, Z, K, T, bk]
-  s = jnp.einsum("BZKTD,BZKJD->BZKTJ", qf, kb, preferred_element_type=acc) * scale
+  s = jnp.einsum("BZKTD,BZKJD->BZKTJ", qs, kb, preferred_element_type=acc)
   mask = valid[None, :, :, None, :]  # [1, Z, K or 1, 1, bk]
   if fold.branch.causal:  # the fold keeps order within a row: j <= i compares row indices
-    q_idx = jnp.arange(qf.shape[3]) // fold.shared
+    q_idx = jnp.arange(qs.shape[3]) // fold.shared
     k_idx = first_key + jnp.arange(kb.shape[3])
     mask = mask & (k_idx[None, :] <= q_idx[:, None])
   return jnp.where(mask, s, -jnp.inf)
 
 
+def _scaled_queries(qf, scale):
+  """`qf * scale` in float32 (float64 for float64 inputs), before the product with the keys.
+
+  The scores are then a matrix product's output, which every fusion reading it sees alike.
+  Scaled after the product, XLA recomputes `dot * scale` in each fusion (the row max, the
+  exponent) and contracts some into fused multiply-adds: at |s| ~ 1e9 one float32 ulp (64)
+  is beyond exp's range, and rows came out inf, NaN or 0 for finite logits."""
+  return qf.astype(jnp.promote_types(qf.dtype, jnp.float32)) * scale
+
+
 def _branch_forward(fold, q, k, v, scale, key_block):
   """Folded `(out [B, Z, K, T, D], lse [B, Z, K, T])` of one branch."""
-  qf = fold.query(q)
+  qf = _scaled_queries(fold.query(q), scale)
   acc = jnp.promote_types(q.dtype, jnp.float32)
   blocks, bk = _key_scan(fold, k, v, fold.key_valid(k.shape[2]), key_block)
 
   def step(carry, blk):
     i, kb, vb, valid = blk
-    s = _scores(fold, qf, kb, valid, i * bk, scale)
+    s = _scores(fold, qf, kb, valid, i * bk)
     # Softmax within the block; the one merge folds it into the carry.
     mx = jnp.max(s, axis=-1)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    p = jnp.exp(s - mx[..., None])
+    p = jnp.exp(jnp.minimum(s - mx[..., None], 0.0))  # <= 1, as in the backward
     den = jnp.sum(p, axis=-1)
     # ob: [B, Z, K, T, D]
     ob = jnp.einsum("BZKTJ,BZKJD->BZKTD", p.astype(vb.dtype), vb, preferred_element_type=acc)
@@ -222,13 +233,14 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
   dq, dk, dv = (jnp.zeros(x.shape, acc) for x in (q, k, v))
   for fold in _folds(pattern, q, k, branches):
     qf, dof = fold.query(q), fold.query(dout)
+    qs = _scaled_queries(qf, scale)
     lsef = fold.query(lse[..., None], fill=jnp.inf)[..., 0]
     deltaf = fold.query(delta[..., None].astype(acc))[..., 0]
     blocks, bk = _key_scan(fold, k, v, fold.key_valid(k.shape[2]), config.key_block)
 
     def step(dqf, blk):
       i, kb, vb, valid = blk
-      s = _scores(fold, qf, kb, valid, i * bk, scale)
+      s = _scores(fold, qs, kb, valid, i * bk)
       # p <= 1 exactly; clipping keeps float32 rounding of huge logits (s ~ lse ~ 1e9) from
       # giving exp of a large positive error.
       p = jnp.exp(jnp.minimum(s - lsef[..., None], 0.0))
