@@ -20,6 +20,22 @@ def _dtypes() -> tuple:
   return (jnp.float32, jnp.bfloat16, jnp.float16) + wide
 
 
+def check_dtype(name: str, dtype) -> jnp.dtype:
+  """`dtype` as a `jnp.dtype` if every backend computes in it, else `ValueError` naming
+  `name` (an array's, or a dtype argument's) and, for float64 without x64, how to cast."""
+  what = name if name.endswith("dtype") else f"{name}.dtype"
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError as e:
+    raise ValueError(f"{what} must be float32, bfloat16 or float16, got {dtype!r}") from e
+  if not any(dtype == t for t in _dtypes()):
+    hint = (" (float64 needs jax.config.update('jax_enable_x64', True); or cast, e.g. "
+            "x.astype(jnp.float32))" if dtype == jnp.float64 else "")
+    raise ValueError(f"{what} must be float32, bfloat16 or float16 (float64 with x64), got "
+                     f"{what}={dtype}{hint}")
+  return dtype
+
+
 def check_inputs(q, k, v, pattern) -> None:
   """Raises `ValueError` naming the argument for anything docs/SPEC.md calls bad input."""
   if not isinstance(pattern, DilatedPattern):
@@ -29,9 +45,7 @@ def check_inputs(q, k, v, pattern) -> None:
       raise ValueError(f"{name} must be an array (jax or NumPy), got {type(x).__name__}")
     if jnp.ndim(x) != 4:
       raise ValueError(f"{name} must have rank 4 [B, N, H, D], got {name}.shape={jnp.shape(x)}")
-    if not any(x.dtype == t for t in _dtypes()):
-      raise ValueError(f"{name} must be float32, bfloat16 or float16 (float64 with x64), got "
-                       f"{name}.dtype={x.dtype}")
+    check_dtype(name, x.dtype)
     if min(x.shape) < 1:
       raise ValueError(f"{name} must have B, N, H and D >= 1, got {name}.shape={x.shape}")
   if k.shape != v.shape:

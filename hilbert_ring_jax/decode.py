@@ -26,28 +26,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .api import check_inputs, check_scale, dilated_attention
+from .api import check_dtype, check_flag, check_inputs, check_scale, dilated_attention
 from .backends import base
 from .merge import merge
 from .pattern import DilatedPattern, heads_per_kv
 
 
+# The most tokens a cache counts: `length` is int32.
+MAX_LENGTH = 2 ** 31 - 1
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("length", "k", "v"),
-                   meta_fields=("num_heads",))
+                   meta_fields=("num_heads", "pattern"))
 @dataclasses.dataclass(frozen=True)
 class KVCache:
   """The decoding state of `dilated_attention_step`: a pytree of fixed-shape arrays.
 
   Attributes:
-    length: int32 scalar, the number of tokens seen so far.
+    length: int32 scalar, the number of tokens seen so far (at most `MAX_LENGTH`).
     k, v: one `[B, Hkv, R_b, rows_b, D]` array per branch, in the input dtype.
     num_heads: the number of query heads it was built for (static).
+    pattern: the causal `DilatedPattern` whose branches it holds (static): a step under
+      another pattern would read rows laid out for this one.
   """
 
   length: jnp.ndarray
   k: tuple
   v: tuple
   num_heads: int
+  pattern: DilatedPattern
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,18 +121,13 @@ def init_kv_cache(pattern: DilatedPattern, *, batch: int, num_heads: int, num_kv
       raise ValueError(f"{name} must be an int >= 1, got {name}={x!r}")
   if num_heads % num_kv_heads:
     raise ValueError(f"num_kv_heads must divide num_heads, got {num_kv_heads=}, {num_heads=}")
-  try:
-    dtype = jnp.dtype(dtype)
-  except TypeError as e:
-    raise ValueError(f"dtype must be a floating dtype, got {dtype=!r}") from e
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"dtype must be a floating dtype, got {dtype=!r}")
+  dtype = check_dtype("dtype", dtype)
   pattern.head_ranges(num_heads)  # head_groups needs H >= number of branches
   shapes = [(batch, num_kv_heads, t.slots, t.rows, head_dim)
             for t in _tables(pattern, int(num_heads), int(num_kv_heads))]
   zeros = tuple(jnp.zeros(s, dtype) for s in shapes)
   return KVCache(jnp.zeros((), jnp.int32), zeros, tuple(jnp.zeros(s, dtype) for s in shapes),
-                 int(num_heads))
+                 int(num_heads), pattern)
 
 
 def _check_cache(cache, q, k, pattern) -> tuple:
@@ -133,8 +135,12 @@ def _check_cache(cache, q, k, pattern) -> tuple:
   if not isinstance(cache, KVCache):
     raise ValueError(f"cache must be a KVCache (from init_kv_cache), got "
                      f"{type(cache).__name__}")
-  batch, _, num_heads, head_dim = q.shape
+  batch, steps, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
+  if cache.pattern != pattern:
+    raise ValueError(f"cache was built for pattern={cache.pattern}, this step has "
+                     f"pattern={pattern}: its rows are laid out for the other pattern's "
+                     f"branches (start a new cache with init_kv_cache or a prefill)")
   if cache.num_heads != num_heads:
     raise ValueError(f"cache was built for {cache.num_heads} query heads, q has {num_heads} "
                      f"({q.shape=})")
@@ -154,6 +160,13 @@ def _check_cache(cache, q, k, pattern) -> tuple:
         raise ValueError(f"cache.{name}[{b}] has dtype {x.dtype}, inputs are {q.dtype}")
   if jnp.shape(cache.length) != () or not jnp.issubdtype(cache.length.dtype, jnp.integer):
     raise ValueError(f"cache.length must be an integer scalar, got {cache.length!r}")
+  try:  # checked where it is known (outside jit); traced, it is the caller's to keep
+    length = int(cache.length)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+    return tables
+  if not 0 <= length <= MAX_LENGTH - steps:
+    raise ValueError(f"cache.length must be in [0, {MAX_LENGTH} - T] (int32 positions; T = "
+                     f"{steps} new tokens), got cache.length={length}")
   return tables
 
 
@@ -314,6 +327,7 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
   _check_pattern(pattern)
   check_inputs(q, k, v, pattern)
   scale = check_scale(scale, q.shape[-1])
+  check_flag("return_lse", return_lse)
   _check_cache(cache, q, k, pattern)
   kernel = _step_kernel(q, k, implementation, config)
   return _step(q, k, v, cache, pattern, scale, bool(return_lse), kernel)
@@ -364,7 +378,7 @@ def _step(q, k, v, cache: KVCache, pattern: DilatedPattern, scale: float, return
            for table, kb, vb in zip(tables, cache.k, cache.v)]
     new_k, new_v = (tuple(x) for x in zip(*new))
     out, lse = mosaic_decode.step(q[:, 0], new_k, new_v, length, tables, scale, kernel)
-    cache = KVCache(length + 1, new_k, new_v, num_heads)
+    cache = KVCache(length + 1, new_k, new_v, num_heads, pattern)
     out, lse = out[:, None].astype(q.dtype), lse[:, None]
     return (out, lse, cache) if return_lse else (out, cache)
   qg = q.reshape(batch, steps, num_kv_heads, group, head_dim)
@@ -388,7 +402,7 @@ def _step(q, k, v, cache: KVCache, pattern: DilatedPattern, scale: float, return
     new_k.append(kb)
     new_v.append(vb)
   out, lse = merge(outs, lses)
-  cache = KVCache(length + steps, tuple(new_k), tuple(new_v), num_heads)
+  cache = KVCache(length + steps, tuple(new_k), tuple(new_v), num_heads, pattern)
   out = out.astype(q.dtype)
   return (out, lse, cache) if return_lse else (out, cache)
 
@@ -423,6 +437,7 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, scale: float 
   _check_pattern(pattern)
   check_inputs(q, k, v, pattern)
   scale = check_scale(scale, q.shape[-1])
+  check_flag("return_lse", return_lse)
   batch, steps, num_heads, head_dim = q.shape
   if cache is None:
     cache = init_kv_cache(pattern, batch=batch, num_heads=num_heads, num_kv_heads=k.shape[2],
@@ -445,4 +460,5 @@ def _fill(k, v, cache: KVCache, pattern: DilatedPattern, num_heads: int) -> KVCa
     kb, vb = _write(kb, vb, k[:, start:], v[:, start:], pos, jnp.ones(pos.shape, bool), table)
     new_k.append(kb)
     new_v.append(vb)
-  return KVCache(jnp.asarray(steps, jnp.int32), tuple(new_k), tuple(new_v), num_heads)
+  return KVCache(jnp.asarray(steps, jnp.int32), tuple(new_k), tuple(new_v), num_heads,
+                 pattern)

@@ -161,7 +161,7 @@ class DilatedMultiHeadAttention(nn.Module):
       cached_value = self.variable("cache", "cached_value")
       cache_index = self.variable("cache", "cache_index")
       cache = KVCache(cache_index.value, tuple(cached_key.value), tuple(cached_value.value),
-                      self.num_heads)
+                      self.num_heads, self.pattern)
       y, cache = decode_attend(q, k, v, cache, self.pattern, prefill=prefill,
                                implementation=implementation)
       cached_key.value, cached_value.value, cache_index.value = cache.k, cache.v, cache.length

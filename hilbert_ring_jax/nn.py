@@ -502,7 +502,7 @@ class DilatedMultiHeadAttention(nnx.Module):
     if self.cache_index is None:
       raise ValueError("decoding needs a cache: call layer.init_cache(input_shape) first")
     return KVCache(self.cache_index[...], tuple(x[...] for x in self.cached_key),
-                   tuple(x[...] for x in self.cached_value), self.num_heads)
+                   tuple(x[...] for x in self.cached_value), self.num_heads, self.pattern)
 
   def check_parameters(self) -> None:
     """`ValueError` unless the parameters have the shapes this layer was built for.

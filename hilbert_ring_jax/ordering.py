@@ -275,6 +275,17 @@ def _index(perm):
   return perm
 
 
+def _sequence_array(x):
+  """`x` as a `jax.Array` with a sequence axis 1 (NumPy arrays are taken as `jnp` ones)."""
+  if isinstance(x, np.ndarray):
+    x = jnp.asarray(x)
+  if not isinstance(x, jax.Array):
+    raise ValueError(f"x must be a jax or NumPy array [B, N, ...], got {type(x).__name__}")
+  if x.ndim < 2:
+    raise ValueError(f"x must have a sequence axis 1, got shape {x.shape}")
+  return x
+
+
 def serialize(x, perm, *, validate: bool = True):
   """Reorders the sequence axis (1) of `x` into processing order: `x[:, perm]`.
 
@@ -293,8 +304,7 @@ def serialize(x, perm, *, validate: bool = True):
     >>> serialize(x, hilbert_permutation((2, 2))).tolist()
     [[0.0, 2.0, 3.0, 1.0]]
   """
-  if jnp.ndim(x) < 2:
-    raise ValueError(f"x must have a sequence axis 1, got shape {jnp.shape(x)}")
+  x = _sequence_array(x)
   perm = check_perm(perm, x.shape[1], validate=validate)
   # Host perms are inverted on the host; a traced one by a scatter of N ints, which only the
   # backward uses (dead code otherwise).
@@ -318,8 +328,7 @@ def unserialize(x, perm, *, validate: bool = True):
     >>> unserialize(jnp.array([[0.0, 2.0, 3.0, 1.0]]), perm).tolist()
     [[0.0, 1.0, 2.0, 3.0]]
   """
-  if jnp.ndim(x) < 2:
-    raise ValueError(f"x must have a sequence axis 1, got shape {jnp.shape(x)}")
+  x = _sequence_array(x)
   # Checked once here; the inversion need not check again.
   perm = check_perm(perm, x.shape[1], validate=validate)
   return _permute(x, _index(inverse_permutation(perm, validate=False)), _index(perm))

@@ -1,5 +1,6 @@
 """Decoding with the compressed KV cache reproduces the causal rows of the full attention."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -150,6 +151,7 @@ def _cache(**kwargs):
     (dict(num_kv_heads=3), "num_kv_heads"),
     (dict(head_dim=-1), "head_dim"),
     (dict(dtype=jnp.int32), "dtype"),
+    (dict(dtype=jnp.float8_e4m3fn), "dtype must be float32, bfloat16 or float16"),
 ])
 def test_bad_init(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -191,6 +193,44 @@ def test_bad_step_inputs():
   with pytest.raises(ValueError, match="scale"):
     dilated_attention_step(q, kv, kv, _cache(), P, scale="big")
   np.testing.assert_array_equal(_step(q, kv, kv, _cache(), P)[0], 1.0)  # all-ones values
+
+
+def test_cache_knows_its_pattern():
+  """A step under another pattern with the same cache shapes is refused, naming both (it
+  would read rows laid out for the other branches: off by up to 1.57 before)."""
+  built = DilatedPattern((8, 16), (1, 2), causal=True)
+  other = DilatedPattern((6, 14), (1, 2), causal=True)
+  cache = init_kv_cache(built, batch=1, num_heads=4, num_kv_heads=2, head_dim=8)
+  assert _shapes(cache) == _shapes(init_kv_cache(other, batch=1, num_heads=4, num_kv_heads=2,
+                                                 head_dim=8))
+  q, kv = jnp.ones((1, 1, 4, 8)), jnp.ones((1, 1, 2, 8))
+  with pytest.raises(ValueError, match=r"pattern=DilatedPattern\(segment_lengths=\(8, 16\)"
+                                       r".*pattern=DilatedPattern\(segment_lengths=\(6, 14\)"):
+    dilated_attention_step(q, kv, kv, cache, other)
+  with pytest.raises(ValueError, match="cache was built for pattern"):
+    _step(q, kv, kv, cache, other)
+  assert _step(q, kv, kv, cache, built)[1].pattern == built
+
+
+def test_cache_length_is_range_checked():
+  """Negative lengths, and lengths whose int32 positions would wrap, are refused where the
+  length is known (outside jit)."""
+  q, kv = jnp.ones((1, 2, 4, 8)), jnp.ones((1, 2, 2, 8))
+  cache = _cache()
+  for length in (-1, 2 ** 31 - 2):
+    bad = dataclasses.replace(cache, length=jnp.asarray(length, jnp.int32))
+    with pytest.raises(ValueError, match=f"cache.length={length}"):
+      dilated_attention_step(q, kv, kv, bad, P)
+  ok = dataclasses.replace(cache, length=jnp.asarray(2 ** 31 - 3, jnp.int32))
+  assert int(dilated_attention_step(q, kv, kv, ok, P)[1].length) == 2 ** 31 - 1
+
+
+def test_return_lse_is_a_bool():
+  q, kv = jnp.ones((1, 1, 4, 8)), jnp.ones((1, 1, 2, 8))
+  for call in (lambda: dilated_attention_step(q, kv, kv, _cache(), P, return_lse="no"),
+               lambda: dilated_attention_prefill(q, kv, kv, P, return_lse="no")):
+    with pytest.raises(ValueError, match="return_lse='no'"):
+      call()
 
 
 # On CPU the kernel runs in Mosaic GPU interpret mode, on a Hopper GPU itself.

@@ -173,3 +173,16 @@ def test_within_segment_permutation_changes_nothing():
   dilated = DilatedPattern((16,), (2,))
   moved = unserialize(dilated_attention(*(serialize(x, perm) for x in (q, k, v)), dilated), perm)
   assert not np.allclose(moved, dilated_attention(q, k, v, dilated), atol=1e-3)
+
+
+def test_numpy_arrays_serialize_like_jax_arrays():
+  """NumPy inputs work as jnp ones do (a regression: `.at` on a NumPy array); other types get
+  a ValueError naming `x`."""
+  x = np.random.default_rng(0).standard_normal((2, 16, 3)).astype(np.float32)
+  perm = hilbert_permutation((4, 4))
+  for fn in (serialize, unserialize):
+    np.testing.assert_array_equal(fn(x, perm), fn(jnp.asarray(x), perm))
+  np.testing.assert_array_equal(unserialize(serialize(x, perm), perm), x)
+  for bad in (x.tolist(), "x"):
+    with pytest.raises(ValueError, match="x must be a jax or NumPy array"):
+      serialize(bad, perm)
