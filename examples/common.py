@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -437,6 +438,22 @@ def config_digest(config: dict) -> str:
   """A short digest of a JSON-able configuration: names checkpoint folders per configuration,
   so a run with other flags never resumes from an incompatible checkpoint."""
   return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def checkpoint_dir(root: Path | None, name: str, config: dict) -> Path | None:
+  """`root / f"{name}-{digest}"`, the checkpoint folder of `name` under this configuration
+  (None when `root` is). Where `root` holds `name`'s checkpoints of other flags, says so in
+  one line: they are kept, and this run does not resume from them."""
+  if root is None:
+    return None
+  folder = Path(root) / f"{name}-{config_digest(config)}"
+  mine = re.compile(rf"{re.escape(name)}-[0-9a-f]{{10}}")
+  others = sorted(p.name for p in Path(root).glob(f"{name}-*")
+                  if p != folder and p.is_dir() and mine.fullmatch(p.name))
+  if others:
+    log(f"{name}: {root} holds checkpoints of other flags ({', '.join(others)}); this "
+        f"configuration starts its own, {folder.name}")
+  return folder
 
 
 def write_json(path: Path, data: dict) -> None:

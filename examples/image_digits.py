@@ -181,9 +181,7 @@ def train_one(order: str, seed: int, args, data: dict, config: dict) -> tuple[di
   chunk = -(-len(test_y) // -(-len(test_y) // 256))  # equal batches of at most 256: one shape
   eval_batches = [(jnp.asarray(test_x[i:i + chunk].reshape(-1, size * size, 1)),
                    jnp.asarray(test_y[i:i + chunk])) for i in range(0, len(test_y), chunk)]
-  ckpt = None
-  if args.ckpt_dir is not None:
-    ckpt = args.ckpt_dir / f"{order}-seed{seed}-{common.config_digest(config)}"
+  ckpt = common.checkpoint_dir(args.ckpt_dir, f"{order}-seed{seed}", config)
   history = common.train(model, loss_fn, batch_fn, steps=args.steps, lr=args.lr,
                          eval_batch=eval_batches, eval_every=args.eval_every, ckpt_dir=ckpt,
                          desc=f"{order} (seed {seed})")

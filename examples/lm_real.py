@@ -373,10 +373,8 @@ def run_config(args, split: dict) -> dict:
 def train_one(name: str, seed: int, args, full_impl: str, corpus: dict, config: dict,
               eval_batches: list, edges: list[int], why: str | None = None) -> dict:
   model, pattern = build_model(name, args, full_impl, seed)
-  ckpt = None
-  if args.ckpt_dir is not None:
-    digest = common.config_digest({**config, "full_impl": full_impl} if name == "full" else config)
-    ckpt = args.ckpt_dir / f"{name}-seed{seed}-{digest}"
+  ckpt = common.checkpoint_dir(args.ckpt_dir, f"{name}-seed{seed}",
+                               {**config, "full_impl": full_impl} if name == "full" else config)
   train = corpus["train"]
   history = common.train(
       model, loss_fn, lambda step: train_batch(train, args.seq_len, args.batch, seed, step),

@@ -23,19 +23,52 @@ computing the whole sequence alone. The two ways of launching agree to the print
 the last digit of some checksums: `out` and `dq` are bitwise equal, `dk` and `dv` differ by a
 few float32 roundings (up to 6e-7), summed in another order.
 
-When a process dies, the others do not hang: JAX's coordination service (in process 0) declares
-a process dead once its heartbeats stop for --heartbeat-timeout seconds (JAX's default: 100),
-and every other process then aborts (SIGABRT, "Terminating process because the JAX distributed
-service detected fatal errors"); measured on CPU after a SIGKILL: 74-84 s with the default, 6-9 s
-with 10. If process 0 dies, the others abort within 0.5 s. --steps N leaves time to try it.
+When a process dies, the others do not hang. A watchdog in each process (--step-timeout,
+default 60 s with --distributed) exits with a message naming the step that made no progress
+and the likely cause; without it (--step-timeout 0), JAX's coordination service (in process 0)
+declares a process dead once its heartbeats stop for --heartbeat-timeout seconds (JAX's
+default: 100) and every other process aborts with SIGABRT and no Python error ("Terminating
+process because the JAX distributed service detected fatal errors"). The timings, measured on
+CPU with two processes and process 1 SIGKILLed mid-run, are in docs/ring.md ("When a process
+dies"). --steps N leaves time to try it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import threading
 import time
 
 import numpy as np
+
+
+class Watchdog:
+  """Exits the process with a message when what it waits for makes no progress for
+  `timeout` seconds (0: never): a collective whose peer died blocks forever otherwise, until
+  JAX's heartbeat check aborts the process without a Python error."""
+
+  def __init__(self, process: int, timeout: float):
+    self.process, self.timeout = process, timeout
+    self.what, self.since = None, time.monotonic()
+    if timeout:
+      threading.Thread(target=self._watch, daemon=True).start()
+
+  def expect(self, what: str | None) -> None:
+    """Now waiting for `what` (None: nothing more)."""
+    self.what, self.since = what, time.monotonic()
+
+  def _watch(self) -> None:
+    while True:
+      time.sleep(min(1.0, self.timeout / 4))
+      what, since = self.what, self.since
+      if what is not None and time.monotonic() - since > self.timeout:
+        print(f"process {self.process}: {what} made no progress for {self.timeout:g} s; another "
+              f"process has most likely died or hung (a collective waits for every process). "
+              f"Exiting (raise --step-timeout if steps are this slow).", file=sys.stderr,
+              flush=True)
+        os._exit(3)
 
 
 def main():
@@ -64,6 +97,10 @@ def main():
   ap.add_argument("--init-timeout", type=int, default=None, metavar="SECONDS",
                   help="with --distributed: how long processes wait for each other to start "
                        "(JAX's default: 300)")
+  ap.add_argument("--step-timeout", type=float, default=None, metavar="SECONDS",
+                  help="with --distributed: exit with a message when a step (or the final "
+                       "gather) makes no progress for this long, e.g. because a peer died "
+                       "(default 60; 0: off, leaving it to JAX's heartbeat abort)")
   ap.add_argument("--shutdown-timeout", type=int, default=None, metavar="SECONDS",
                   help="with --distributed: how long a finished process waits at exit for the "
                        "others to finish too (JAX's default: 300)")
@@ -73,8 +110,12 @@ def main():
       ("heartbeat_timeout_seconds", args.heartbeat_timeout),
       ("initialization_timeout", args.init_timeout),
       ("shutdown_timeout_seconds", args.shutdown_timeout)) if value is not None}
-  if timeouts and not args.distributed:
-    ap.error("--heartbeat-timeout, --init-timeout and --shutdown-timeout need --distributed")
+  if (timeouts or args.step_timeout is not None) and not args.distributed:
+    ap.error("--heartbeat-timeout, --init-timeout, --shutdown-timeout and --step-timeout need "
+             "--distributed")
+  step_timeout = 60.0 if args.step_timeout is None else args.step_timeout
+  if step_timeout < 0:
+    ap.error(f"--step-timeout must be >= 0, got {args.step_timeout}")
   if args.steps < 1:
     ap.error(f"--steps must be at least 1, got {args.steps}")
   if args.data_parallel < 1:
@@ -113,14 +154,18 @@ def main():
     return jnp.sum(out * dout), out
 
   grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  watchdog = Watchdog(jax.process_index(), step_timeout if args.distributed else 0)
   start = time.monotonic()
   for step in range(args.steps):
+    watchdog.expect(f"step {step + 1}/{args.steps}")
     (_, out), grads = grad_fn(q, k, v, dout)
+    jax.block_until_ready(grads)
     if args.steps > 1:
-      jax.block_until_ready(grads)
       print(f"process {jax.process_index()}: step {step + 1}/{args.steps} done "
             f"({time.monotonic() - start:.1f} s)", flush=True)
+  watchdog.expect("the final gather")
   results = [multihost_utils.process_allgather(x, tiled=True) for x in (out, *grads)]
+  watchdog.expect(None)
 
   if jax.process_index() == 0:
     print(f"{jax.process_count()} process(es), {jax.device_count()} x "

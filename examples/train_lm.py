@@ -14,7 +14,8 @@ A table of held-out loss and answer accuracy is printed at the end.
 
 Runs on CPU by default in about two minutes; grow it with flags
 (`--seq-len 4096 --steps 3000 --dim 256 --layers 4`). Checkpoints go to `--ckpt-dir`
-(default `out/train_lm`); a run started again resumes from them.
+(default `out/train_lm`), one folder per configuration: a run started again with the same
+flags resumes from them; other flags start their own (and say so in one line).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Recall:
     return jnp.asarray(tokens), jnp.asarray(targets), jnp.asarray(mask)
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seq-len", type=int, default=256)
   parser.add_argument("--local", type=int, default=32, help="first (local) segment length")
@@ -101,7 +102,7 @@ def main():
   parser.add_argument("--impl", default=None, help="xla | pallas | triton (default: fastest)")
   parser.add_argument("--ckpt-dir", type=Path, default=Path("out/train_lm"))
   parser.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
 
   queries = args.seq_len // 2 if args.queries is None else args.queries
   task = Recall(args.seq_len, args.pairs, queries, args.keys, args.values, args.fillers,
@@ -130,10 +131,13 @@ def main():
     model = DecoderLM(task.vocab, args.dim, args.layers, args.heads, args.kv_heads, pattern,
                       args.impl, rngs=nnx.Rngs(args.seed))
     batch_fn = lambda step: task.batch(np.random.default_rng([args.seed, step]), args.batch)
+    # Keyed by every flag that changes the run: another --seed, --lr or --dim never resumes
+    # this one's checkpoint.
+    config = {k: v for k, v in vars(args).items() if k not in ("ckpt_dir", "eval_every")}
+    ckpt = common.checkpoint_dir(args.ckpt_dir, name.replace(" ", "_"), config)
     history = common.train(
         model, loss_fn, batch_fn, steps=args.steps, lr=args.lr, eval_batch=eval_batch,
-        eval_every=args.eval_every, desc=name,
-        ckpt_dir=args.ckpt_dir / name.replace(" ", "_"))
+        eval_every=args.eval_every, desc=name, ckpt_dir=ckpt)
     rows.append([name, f"{pattern.segment_lengths} x {pattern.dilation_rates}",
                  common.count_params(model), history["step"][-1], history["eval_loss"][-1],
                  history["eval_acc"][-1], f"{history['seconds']:.0f}"])

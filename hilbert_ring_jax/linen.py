@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from .decode import KVCache, init_kv_cache
 from .nn import (TokenOrder, apply_dropout, attend, check_decodable, check_dropout_rate, check_flag,
-                 check_heads, check_options, check_rotary_base, decode_attend, permute, rotate,
-                 static_implementation)
+                 check_heads, check_options, check_rotary_base, checked_init, decode_attend,
+                 permute, rotate, static_implementation)
 from .pattern import DilatedPattern
 
 DEFAULT_KERNEL_INIT = nn.initializers.lecun_normal()
@@ -141,7 +141,8 @@ class DilatedMultiHeadAttention(nn.Module):
       x = permute(x, perm, mesh=self.mesh)
     dense = functools.partial(nn.DenseGeneral, dtype=self.dtype, param_dtype=self.param_dtype,
                               use_bias=self.use_bias, precision=self.precision)
-    qkv = functools.partial(dense, kernel_init=self.kernel_init, bias_init=self.bias_init)
+    qkv = functools.partial(dense, kernel_init=checked_init("kernel_init", self.kernel_init),
+                            bias_init=checked_init("bias_init", self.bias_init))
     q = qkv((self.num_heads, head_dim), name="query")(x)
     k = qkv((num_kv_heads, head_dim), name="key")(x)
     v = qkv((num_kv_heads, head_dim), name="value")(x)
@@ -180,6 +181,10 @@ class DilatedMultiHeadAttention(nn.Module):
         y = apply_dropout(y, self.make_rng("dropout"), rate, self.broadcast_dropout)
     # [B, N, out_features]
     out_features = in_features if self.out_features is None else self.out_features
-    y = dense(out_features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
-              bias_init=self.out_bias_init or self.bias_init, name="out")(y)
+    out_kernel = ("out_kernel_init", self.out_kernel_init) if self.out_kernel_init else \
+        ("kernel_init", self.kernel_init)
+    out_bias = ("out_bias_init", self.out_bias_init) if self.out_bias_init else \
+        ("bias_init", self.bias_init)
+    y = dense(out_features, axis=(-2, -1), kernel_init=checked_init(*out_kernel),
+              bias_init=checked_init(*out_bias), name="out")(y)
     return y if perm is None else permute(y, perm, inverse=True, mesh=self.mesh)

@@ -125,6 +125,19 @@ def check_options(**options) -> None:
       raise ValueError(f"{name} must be a bool, got {name}={val!r}")
 
 
+def checked_init(name: str, init):
+  """`init` that raises `ValueError` naming `name` when it returns an array of another shape
+  than the parameter's (Flax would reshape one of the same size silently, or fail with a
+  reshape TypeError)."""
+  def wrapped(key, shape, dtype=jnp.float32, *args, **kwargs):
+    x = init(key, shape, dtype, *args, **kwargs)
+    if tuple(jnp.shape(x)) != tuple(shape):
+      raise ValueError(f"{name} returned an array of shape {tuple(jnp.shape(x))}; the "
+                       f"parameter needs shape {tuple(shape)}")
+    return x
+  return wrapped
+
+
 def resolve_deterministic(deterministic, default) -> bool:
   """The call's `deterministic`, else the layer's; `ValueError` when neither says."""
   for val in (deterministic, default):
@@ -437,7 +450,9 @@ class DilatedMultiHeadAttention(nnx.Module):
     # Built in nnx.MultiHeadAttention's order, so one seed gives both the same parameters.
     linear = functools.partial(nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype,
                                use_bias=use_bias, precision=precision, rngs=rngs)
-    qkv = functools.partial(linear, in_features, kernel_init=kernel_init, bias_init=bias_init,
+    qkv = functools.partial(linear, in_features,
+                            kernel_init=checked_init("kernel_init", kernel_init),
+                            bias_init=checked_init("bias_init", bias_init),
                             kernel_metadata=kernel_metadata, bias_metadata=bias_metadata)
     self.query = qkv((num_heads, head_dim))
     self.key = qkv((num_kv_heads, head_dim))
@@ -451,8 +466,10 @@ class DilatedMultiHeadAttention(nnx.Module):
       self.query_ln = nnx.data(None)
       self.key_ln = nnx.data(None)
     self.out = linear((num_heads, head_dim), out_features, axis=(-2, -1),
-                      kernel_init=out_kernel_init or kernel_init,
-                      bias_init=out_bias_init or bias_init,
+                      kernel_init=checked_init("out_kernel_init" if out_kernel_init else
+                                               "kernel_init", out_kernel_init or kernel_init),
+                      bias_init=checked_init("out_bias_init" if out_bias_init else "bias_init",
+                                             out_bias_init or bias_init),
                       kernel_metadata=out_kernel_metadata or kernel_metadata,
                       bias_metadata=out_bias_metadata or bias_metadata)
     # The dropout stream, forked as nnx.MultiHeadAttention forks it (and under the same name).

@@ -471,13 +471,21 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
     ...                                 batch_axis="data")  # doctest: +SKIP
   """
   check_inputs(q, k, v, pattern)
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. from jax.make_mesh), got "
+                     f"mesh={mesh!r}")
   if axis_name not in mesh.shape:
     raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
   shards = mesh.shape[axis_name]
   if q.shape[1] % shards:
     raise ValueError(f"the sequence length {q.shape[1]} must be divisible by the size "
                      f"{shards} of mesh axis axis_name={axis_name!r}")
-  batch_axes = (batch_axis,) if isinstance(batch_axis, str) else tuple(batch_axis or ())
+  batch_axes = (batch_axis,) if isinstance(batch_axis, str) else batch_axis or ()
+  if not isinstance(batch_axes, (tuple, list)) or not all(
+      isinstance(name, str) for name in batch_axes):
+    raise ValueError(f"batch_axis must be None, a mesh axis name or a tuple of them, got "
+                     f"batch_axis={batch_axis!r} (mesh axes {dict(mesh.shape)})")
+  batch_axes = tuple(batch_axes)
   for name in batch_axes:
     if name not in mesh.shape or name == axis_name:
       raise ValueError(f"batch_axis must be None or mesh axes other than axis_name, got "

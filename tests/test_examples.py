@@ -125,3 +125,21 @@ def test_bad_flags(examples, script, argv, match):
   module = __import__(script)
   with pytest.raises(ValueError, match=match):
     module.main(argv)
+
+
+def test_train_lm_keys_checkpoints_by_its_flags(examples, tmp_path, capsys):
+  """Another --seed (or --lr, --dim) never resumes this run's checkpoint: each configuration
+  has its own folder, and the run says in one line that others exist."""
+  import train_lm  # pylint: disable=import-outside-toplevel
+  tiny = ["--seq-len", "32", "--local", "8", "--dim", "16", "--layers", "1", "--heads", "2",
+          "--kv-heads", "1", "--batch", "4", "--steps", "1", "--eval-every", "1",
+          "--ckpt-dir", str(tmp_path)]
+  train_lm.main(tiny)
+  first = sorted(p.name for p in tmp_path.iterdir())
+  assert len(first) == 2  # dilated-<digest>, local_only-<digest>
+  capsys.readouterr()
+  train_lm.main(tiny + ["--seed", "1", "--dim", "32"])
+  out = capsys.readouterr()
+  said = out.out + out.err
+  assert "resumed" not in said and said.count("holds checkpoints of other flags") == 2
+  assert len(list(tmp_path.iterdir())) == 4

@@ -338,6 +338,20 @@ def test_layer_argument_types(kwargs, match):
     make_layer(**kwargs)
 
 
+@pytest.mark.parametrize("name", ["kernel_init", "out_kernel_init", "bias_init"])
+def test_initializers_of_the_wrong_shape(name):
+  """An initializer returning another shape is refused naming it, in both layers (Flax would
+  reshape one of the same size silently, or fail with a reshape TypeError)."""
+  wrong = lambda key, shape, dtype=jnp.float32: jnp.ones((3, 3), dtype)
+  same_size = lambda key, shape, dtype=jnp.float32: jnp.ones((1, *shape), dtype)
+  for init in (wrong, same_size):
+    with pytest.raises(ValueError, match=f"{name} returned an array of shape"):
+      make_layer(**{name: init})
+    with pytest.raises(ValueError, match=f"{name} returned an array of shape"):
+      linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=PATTERN,
+                                      **{name: init}).init(jax.random.PRNGKey(0), inputs())
+
+
 def test_mesh_needs_seq_axis():
   mesh = jax.make_mesh((2,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:2])

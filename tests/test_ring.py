@@ -326,13 +326,16 @@ def test_eager_call_compiles_once():
 def test_bad_batch_axis():
   x = jnp.zeros((3, 32, 2, 8))
   m = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AUTO, AUTO))
-  for batch_axis in ("model", "seq"):
+  for batch_axis in ("model", "seq", 5, ("data", 5)):
     with pytest.raises(ValueError, match="batch_axis"):
       sharded_dilated_attention(x, x, x, DilatedPattern((8,), (1,)), mesh=m, axis_name="seq",
                                 batch_axis=batch_axis)
   with pytest.raises(ValueError, match="batch size 3"):
     sharded_dilated_attention(x, x, x, DilatedPattern((8,), (1,)), mesh=m, axis_name="seq",
                               batch_axis="data")
+  for bad in (None, {"seq": 4}, "seq"):
+    with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
+      sharded_dilated_attention(x, x, x, DilatedPattern((8,), (1,)), mesh=bad, axis_name="seq")
 
 
 # (B, N per GPU, H, Hkv, D, pattern with N = P x N per GPU): what a user runs on GPUs.
