@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# How the GPU figures in RESULTS.md were taken on the lent machines (device tool): installs the
-# carried wheels (WHL, default .whl: jax-triton), prints versions, then runs the named stages,
-# logs under $OUT.
+# How the GPU figures of docs/performance.md are taken on the lent machines (device tool):
+# installs the carried wheels (WHL, default .whl: jax-triton), prints versions, then runs the
+# named stages, logs under $OUT.
 #   bash benchmarks/run_gpu.sh tests-triton tune-triton bench-full ...
 #   WHL=.whl4 SITE=/tmp/site4 bash benchmarks/run_gpu.sh tests-triton   # another jax-triton
 # The real-data examples (README "Real data"): one LM per call, each under 10 minutes; their

@@ -101,12 +101,13 @@ def _tiles(*rows):
 # (pass, head_dim, rows) -> Tiles, rows being "long" (> 1024 positions per row), "short"
 # or "causal" (long rows under a causal mask); shrunk further for tiny rows by `_choose`.
 # Chosen by benchmarks/tune_triton.py on an H100 (bf16, H = 16, N = 16K; full attention,
-# causal, and LongNet's (2048, 4096, 8192) x (1, 2, 4), whose rows are 512 long; see
-# benchmarks/RESULTS.md). float16 shares them; float32 gets smaller blocks (`_choose`).
+# causal, and LongNet's (2048, 4096, 8192) x (1, 2, 4), whose rows are 512 long; the
+# measured TFLOP/s: docs/performance.md). float16 shares them; float32 gets smaller blocks
+# (`_choose`).
 _LONG = _tiles(
-    ("fwd", 64, 64, 64, 4, 3),  # 383 TFLOP/s; also best on causal and short rows
-    ("fwd", 128, 128, 128, 8, 3),  # 460
-    ("fwd", 256, 64, 64, 4, 3),  # 347; larger tiles exceed shared memory
+    ("fwd", 64, 64, 64, 4, 3),  # best on long, causal and short rows
+    ("fwd", 128, 128, 128, 8, 3),
+    ("fwd", 256, 64, 64, 4, 3),  # larger tiles exceed shared memory
     ("dq", 64, 64, 64, 4, 3),
     ("dq", 128, 128, 64, 8, 3),
     ("dq", 256, 128, 32, 8, 3),
@@ -117,8 +118,9 @@ _LONG = _tiles(
 TUNED = types.MappingProxyType({
     **{(kind, d, rows): tiles for (kind, d), tiles in _LONG.items()
        for rows in ("long", "short", "causal")},
-    ("fwd", 128, "short"): Tiles(block_m=128, block_n=64, num_warps=8, num_stages=3),  # 447 vs 395
-    ("fwd", 128, "causal"): Tiles(block_m=64, block_n=64, num_warps=4, num_stages=3),  # 453 vs 413
+    # Faster than 128x128 on rows of 512 and under a causal mask (docs/performance.md).
+    ("fwd", 128, "short"): Tiles(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    ("fwd", 128, "causal"): Tiles(block_m=64, block_n=64, num_warps=4, num_stages=3),
 })
 
 
