@@ -131,9 +131,9 @@ def candidates(implementation) -> tuple[Name, ...]:
   """`implementation` (None, a name or a sequence of names) as backend names to try in order.
 
   None: the platform's defaults, fastest first: on a GPU "mosaic" (Hopper only: measured
-  faster than "triton" on every shape timed, forward and forward+backward), "triton",
-  "pallas" (JAX < 0.12: 0.12 deprecates Pallas's Triton lowering, with a warning), "xla";
-  elsewhere "xla".
+  faster than "triton" on every shape timed, forward and forward+backward; docs/performance.md),
+  "triton", "pallas" (JAX < 0.12: 0.12 deprecates Pallas's Triton lowering, with a warning),
+  "xla"; elsewhere "xla".
   """
   if implementation is None:
     if jax.default_backend() == "gpu":

@@ -27,25 +27,26 @@ What changes is the engine, built from Hopper's own parts:
   tensor cores, so one's softmax overlaps the other's matrix products; blocks inside a piece
   and before every query of a consumer run without a mask, and a masked block compares each
   score's column with a per-row limit (the last key its query sees, worked out once per
-  row: `_key_limit`), one comparison a score (the key's position per score took seven
-  instructions: masked blocks ran at twice the unmasked ones' instruction count, and most
-  of the LM's are masked).
+  row: `_key_limit`), one comparison a score (the key's position worked out per score made
+  masked blocks cost far more instructions than unmasked ones, and most of the LM's are
+  masked: docs/performance.md).
 
 Work items are program blocks of rows (`2 * block_q` positions of one row, period and batch
 element). The kernels run persistent (`Config.persistent`): one program per SM walks a run of
 the items, the producer streaming the next item's blocks while the consumers finish the last
-one, and the forward loading the next item's queries into a second tile (2-5% faster on
+one, and the forward loading the next item's queries into a second tile (measured faster on
 LongNet than a program per item, the same on full attention). Without a causal mask every
 item costs the same and program `p` takes items `p, p + #SMs, ...`. Under one, items differ
-in cost, and that static split left a quarter of the SMs' time idle (ncu, LongNet causal
-D = 64: SM active cycles 73% of the elapsed); so the host estimates each item's cost (the
-blocks it walks, by the producer's own ranges) and list-schedules the items in launch order
-(each to the program that frees first: what the GPU's own block scheduler does, decided
-ahead, which keeps the programs in flight on neighbouring keys, in L2). The default does so
-where items walk at most `_SHORT_ITEMS` blocks on average (causal LongNet 128K: forward
-1.09-1.12x as fast as a program per item, forward+backward 0.996-1.02x; that 8K LongNet's
-forward+backward 1.05x); longer items (full causal attention) have little fixed cost to hide,
-and an A/B measured its list-scheduled backward at 0.88x, so each item is a program there.
+in cost, and that static split left the SMs idle for part of the launch (ncu, LongNet causal
+D = 64); so the host estimates each item's cost (the blocks it walks, by the producer's own
+ranges) and list-schedules the items in launch order (each to the program that frees first:
+what the GPU's own block scheduler does, decided ahead, which keeps the programs in flight
+on neighbouring keys, in L2). The default does so where items walk at most `_SHORT_ITEMS`
+blocks on average (against a program per item: causal LongNet's forward measured faster and
+its forward+backward the same, that 8K LongNet's forward+backward faster); longer items (full
+causal attention) have little fixed cost to hide, and an A/B measured its list-scheduled
+backward slower, so each item is a program there. (The figures behind these choices:
+docs/performance.md.)
 
 The output goes back through shared memory with TMA stores; lse is written as
 `[B, H, L, N/L]` (contiguous per row, so TMA can store it) and transposed outside.
@@ -72,12 +73,12 @@ In launches whose rows are unstrided (full attention, stride-1 branches; `Config
 dq moves into the dk/dv kernel: both consumers put their ds^T tiles in shared memory, one of
 them (taking turns) computes the query block's dq = ds_0 k_0 + ds_1 k_1 and adds it into a
 zeroed float32 accumulator with a TMA reduce-add store: five products per block pair instead
-of seven (full attention 32K, D = 128: 54.8 against 64.4 ms forward+backward on an H100).
+of seven (measured faster on full attention: docs/performance.md).
 Strided launches keep the two kernels (a fused one would need a second float32 accumulator
 in the strided view, and measured no faster there). The consumers index their resident
 tiles through `_opaque` inside the walk, so that each tile's wgmma descriptors are computed
 per block rather than hoisted and held in registers across the walk: held, they made the
-fused kernel spill at head dim 128 (460 bytes; 40 now).
+fused kernel spill at head dim 128 (ptxas's counts: docs/performance.md).
 All write through shared memory: float32, or bf16 from the split kernels where the gradients
 are final; several launches add up in float32. Head dim 256 does not fit (its tiles exceed
 shared memory): there the backward is the "triton" backend's.
@@ -115,8 +116,8 @@ _MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA'
 # walk at most this many blocks on average (estimated): there an item's fixed cost (its
 # queries' load, the ring's refill, the output's store) matters and persistence hides it.
 # Longer items hide it anyway, and the GPU's own scheduler balances their real costs, not our
-# estimate (full causal 32K, mean 130 / 258 blocks: the list-scheduled backward measured 0.88x
-# as fast in one A/B, in runs whose spread was ~10%).
+# estimate (full causal attention: the list-scheduled backward measured slower in one A/B;
+# docs/performance.md).
 _SHORT_ITEMS = 64
 # Registers per thread of the producer and of each consumer warpgroup (`setmaxnreg`; the
 # three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
@@ -145,7 +146,7 @@ class Config:
       consumers finish the last one (and the forward loads the next item's queries into a
       second tile, where it fits), instead of one program per item. Under a causal mask the
       host list-schedules the items over the programs by their estimated cost (host work
-      when a launch first traces, 0.2-1.5 s at 128K tokens, cached per shape). None:
+      when a launch first traces, cached per shape; its cost: docs/performance.md). None:
       persistent, but for causal items that walk more than `_SHORT_ITEMS` blocks on
       average (full causal attention), where a program per item measured as fast.
     interpret: run in Mosaic GPU interpret mode (CPU, JAX >= 0.11; slow: for tests).
@@ -177,8 +178,8 @@ class Config:
     tiles whose buffers fit in shared memory (float32 outputs take a tile of their own).
     `long_keys` (a launch whose rows are unmasked and read unstrided, its pieces whole blocks
     of 192 keys to within 1%: `_long_keys`) puts blocks of 192 keys first at head dim 128
-    (H100, full attention 32K and 128K: forward 4% faster than with 128; LongNet's pieces of
-    a few blocks and the causal diagonal measured slower). `ValueError` if the chosen forward
+    (full attention's forward measured faster than with 128; LongNet's pieces of a few blocks
+    and the causal diagonal slower: docs/performance.md). `ValueError` if the chosen forward
     tiles do not fit. (The backward's are per launch: `backward_for`.)"""
     preferred = [(64, 128 if head_dim <= 128 else 64, 2), (64, 64, 3), (64, 64, 2)]
     if long_keys and head_dim == 128:
@@ -448,9 +449,9 @@ class _Work:
     """List scheduling, decided on the host: the items in launch order (row by row, which
     keeps the programs in flight on neighbouring keys), each to the program that frees
     first by its estimated cost: what the GPU's block scheduler does with a program per
-    item. A static split (`p, p + programs, ...`) of LongNet's causal items left a quarter
-    of the SMs' time idle (ncu: SM active cycles 73% of the elapsed, 2026-11-25; the
-    estimate's busiest program 1.44x the mean, the plan's 1.01x)."""
+    item. A static split (`p, p + programs, ...`) of LongNet's causal items left the SMs
+    idle for part of the launch, its busiest program well above the mean; the plan's is
+    near it (ncu and the estimate: docs/performance.md)."""
     free = [(0, p) for p in range(self.programs)]
     owner = np.empty(self.items, np.int32)
     for item, c in enumerate(costs.tolist()):
@@ -953,7 +954,8 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
           for a negative scale), so each exponent is one rounding of `s c - m`: exact while
           it stays in exp2's range, i.e. for |s c| < 2^27 (docs/SPEC.md, "Numerical
           range"); a maximum taken over the scaled scores, exact for any logits, costs an
-          instruction per score (full attention's forward 5.7% slower, H100)."""
+          instruction per score (measured slower on full attention's forward:
+          docs/performance.md)."""
           acc, m_i, l_i, step = carry
           slot = lax.rem(step, stages)
           plgpu.barrier_wait(k_bar.at[slot])
@@ -1463,8 +1465,9 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
   given. Several launches chain: each merges the result so far (in `out_dtype`: the earlier
   launches' output rounded once more, at 16 bits about the output's own rounding) into its
   own in float32 registers, in its epilogues (measured on that 8K LongNet's two launches with
-  the merge apart: 16-bit partials made the forward 1.3x as fast as float32 ones, the output
-  tile taking the query tile's place, so the next item's queries load during this one)."""
+  the merge apart: 16-bit partials made the forward faster than float32 ones, the output
+  tile taking the query tile's place, so the next item's queries load during this one;
+  docs/performance.md)."""
   config = config or Config()  # resolved per launch (`_forward`)
   fn = lambda q, k, v: _forward(q, k, v, pattern, scale, branches, config, out_dtype)
   return batched(fn)(q, k, v)

@@ -107,7 +107,8 @@ class Config:
 
 
 def _defaults(head_dim: int, dtype, interpret: bool) -> Config:
-  """Defaults by head dim and dtype, measured on an H100 (benchmarks/tune_pallas.py).
+  """Defaults by head dim and dtype, measured on an H100 (benchmarks/tune_pallas.py;
+  docs/performance.md).
 
   In interpret mode: the smallest tiles, which keep CPU tests fast.
   """
