@@ -42,6 +42,7 @@ peer's 64 GiB cache at 1M tokens and B = 8 is skipped.)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -126,8 +127,8 @@ def bench_ours(pattern, a, batch, kv_heads, prompt, dtype, impl=None, config=Non
                         dtype=dtype)
   rows = lambda xs, seed: tuple(fill(x.shape, x.dtype, seed + i) for i, x in enumerate(xs))
   first = max(prompt - timed_steps(a), 0) if a.at == "end" else prompt
-  cache = type(cache)(jnp.asarray(first, jnp.int32), rows(cache.k, 10), rows(cache.v, 20),
-                      cache.num_heads)
+  cache = dataclasses.replace(cache, length=jnp.asarray(first, jnp.int32),
+                              k=rows(cache.k, 10), v=rows(cache.v, 20))
   q = fill((batch, 1, h, d), dtype, 1)
   k, v = fill((batch, 1, kv_heads, d), dtype, 2), fill((batch, 1, kv_heads, d), dtype, 3)
   row = dict(cache_bytes=int(sum(x.nbytes for x in jax.tree.leaves(cache))),

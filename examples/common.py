@@ -148,7 +148,7 @@ class Block(nnx.Module):
 # The norms and the GELU are memory-bound: the backward pass recomputes them from their inputs
 # (which the matmuls keep anyway) instead of keeping their intermediates (the GELU's: five
 # arrays of the MLP's width; the norms': float32 copies), which writes and reads less memory
-# (examples/lm_real.py --preset gpu on an H100: 0.8% faster steps; benchmarks/RESULTS.md).
+# (examples/lm_real.py --preset gpu on an H100: faster steps, docs/performance.md).
 _recomputed = nnx.remat(lambda module, x: module(x))
 _bias_gelu = jax.checkpoint(lambda y, bias: nnx.gelu(y + bias))
 

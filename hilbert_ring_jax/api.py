@@ -23,16 +23,16 @@ def _dtypes() -> tuple:
 def check_dtype(name: str, dtype) -> jnp.dtype:
   """`dtype` as a `jnp.dtype` if every backend computes in it, else `ValueError` naming
   `name` (an array's, or a dtype argument's) and, for float64 without x64, how to cast."""
-  what = name if name.endswith("dtype") else f"{name}.dtype"
+  got = name if name.endswith("dtype") else f"{name}.dtype"
   try:
     dtype = jnp.dtype(dtype)
   except TypeError as e:
-    raise ValueError(f"{what} must be float32, bfloat16 or float16, got {dtype!r}") from e
+    raise ValueError(f"{name} must be float32, bfloat16 or float16, got {got}={dtype!r}") from e
   if not any(dtype == t for t in _dtypes()):
     hint = (" (float64 needs jax.config.update('jax_enable_x64', True); or cast, e.g. "
             "x.astype(jnp.float32))" if dtype == jnp.float64 else "")
-    raise ValueError(f"{what} must be float32, bfloat16 or float16 (float64 with x64), got "
-                     f"{what}={dtype}{hint}")
+    raise ValueError(f"{name} must be float32, bfloat16 or float16 (float64 with x64), got "
+                     f"{got}={dtype}{hint}")
   return dtype
 
 

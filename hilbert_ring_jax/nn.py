@@ -131,8 +131,10 @@ def checked_init(name: str, init):
   reshape TypeError)."""
   def wrapped(key, shape, dtype=jnp.float32, *args, **kwargs):
     x = init(key, shape, dtype, *args, **kwargs)
-    if tuple(jnp.shape(x)) != tuple(shape):
-      raise ValueError(f"{name} returned an array of shape {tuple(jnp.shape(x))}; the "
+    # The array inside sharding annotations (nnx.with_partitioning, nn.with_partitioning).
+    value = x.unbox() if hasattr(x, "unbox") else getattr(x, "raw_value", x)
+    if tuple(jnp.shape(value)) != tuple(shape):
+      raise ValueError(f"{name} returned an array of shape {tuple(jnp.shape(value))}; the "
                        f"parameter needs shape {tuple(shape)}")
     return x
   return wrapped

@@ -71,9 +71,10 @@ def test_supports_declines_without_tracing(monkeypatch):
            .sum())(q)
 
 
-def test_ring_resolves_once_per_branch(monkeypatch):
-  """A ring pass traces each branch's step calls only, never a probe (3 branches, 4 shards:
-  one local, two spanning ones with causal zigzag steps)."""
+def test_ring_traces_each_step_once(monkeypatch):
+  """A ring pass traces each branch's step calls only, never a probe: resolving a step's
+  backend asks `supports`, it does not trace (3 branches, 4 shards: one local, two spanning
+  ones with causal zigzag steps)."""
   traces = {"forward": 0, "backward": 0}
   for name in traces:
     original = getattr(xla, name)
