@@ -11,7 +11,8 @@ from helpers import Case
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 
 # "triton" needs a CUDA GPU: the gpu marker skips it elsewhere.
-IMPLEMENTATIONS = ["xla", "pallas", pytest.param("triton", marks=pytest.mark.gpu)]
+IMPLEMENTATIONS = ["xla", pytest.param("pallas", marks=pytest.mark.pallas),
+                   pytest.param("triton", marks=pytest.mark.gpu)]
 
 CASES = {
     "one_branch": Case(32, 2, 2, (8,), (1,)),

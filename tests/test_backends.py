@@ -11,7 +11,8 @@ from hilbert_ring_jax import DilatedPattern, backends, dilated_attention, sharde
 from hilbert_ring_jax.backends import pallas, xla
 
 # "triton" needs a CUDA GPU: the gpu marker skips it elsewhere.
-BACKENDS = ["xla", "pallas", pytest.param("triton", marks=pytest.mark.gpu)]
+BACKENDS = ["xla", pytest.param("pallas", marks=pytest.mark.pallas),
+            pytest.param("triton", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.jax_independent  # the examples: run on the newest JAX only in CI
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 

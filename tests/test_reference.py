@@ -1,8 +1,11 @@
 """The float64 reference itself: its analytic gradients agree with finite differences."""
 
 import numpy as np
+import pytest
 
 import reference_np
+
+pytestmark = pytest.mark.jax_independent  # the NumPy reference
 
 
 def test_reference_gradients_match_finite_differences():

@@ -52,7 +52,13 @@ def mesh(p):
   return jax.make_mesh((p,), ("seq",), axis_types=(AUTO,), devices=jax.devices()[:p])
 
 
-@pytest.mark.parametrize("name", CASES)
+# The plans the realistic cases below do not reach (head groups, odd rates, partial sub-rings
+# of compacted residues, one shard); the rest of CASES feeds the other tests.
+SMALL = ["head_groups_gqa", "mqa_not_compact", "partial_sub_rings", "partial_non_causal",
+         "single_shard", "spanning_all_gqa"]
+
+
+@pytest.mark.parametrize("name", SMALL)
 def test_ring_equals_single_device(name):
   p, n, h, hkv, pattern = CASES[name]
   case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
@@ -149,19 +155,6 @@ def test_sequence_not_divisible_raises():
     sharded_dilated_attention(x, x, x, DilatedPattern((8,), (1,)), mesh=mesh(4), axis_name="seq")
   with pytest.raises(ValueError, match="axis_name"):
     sharded_dilated_attention(x, x, x, DilatedPattern((8,), (1,)), mesh=mesh(2), axis_name="s")
-
-
-def test_ring_inside_user_shard_map():
-  """The inner entry, called in the caller's own shard_map."""
-  p, n, h, hkv, pattern = CASES["spanning_all_gqa"]
-  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates, "all")
-  q, k, v, *_ = helpers.random_inputs(case, jnp.float32, 9)
-  spec = jax.P(None, "seq")
-  f = jax.jit(jax.shard_map(lambda q, k, v: ring_dilated_attention(q, k, v, pattern,
-                                                                   axis_name="seq"),
-                            mesh=mesh(p), in_specs=(spec,) * 3, out_specs=spec))
-  np.testing.assert_allclose(f(q, k, v), dilated_attention(q, k, v, pattern), rtol=1e-5,
-                             atol=1e-5)
 
 
 def test_ring_steps_fall_back_to_the_next_backend():
@@ -281,11 +274,9 @@ def test_mosaic_runs_every_ring_step_it_runs_on_one_device(monkeypatch, pattern,
     assert why is None, (p.q_shape, p.pattern, p.branches, why)
 
 
-# Data x sequence meshes: every plan kind, (data=2, seq=4) and (data=4, seq=2), both axis types.
-DATA_SEQ = [("spanning_head", 2, EXPLICIT), ("mqa_not_compact", 2, AUTO),
-            ("head_groups_gqa", 2, AUTO), ("gather_fallback", 2, EXPLICIT),
-            ("partial_non_causal", 2, AUTO), ("causal_without_zigzag", 2, EXPLICIT),
-            ("full_attention_p2", 4, EXPLICIT), ("local_only", 2, AUTO)]
+# Data x sequence meshes at small sizes, both axis types (the realistic cases add two more).
+DATA_SEQ = [("head_groups_gqa", 2, AUTO), ("gather_fallback", 2, EXPLICIT),
+            ("partial_non_causal", 2, AUTO), ("full_attention_p2", 4, EXPLICIT)]
 
 
 @pytest.mark.parametrize("name,data,axis_type", DATA_SEQ,
