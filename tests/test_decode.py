@@ -10,7 +10,7 @@ import pytest
 
 from helpers import TOL, Case, check_lse, random_inputs, reference, rel_err
 from hilbert_ring_jax import DilatedPattern
-from hilbert_ring_jax.backends.mosaic import _is_hopper
+from hilbert_ring_jax.backends.hopper import is_hopper
 from hilbert_ring_jax.decode import (KVCache, _tables, dilated_attention_prefill,
                                      dilated_attention_step, init_kv_cache)
 
@@ -235,7 +235,7 @@ def test_return_lse_is_a_bool():
 
 # On CPU the kernel runs in Mosaic GPU interpret mode, on a Hopper GPU itself.
 MOSAIC = pytest.mark.skipif(
-    jax.__version_info__ < (0, 11) or (jax.default_backend() == "gpu" and not _is_hopper()),
+    jax.__version_info__ < (0, 11) or (jax.default_backend() == "gpu" and not is_hopper()),
     reason="the mosaic token step: JAX >= 0.11, on a CPU (interpret mode) or a Hopper GPU")
 
 

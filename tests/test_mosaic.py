@@ -20,7 +20,7 @@ import helpers
 from helpers import Case
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 from hilbert_ring_jax.api import _Dispatch
-from hilbert_ring_jax.backends import base, mosaic, schedule
+from hilbert_ring_jax.backends import base, hopper, mosaic, schedule
 
 INTERPRET = pytest.mark.skipif(
     jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",
@@ -210,7 +210,7 @@ def test_causal_plan_balances_items():
   ranges = mosaic._Ranges(True, n, 1, True, 128, 128)
   work = mosaic._Work.of(sched, 1, mosaic.Config(persistent=True), True, ranges)
   programs, items = work.programs, work.items
-  assert items == heads * n // 128 and programs == min(items, mosaic._sm_count()) < items
+  assert items == heads * n // 128 and programs == min(items, hopper.sm_count()) < items
   offsets, order = work.plan[:programs + 1], work.plan[programs + 1:]
   assert offsets[0] == 0 and offsets[-1] == items and (np.diff(offsets) >= 1).all()
   assert sorted(order.tolist()) == list(range(items))

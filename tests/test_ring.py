@@ -11,7 +11,7 @@ import pytest
 import helpers
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 from hilbert_ring_jax import ring as ring_module
-from hilbert_ring_jax.backends import xla
+from hilbert_ring_jax.backends import hopper, xla
 from hilbert_ring_jax.ring import _plans, ring_dilated_attention, sharded_dilated_attention
 
 AUTO = jax.sharding.AxisType.Auto
@@ -392,11 +392,10 @@ def _gpus():
 def test_ring_on_gpus(name):
   """Each step on the default backend ("mosaic" on Hopper: its float32 partials and
   gradients) (`run_gpu.sh tests-ring`; needs two GPUs)."""
-  from hilbert_ring_jax.backends import mosaic  # pylint: disable=g-import-not-at-top
   p = len(_gpus())
   b, per_gpu, h, hkv, d, make = GPU_CASES[name]
   launches = _check_ring_on_gpus(b, p * per_gpu, h, hkv, d, make(p * per_gpu))
-  if mosaic._is_hopper():  # pylint: disable=protected-access
+  if hopper.is_hopper():
     assert launches, "no step ran the mosaic kernels"
 
 
@@ -404,9 +403,8 @@ def test_ring_on_gpus(name):
 def test_ring_random_configurations_on_gpus_mosaic_only():
   """Configurations the mosaic kernels run on one GPU run on the ring with
   `implementation="mosaic"` alone (no step declined), exact."""
-  from hilbert_ring_jax.backends import mosaic  # pylint: disable=g-import-not-at-top
   p = len(_gpus())
-  if not mosaic._is_hopper():  # pylint: disable=protected-access
+  if not hopper.is_hopper():
     pytest.skip("needs Hopper GPUs")
   configs = [c for c in _random_ring_configs(40, 6) if c[1] == p][:6]
   assert configs

@@ -76,7 +76,7 @@ zeroed float32 accumulator with a TMA reduce-add store: five products per block 
 of seven (measured faster on full attention: docs/performance.md).
 Strided launches keep the two kernels (a fused one would need a second float32 accumulator
 in the strided view, and measured no faster there). The consumers index their resident
-tiles through `_opaque` inside the walk, so that each tile's wgmma descriptors are computed
+tiles through `opaque` inside the walk, so that each tile's wgmma descriptors are computed
 per block rather than hoisted and held in registers across the walk: held, they made the
 fused kernel spill at head dim 128 (ptxas's counts: docs/performance.md).
 All write through shared memory: float32, or bf16 from the split kernels where the gradients
@@ -103,11 +103,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ..pattern import DilatedPattern, heads_per_kv
 from . import schedule
 from .base import YES, Problem, Support, batched, no
+from .hopper import (LN2, LOG2E, REGISTERS, SMEM_BYTES, accumulate, aligned, ceil_div, is_hopper,
+                     opaque, products, run, sm_count, swizzled, turns)
 
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-_SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
-# Barriers and alignment beside the tiles (no reduction scratch: `_run`'s kernels reduce
+# Barriers and alignment beside the tiles (no reduction scratch: `run`'s kernels reduce
 # within warps only).
 _SMEM_SLACK = 1024
 _LONG_BLOCK_K = 192  # the forward's key block in long unmasked rows (`_long_keys`)
@@ -119,9 +118,6 @@ _MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA'
 # estimate (full causal attention: the list-scheduled backward measured slower in one A/B;
 # docs/performance.md).
 _SHORT_ITEMS = 64
-# Registers per thread of the producer and of each consumer warpgroup (`setmaxnreg`; the
-# three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
-_REGISTERS = (40, 232)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -187,12 +183,12 @@ class Config:
     for bq, bk, fwd_stages in preferred:
       config = dataclasses.replace(self, block_q=self.block_q or bq, block_k=self.block_k or bk,
                                    stages=self.stages or fwd_stages)
-      if _smem_bytes(config, head_dim, itemsize, out_itemsize) <= _SMEM_BYTES:
+      if _smem_bytes(config, head_dim, itemsize, out_itemsize) <= SMEM_BYTES:
         return config
     raise ValueError(
         f"block_q={config.block_q}, block_k={config.block_k}, stages={config.stages} need "
         f"{_smem_bytes(config, head_dim, itemsize, out_itemsize)} bytes of shared memory at "
-        f"head dim {head_dim} ({_SMEM_BYTES} available): choose smaller blocks or fewer stages")
+        f"head dim {head_dim} ({SMEM_BYTES} available): choose smaller blocks or fewer stages")
 
   def backward_for(self, stride: int, head_dim: int, itemsize: int = 2) -> Config:
     """The backward's choices for a launch of row stride `stride`: fused where unstrided
@@ -200,7 +196,7 @@ class Config:
     to 3). Explicit backward stages that do not fit fail when the kernel lowers."""
     fused = stride == 1 if self.fused_backward is None else self.fused_backward
     stages = self.backward_stages or (2 if fused else max(
-        [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize) <= _SMEM_BYTES]
+        [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize) <= SMEM_BYTES]
         or [2]))
     return dataclasses.replace(self, backward_stages=stages, fused_backward=fused)
 
@@ -227,13 +223,6 @@ def _backward_smem_bytes(stages: int, head_dim: int, itemsize: int) -> int:
   resident = 2 * 2 * tile * itemsize + 2 * tile * 4
   ring = stages * (2 * tile * itemsize + 2 * _BWD_BLOCK * 4)
   return resident + ring + 2 * 2 * _BWD_BLOCK * 4 + _SMEM_SLACK
-
-
-def _is_hopper() -> bool:
-  try:
-    return any(getattr(d, "compute_capability", None) == "9.0" for d in jax.devices("gpu"))
-  except RuntimeError:
-    return False
 
 
 def _launches(pattern: DilatedPattern, n: int, num_heads: int, branches):
@@ -268,7 +257,7 @@ def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_hea
 def supports(problem: Problem) -> Support:
   """Hopper GPUs (sm_90); bf16 and f16; head dims 64, 128 and 256 (where the output is final,
   and triton runs the backward); rows of whole blocks, or one segment of any length."""
-  if problem.platform != "gpu" or not _is_hopper():
+  if problem.platform != "gpu" or not is_hopper():
     return no("the mosaic backend runs on Hopper GPUs (sm_90) only")
   if jax.__version_info__ < (0, 11):
     return no(f"the mosaic backend needs JAX >= 0.11 (its kernels lower with 0.11's Mosaic "
@@ -318,22 +307,6 @@ def _div_stride(x, stride, L, bound=0):
   return x + (stride != 1).astype(jnp.int32) * (quotient - x)
 
 
-def _aligned(row):
-  """`row` marked as a multiple of 8 (the tiles' rows), which TMA into tiled shared memory
-  needs: rows and pieces start at interval starts, multiples of `w0 / L >= 128` rows (the
-  geometry `supports` checks), and blocks at multiples of the block."""
-  return pl.multiple_of(row, 8)
-
-
-def _swizzled(dtype):
-  minor = 128 // jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(128))
-
-
-def _ceil_div(a, b):
-  return lax.div(a + b - 1, b)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Program:
   """One work item of a launch (traced): batch `b`, the period's first position `base`, the
@@ -355,7 +328,7 @@ class _Program:
 
   def rows(self, wg, size: int):
     """Consumer `wg`'s `size` rows of the item, in the strided view."""
-    return pl.ds(_aligned(self.row0 + self.start + wg * size), size)
+    return pl.ds(aligned(self.row0 + self.start + wg * size), size)
 
   @classmethod
   def decode(cls, rows_ref, sched: schedule.Schedule, block_rows: int, n: int, item,
@@ -412,7 +385,7 @@ class _Work:
     persistent = True if config.persistent is None else config.persistent
     # Interpret mode: one program walks all items (one launch: persistent programs in
     # several interpreted launches hung under jit, nondeterministically, on JAX 0.11.2).
-    programs = min(items, 1 if config.interpret else _sm_count())
+    programs = min(items, 1 if config.interpret else sm_count())
     work = cls(sched, ranges.block_rows, ranges.n, items, programs, persistent, reverse)
     if not (persistent and ranges.causal):
       return work if persistent else dataclasses.replace(work, programs=items)
@@ -476,7 +449,7 @@ class _Work:
     and `loop(body, carry)`, which runs `carry = body(i, prog(i), carry)` over them."""
     pid = lax.axis_index("row") + origin_ref[0]
     if self.plan is None:
-      count = _ceil_div(self.items - pid, self.programs)
+      count = ceil_div(self.items - pid, self.programs)
       item = lambda i: pid + i * self.programs
     else:
       at = self.sched.rows.size
@@ -492,13 +465,6 @@ class _Work:
       return lax.fori_loop(0, count, lambda i, c: body(i, prog(i), c), carry)
 
     return count, prog, loop
-
-
-def _sm_count() -> int:
-  try:
-    return int(getattr(jax.devices("gpu")[0], "core_count", 0)) or 132
-  except RuntimeError:
-    return 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -528,10 +494,10 @@ def _at_rows(src, strided_src, at, n0, size, stride, L, index, use):
   (`[B, N/L, L, ...]`). `index(rows, cls)` makes the ref index (`cls` None for `src`)."""
 
   def unit():
-    use(src.at[index(pl.ds(_aligned(at + n0), size), None)])
+    use(src.at[index(pl.ds(aligned(at + n0), size), None)])
 
   def strided():
-    use(strided_src.at[index(pl.ds(_aligned(lax.div(at, L) + n0), size), lax.rem(at, L))])
+    use(strided_src.at[index(pl.ds(aligned(lax.div(at, L) + n0), size), lax.rem(at, L))])
 
   if L == 1:
     unit()
@@ -593,7 +559,7 @@ def _producer(work: _Work, origin_ref, rows_ref, item, frees, stages: int):
   items, then it waits for the consumers to release the last buffers of each ring in
   `frees`: every phase of a barrier is observed before the block exits (needed by interpret
   mode, free on the GPU)."""
-  plgpu.set_max_registers(_REGISTERS[0], action="decrease")
+  plgpu.set_max_registers(REGISTERS[0], action="decrease")
   _, _, loop = work.mine(origin_ref, rows_ref)
   steps = loop(lambda i, prog, step: item(prog, step), jnp.int32(0))
   for i in range(stages):
@@ -678,7 +644,7 @@ def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_firs
 
   def ranges(p):
     piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n, L)
-    blocks = _ceil_div(seen(piece, hi_q), bk)
+    blocks = ceil_div(seen(piece, hi_q), bk)
     if q_first is None:
       return piece, 0, blocks
     unmasked = jnp.minimum(lax.div(seen(piece, q_first), bk), blocks)
@@ -704,10 +670,10 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last=None):
 
   def ranges(p):
     piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n, L)
-    lo, hi = lax.div(before(piece, k_first), bq), _ceil_div(piece.count, bq)
+    lo, hi = lax.div(before(piece, k_first), bq), ceil_div(piece.count, bq)
     if k_last is None:
       return piece, lo, hi
-    a = jnp.maximum(lo, _ceil_div(before(piece, k_last), bq))
+    a = jnp.maximum(lo, ceil_div(before(piece, k_last), bq))
     return piece, lo, a, jnp.maximum(a, lax.div(piece.count, bq)), hi
 
   return ranges
@@ -733,82 +699,6 @@ class _Ranges:
                          self.block_rows, self.block, bound)
     return _query_ranges(prog, pieces_ref, bias_ref, self.n, self.L, self.causal, self.block,
                          bound)
-
-
-def _opaque(x):
-  """`x`, through an optimization barrier (side-effecting inline asm): the compiler cannot
-  hoist what is computed from it out of a loop. A resident shared-memory tile indexed by it
-  inside the walk has its wgmma descriptors computed at each block instead of held in
-  registers across the walk (where they spilled)."""
-  return lax.optimization_barrier(x)
-
-
-def _accumulate(accs, pairs, interpret: bool):
-  """`[acc + a @ b_ref for acc, (a, b_ref) in zip(accs, pairs)]` as wgmmas (registers `a`,
-  shared-memory `b_ref`) awaited once. Interpret mode runs neither `run_state` nor a wgmma
-  with a register operand: `jnp.dot` there."""
-  if interpret:
-    return [acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
-            for acc, (a, b) in zip(accs, pairs)]
-
-  def update(refs):
-    for ref, (a, b) in zip(refs, pairs):
-      plgpu.wgmma(ref, a, b)
-
-  return list(pl.run_state(update)([plgpu.ACC.init(acc) for acc in accs]))
-
-
-def _products(pairs, shape, between=None):
-  """`[a @ b for a, b in pairs]` (shared-memory operands, float32 `shape`), issued together
-  as wgmmas and awaited once; `between()` runs while they are in flight."""
-
-  def run(accs):
-    for acc, (a, b) in zip(accs, pairs):
-      plgpu.wgmma(acc, a, b)
-    if between is not None:
-      between()
-    return [acc[...] for acc in accs]
-
-  return pl.run_scoped(run, [plgpu.ACC(shape, jnp.float32) for _ in pairs])
-
-
-def _turns(turn, wg):
-  """Ping-pong of the two consumer warpgroups on the tensor cores through the 2-arrival
-  barrier `turn`: `(take, give, start, end)`. A step issues its first products, `take()`s
-  (the other consumer may issue its own while these run), computes its elementwise part,
-  `give(wait_first)`s and issues its last products; consumer 1 `start()`s one turn behind,
-  consumer 0 `end()`s with an extra turn. (The forward gains from it; the backward kernels,
-  whose steps are mostly matrix products, measured faster without.)"""
-
-  def take():
-    plgpu.barrier_arrive(turn)
-    plgpu.barrier_wait(turn)
-
-  def give(wait_first):
-    plgpu.barrier_arrive(turn)
-    wait_first()
-    plgpu.barrier_wait(turn)
-
-  return take, give, lambda: pl.when(wg == 1)(take), lambda: pl.when(wg == 0)(take)
-
-
-def _run(entry, out_type, grid, args, interpret: bool, num_threads: int = 3):
-  """Launch `entry` over `grid` (names "row", "bp"; `num_threads` warpgroups "wg").
-  Interpret mode runs one block at a time only (barriers of concurrent blocks collide): one
-  launch per program, its coordinates as the `origin` input, each writing its own rows into
-  zeroed buffers."""
-  launch = functools.partial(
-      plgpu.kernel, entry, out_type=out_type, grid_names=("row", "bp"), num_threads=num_threads,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))
-  if not interpret:
-    return launch(grid=grid)(jnp.zeros((2,), jnp.int32), *args)
-  call = launch(grid=(1, 1), interpret=plgpu.InterpretGPUParams(
-      out_of_bounds_reads="uninitialized", uninitialized_memory="zero"))
-  outs = [jnp.zeros(t.shape, t.dtype) for t in out_type]
-  for origin in np.ndindex(*grid):
-    outs = [a + b for a, b in zip(outs, call(jnp.asarray(origin, jnp.int32), *args))]
-  return outs
 
 
 def _strided_view(x, stride: int):
@@ -837,7 +727,7 @@ def _merge_prior(prior_refs, prog, rows, o_tile, lse_tile, bars, acc, m_i, l_i, 
   plgpu.copy_gmem_to_smem(lse_p.at[prog.b, prog.head, prog.cls, rows], lse_tile, bars[1])
   for bar in bars:
     plgpu.barrier_wait(bar)
-  a = plgpu.load(lse_tile, layout=row_stat) * _LOG2E  # prior, base 2
+  a = plgpu.load(lse_tile, layout=row_stat) * LOG2E  # prior, base 2
   b = jnp.where(l_i > 0, m_i + jnp.log2(jnp.where(l_i > 0, l_i, 1.0)), -jnp.inf)
   top = jnp.maximum(a, b)
   top = jnp.where(top == -jnp.inf, 0.0, top)
@@ -848,7 +738,7 @@ def _merge_prior(prior_refs, prog, rows, o_tile, lse_tile, bars, acc, m_i, l_i, 
   o_p = plgpu.load(o_tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
   out = o_p * rows_of(w_p * inv, acc.shape) + acc * rows_of(w_i * inv, acc.shape)
   o_tile[...] = out.astype(o_tile.dtype)
-  lse_tile[...] = jnp.where(seen, (top + jnp.log2(jnp.where(seen, den, 1.0))) * _LN2, -jnp.inf)
+  lse_tile[...] = jnp.where(seen, (top + jnp.log2(jnp.where(seen, den, 1.0))) * LN2, -jnp.inf)
 
 
 def _add_prior(prior_refs, b, rows, cls, head, tiles, bars, wg, grads):
@@ -879,7 +769,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   n_out = _n_out(sched, n_pad, block_rows)
   span = 2 * n_out  # exceeds any difference of two positions in a period
   per_kv = heads_per_kv(num_heads, k.shape[2])
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
   # Masked scores lie past every score in the order the row maximum is taken in (the
   # minimum for a negative scale), so that `s c` is -inf either way; a zero scale scores
   # every visible key 0 (`block`), with c = 1.
@@ -895,7 +785,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   # Query tiles per consumer: two when persistent and they fit, so that the next item's
   # queries load while this one runs.
   buffers = 2 if work.persistent and _smem_bytes(
-      config, d, dtype.itemsize, out_itemsize, 2) <= _SMEM_BYTES else 1
+      config, d, dtype.itemsize, out_itemsize, 2) <= SMEM_BYTES else 1
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref,
              v5_ref, prior_refs, out_ref, lse_ref, smem, bars, free):
@@ -910,14 +800,14 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
                    lambda prog: key_ranges(prog, pieces_ref, bias_ref), L, bk, stages)
 
     def consumer():
-      plgpu.set_max_registers(_REGISTERS[1], action="increase")
+      plgpu.set_max_registers(REGISTERS[1], action="increase")
       count, prog_of, loop = work.mine(origin_ref, rows_ref)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
       row_stat = plgpu.Layout.WGMMA.reduce(1)
       if causal:  # (a row iota nothing reads fails Mosaic GPU's layout inference)
         row_iota = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_stat)
       rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
-      take_turn, give_turn, start_turns, end_turns = _turns(turn, wg)
+      take_turn, give_turn, start_turns, end_turns = turns(turn, wg)
 
       def tile(i):  # this consumer's query tile for its i-th item
         return lax.rem(i, buffers) * 2 + wg
@@ -959,7 +849,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
           acc, m_i, l_i, step = carry
           slot = lax.rem(step, stages)
           plgpu.barrier_wait(k_bar.at[slot])
-          s, = _products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
+          s, = products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
           plgpu.barrier_arrive(k_free.at[slot])
           if qk_scale == 0:  # every visible score is 0 (and -inf * 0 would be NaN)
             s = jnp.zeros_like(s)
@@ -978,7 +868,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
           l_i = l_i * alpha + p_.sum(axis=1)
           p16 = p_.astype(dtype)
           give_turn(lambda: plgpu.barrier_wait(v_bar.at[slot]))
-          acc, = _accumulate([acc], [(p16, v_smem.at[slot])], interpret)
+          acc, = accumulate([acc], [(p16, v_smem.at[slot])], interpret)
           plgpu.barrier_arrive(v_free.at[slot])
           return acc, m_new, l_i, step + 1
 
@@ -997,7 +887,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
             seen = l_i > 0
             l_safe = jnp.where(seen, l_i, 1.0)
             o_tile[...] = (acc / rows_of(l_safe, acc.shape)).astype(o_tile.dtype)
-            lse_smem.at[wg][...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+            lse_smem.at[wg][...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
           else:
             _merge_prior(prior_refs, prog, q_rows(prog), o_tile, lse_smem.at[wg],
                          [bar.at[wg] for bar in prior_bars], acc, m_i, l_i, rows_of, row_stat)
@@ -1017,13 +907,13 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref, v5_ref,
             *refs):
     prior_refs, (out_ref, lse_ref) = (None, refs) if prior is None else (refs[:2], refs[2:])
-    tiles = _swizzled(dtype)
+    tiles = swizzled(dtype)
     smem = [plgpu.SMEM((2 * buffers, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
             plgpu.SMEM((2, bq), jnp.float32)]
     if not same:
-      smem.append(plgpu.SMEM((2, bq, d), out_dtype, transforms=_swizzled(out_dtype)))
+      smem.append(plgpu.SMEM((2, bq, d), out_dtype, transforms=swizzled(out_dtype)))
 
     def scoped(smem, bars, free):
       q_smem, k_smem, v_smem, lse_smem = smem[:4]
@@ -1049,7 +939,7 @@ def _forward_launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: b
   if prior is not None:
     out_p, lse_p = prior
     args += (view(out_p), lse_p.reshape(batch, n_out // L, L, num_heads).transpose(0, 3, 2, 1))
-  out, lse = _run(entry, out_type, work.grid, args, interpret)
+  out, lse = run(entry, out_type, work.grid, args, interpret)
   lse = lse.transpose(0, 3, 2, 1).reshape(batch, n_out, num_heads)
   return out.reshape(batch, n_out, num_heads, d), lse
 
@@ -1067,7 +957,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
   n_out = _n_out(sched, n_pad, block_rows)
   span = 2 * n_out  # exceeds any difference of two positions in a period
   per_kv = heads_per_kv(num_heads, k.shape[2])
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
   interpret = config.interpret
   key_ranges = _Ranges(True, n, L, causal, block_rows, bk)
   work = _Work.of(sched, batch, config, causal, key_ranges)
@@ -1085,7 +975,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
                    lambda prog: key_ranges(prog, pieces_ref, bias_ref), L, bk, stages)
 
     def consumer():
-      plgpu.set_max_registers(_REGISTERS[1], action="increase")
+      plgpu.set_max_registers(REGISTERS[1], action="increase")
       count, prog_of, loop = work.mine(origin_ref, rows_ref)
       q_tile, do_tile, o_tile = q_smem.at[wg], do_smem.at[wg], o_smem.at[wg]
       row_stat = plgpu.Layout.WGMMA.reduce(1)
@@ -1131,8 +1021,8 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
           slot = lax.rem(step, stages)
           plgpu.barrier_wait(k_bar.at[slot])
           plgpu.barrier_wait(v_bar.at[slot])
-          me = _opaque(wg)  # q_tile, do_tile, indexed per block (`_opaque`)
-          s, dp = _products([(q_smem.at[me], k_smem.at[slot].T),
+          me = opaque(wg)  # q_tile, do_tile, indexed per block (`opaque`)
+          s, dp = products([(q_smem.at[me], k_smem.at[slot].T),
                              (do_smem.at[me], v_smem.at[slot].T)], (bq, bk))
           plgpu.barrier_arrive(v_free.at[slot])
           p = jnp.exp2(jnp.minimum(s * qk_scale - rows_of(lse2 - piece.bias), 0.0))
@@ -1140,7 +1030,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
             limit = _key_limit(piece, j * bk, q_pos, causal, L, span)
             p = jnp.where(cols_iota <= (rows_of(limit) if causal else limit), p, 0.0)
           ds = p * (dp - rows_of(delta_i))
-          dq, = _accumulate([dq], [(ds.astype(dtype), k_smem.at[slot])], interpret)
+          dq, = accumulate([dq], [(ds.astype(dtype), k_smem.at[slot])], interpret)
           plgpu.barrier_arrive(k_free.at[slot])
           return dq, step + 1
 
@@ -1170,13 +1060,13 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
             k4_ref, k5_ref, v4_ref, v5_ref, *refs):
     prior_ref, dq_ref = refs if prior is not None else (None, *refs)
-    tiles = _swizzled(dtype)
+    tiles = swizzled(dtype)
     smem = [plgpu.SMEM((2, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((2, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((2, bq), jnp.float32), plgpu.SMEM((2, bq), jnp.float32),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
-            plgpu.SMEM((2, bq, d), out_dtype, transforms=_swizzled(out_dtype))]
+            plgpu.SMEM((2, bq, d), out_dtype, transforms=swizzled(out_dtype))]
     pl.run_scoped(
         lambda smem, bars, free: kernel(
             origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
@@ -1193,7 +1083,7 @@ def _dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: 
   view = functools.partial(_strided_view, stride=L)
   args = (work.table(rows), pieces.reshape(-1), bias, view(q), view(dout), lse2, delta,
           k, view(k), v, view(v), *([] if prior is None else [view(prior)]))
-  dq, = _run(entry, out_type, work.grid, args, interpret)
+  dq, = run(entry, out_type, work.grid, args, interpret)
   return dq.reshape(batch, n_out, num_heads, d)
 
 
@@ -1219,7 +1109,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   block_rows = 2 * bk
   n_out = _n_out(sched, n_pad, block_rows)
   span = 2 * n_out  # exceeds any difference of two positions in a period
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
   interpret = config.interpret
   fused = dq_accs is not None
   query_ranges = _Ranges(False, n, L, causal, block_rows, bq)
@@ -1267,7 +1157,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       _producer(work, origin_ref, rows_ref, item, [q_free, stat_free, do_free], stages)
 
     def consumer():
-      plgpu.set_max_registers(_REGISTERS[1], action="increase")
+      plgpu.set_max_registers(REGISTERS[1], action="increase")
       count, prog_of, loop = work.mine(origin_ref, rows_ref)
       k_tile, v_tile, o_tile = k_smem.at[wg], v_smem.at[wg], o_smem.at[wg]
       col_stat = plgpu.Layout.WGMMA.reduce(0)
@@ -1302,7 +1192,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           plgpu.barrier_wait(ready.at[wg])
 
           def product(acc):
-            zero = _opaque(jnp.int32(0))
+            zero = opaque(jnp.int32(0))
             for i in range(2):
               plgpu.wgmma(acc, ds_smem.at[zero + i].T, k_smem.at[zero + i])
             return acc[...]
@@ -1355,8 +1245,8 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           slot = lax.rem(step, stages)
           plgpu.barrier_wait(q_bar.at[slot])
           plgpu.barrier_wait(do_bar.at[slot])
-          me = _opaque(wg)  # k_tile, v_tile, indexed per block (`_opaque`)
-          s_t, dp_t = _products([(k_smem.at[me], q_smem.at[slot].T),
+          me = opaque(wg)  # k_tile, v_tile, indexed per block (`opaque`)
+          s_t, dp_t = products([(k_smem.at[me], q_smem.at[slot].T),
                                  (v_smem.at[me], do_smem.at[slot].T)], (bk, bq))
           plgpu.barrier_wait(lse_bar.at[slot])
           plgpu.barrier_wait(delta_bar.at[slot])
@@ -1373,7 +1263,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           ds16 = (p_t * (dp_t - cols_of(delta_j))).astype(dtype)
           if fused:
             put_ds(ds16, step, owed)
-          dv, dk = _accumulate([dv, dk], [(p_t.astype(dtype), do_smem.at[slot]),
+          dv, dk = accumulate([dv, dk], [(p_t.astype(dtype), do_smem.at[slot]),
                                            (ds16, q_smem.at[slot])], interpret)
           plgpu.barrier_arrive(do_free.at[slot])
           plgpu.barrier_arrive(q_free.at[slot])
@@ -1427,14 +1317,14 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
     prior_refs = prior_refs or (None, None)
     if L == 1 and fused:
       dq_refs = (*dq_refs, None)
-    tiles = _swizzled(dtype)
+    tiles = swizzled(dtype)
     smem = [plgpu.SMEM((2, bk, d), dtype, transforms=tiles),
             plgpu.SMEM((2, bk, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((4 if two_tiles else 2, bk, d), out_dtype,
-                       transforms=_swizzled(out_dtype))]
+                       transforms=swizzled(out_dtype))]
     bars = [(plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 4,
             (None, None) if prior is None else (plgpu.Barrier(num_barriers=2),) * 2]
     if fused:
@@ -1455,7 +1345,7 @@ def _dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   view = functools.partial(_strided_view, stride=L)
   args = (work.table(rows), pieces.reshape(-1), bias, view(k), view(v), q, view(q), dout,
           view(dout), *stats, *(dq_accs or ()), *map(view, prior or ()))
-  dk, dv = _run(entry, out_type, work.grid, args, interpret)
+  dk, dv = run(entry, out_type, work.grid, args, interpret)
   return tuple(x.reshape(batch, n_out, num_kv, d) for x in (dk, dv))
 
 
@@ -1555,7 +1445,7 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config, final
     raise NotImplementedError(why)
   dout = dout.astype(q.dtype)
   # lse in base 2, +inf where a query sees no key (p = 0 there); [B, H, N] like delta.
-  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32)) * _LOG2E
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32)) * LOG2E
   lse2, delta = lse2.transpose(0, 2, 1), delta.astype(jnp.float32).transpose(0, 2, 1)
   launches = _launches(pattern, n, num_heads, branches)
   out_dtype = jnp.bfloat16 if final else jnp.float32

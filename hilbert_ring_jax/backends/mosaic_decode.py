@@ -35,8 +35,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..merge import merge
 from .base import YES, Support, no
-from .mosaic import (_LN2, _LOG2E, _REGISTERS, _SMEM_BYTES, _accumulate, _aligned, _ceil_div,
-                     _is_hopper, _products, _run, _swizzled)
+from .hopper import (LN2, LOG2E, REGISTERS, SMEM_BYTES, accumulate, aligned, ceil_div, is_hopper,
+                     products, run, swizzled)
 
 _ROWS = 64  # query rows of a wgmma tile: the query heads of one kv head, padded
 _SMS = 132  # an H100's multiprocessors: programs are sized to fill them twice
@@ -83,11 +83,11 @@ def resolved(config: Config | None, head_dim: int, itemsize: int) -> Config:
   for bk, stages in ((128, 2), (64, 3), (64, 2)):
     c = dataclasses.replace(config, block_k=config.block_k or bk,
                             stages=config.stages or stages)
-    if _smem_bytes(c.block_k, c.stages, head_dim, itemsize) <= _SMEM_BYTES:
+    if _smem_bytes(c.block_k, c.stages, head_dim, itemsize) <= SMEM_BYTES:
       return c
   raise ValueError(f"block_k={c.block_k}, stages={c.stages} need "
                    f"{_smem_bytes(c.block_k, c.stages, head_dim, itemsize)} bytes of shared "
-                   f"memory at head dim {head_dim} ({_SMEM_BYTES} available)")
+                   f"memory at head dim {head_dim} ({SMEM_BYTES} available)")
 
 
 def supports(dtype, head_dim: int, group: int, interpret: bool = False) -> Support:
@@ -95,7 +95,7 @@ def supports(dtype, head_dim: int, group: int, interpret: bool = False) -> Suppo
   query heads per kv head."""
   if jax.__version_info__ < (0, 11):
     return no(f"the mosaic token step needs JAX >= 0.11, this is {jax.__version__}")
-  if not interpret and (jax.default_backend() != "gpu" or not _is_hopper()):
+  if not interpret and (jax.default_backend() != "gpu" or not is_hopper()):
     return no("the mosaic token step runs on Hopper GPUs (sm_90) only")
   if not any(jnp.dtype(dtype) == t for t in (jnp.bfloat16, jnp.float16)):
     return no(f"the mosaic token step runs bf16 and f16 caches, got {jnp.dtype(dtype)}")
@@ -131,7 +131,7 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
   first = np.cumsum([0] + blocks)  # a program's blocks are a run of this concatenation
   splits, per = _splits(config, int(first[-1]), batch * num_kv)
   dtype = q.dtype
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
 
   # The token's residue, rows read and slot in each branch, and which query heads read it
   # (the tile rows past the kv head's `group` query heads read nothing).
@@ -168,11 +168,11 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
       slot, count = meta_ref[at], meta_ref[at + 1]
       lo = jnp.clip(lo_all - int(first[i]), 0, blocks[i])
       hi = jnp.clip(lo_all + per - int(first[i]), 0, blocks[i])
-      hi = jnp.minimum(hi, _ceil_div(count, bk))
+      hi = jnp.minimum(hi, ceil_div(count, bk))
       return slot, count, jnp.minimum(lo, hi), hi
 
     def producer():
-      plgpu.set_max_registers(_REGISTERS[0], action="decrease")
+      plgpu.set_max_registers(REGISTERS[0], action="decrease")
       n = jnp.int32(0)
       for i in range(nb):
         slot, _, lo, hi = ranges(i)
@@ -185,7 +185,7 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
             plgpu.barrier_wait(k_free.at[buf])
             plgpu.barrier_wait(v_free.at[buf])
 
-          rows = pl.ds(_aligned(j * bk), bk)
+          rows = pl.ds(aligned(j * bk), bk)
           plgpu.copy_gmem_to_smem(k_refs[i].at[b, g, slot, rows], k_smem.at[buf], k_bar.at[buf])
           plgpu.copy_gmem_to_smem(v_refs[i].at[b, g, slot, rows], v_smem.at[buf], v_bar.at[buf])
           return n + 1
@@ -201,7 +201,7 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
           plgpu.barrier_wait(v_free.at[lax.rem(last, stages)])
 
     def consumer():
-      plgpu.set_max_registers(_REGISTERS[1], action="increase")
+      plgpu.set_max_registers(REGISTERS[1], action="increase")
       plgpu.copy_gmem_to_smem(q_ref.at[b, g], q_smem, q_bar.at[0])
       plgpu.copy_gmem_to_smem(bias_ref.at[g], bias_smem, q_bar.at[1])
       plgpu.barrier_wait(q_bar.at[0])
@@ -221,7 +221,7 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
           acc, m_i, l_i, n = carry
           buf = lax.rem(n, stages)
           plgpu.barrier_wait(k_bar.at[buf])
-          s, = _products([(q_smem, k_smem.at[buf].T)], (_ROWS, bk))
+          s, = products([(q_smem, k_smem.at[buf].T)], (_ROWS, bk))
           plgpu.barrier_arrive(k_free.at[buf])
           s = jnp.where(j * bk + cols < count, s * qk_scale, -jnp.inf)
           s = s + rows_of(row_bias, s.shape)
@@ -232,7 +232,7 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
           acc = acc * rows_of(alpha, acc.shape)
           l_i = l_i * alpha + p.sum(axis=1)
           plgpu.barrier_wait(v_bar.at[buf])
-          acc, = _accumulate([acc], [(p.astype(dtype), v_smem.at[buf])], config.interpret)
+          acc, = accumulate([acc], [(p.astype(dtype), v_smem.at[buf])], config.interpret)
           plgpu.barrier_arrive(v_free.at[buf])
           return acc, m_new, l_i, n + 1
 
@@ -241,7 +241,7 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
       seen = l_i > 0
       l_safe = jnp.where(seen, l_i, 1.0)
       o_smem[...] = acc / rows_of(l_safe, acc.shape)
-      lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+      lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows_g)], o_ref.at[split, bg])
       plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows_g)], lse_ref.at[split, bg])
@@ -251,11 +251,11 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
     pl.when(wg == 1)(producer)
 
   def entry(origin_ref, meta_ref, bias_ref, q_ref, *refs):
-    tiles = _swizzled(dtype)
+    tiles = swizzled(dtype)
     smem = [plgpu.SMEM((_ROWS, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
-            plgpu.SMEM((_ROWS, d), jnp.float32, transforms=_swizzled(jnp.float32)),
+            plgpu.SMEM((_ROWS, d), jnp.float32, transforms=swizzled(jnp.float32)),
             plgpu.SMEM((_ROWS,), jnp.float32),
             plgpu.SMEM((nb, _ROWS), jnp.float32)]
     pl.run_scoped(
@@ -269,7 +269,7 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
 
   out_type = (jax.ShapeDtypeStruct((splits, batch * num_kv, rows_g, d), jnp.float32),
               jax.ShapeDtypeStruct((splits, batch * num_kv, rows_g), jnp.float32))
-  o, lse = _run(entry, out_type, (splits, batch * num_kv),
+  o, lse = run(entry, out_type, (splits, batch * num_kv),
                 (meta, bias, qp, *ks, *vs), config.interpret, num_threads=2)
   o, lse = merge(list(o), list(lse))
   o = o.reshape(batch, num_kv, rows_g, d)[:, :, :group].reshape(batch, num_heads, d)
