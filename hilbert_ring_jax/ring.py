@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from . import backends
 from .api import check_flag, check_inputs, check_scale
-from .backends.xla import transpose
+from .backends.common import transpose
 from .merge import merge
 from .pattern import Branch, DilatedPattern, heads_per_kv
 

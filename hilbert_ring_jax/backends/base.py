@@ -182,45 +182,6 @@ def _loaded(name):
     return None
 
 
-def vary_like(xs, *refs):
-  """`xs` (an array or a tuple of them) typed to vary over every mesh axis any of `refs`
-  varies over.
-
-  Inside `jax.shard_map(check_vma=True)` an array built from shapes alone (`jnp.zeros`) is
-  device-invariant, while results computed from the inputs vary over the mesh axes the inputs
-  vary over; `lax.scan` and `lax.cond` need the two to agree. Adding a zero that varies like
-  each of `refs` gives `xs` their type; outside `shard_map` it is a no-op (exact for every
-  value, -inf included). Also restores the type of kernel calls (jax_triton's) that return
-  device-invariant results inside `shard_map`.
-  """
-  def one(x):
-    for r in refs:
-      x = x + jnp.zeros_like(r, shape=(), dtype=x.dtype)
-    return x
-
-  return tuple(one(x) for x in xs) if isinstance(xs, tuple) else one(xs)
-
-
-def batched(fn):
-  """`fn(*arrays)` that `vmap` maps by folding the mapped axis into the batch axis 0.
-
-  Kernel calls (`triton_call`, Mosaic GPU kernels) have no batching rule; all arrays here
-  lead with the batch axis, so a mapped axis (moved to the front) merges with it and splits
-  off again afterwards.
-  """
-  wrapped = jax.custom_batching.custom_vmap(fn)
-
-  @wrapped.def_vmap
-  def rule(axis_size, in_batched, *args):
-    args = [x if mapped else jnp.broadcast_to(x, (axis_size,) + x.shape)
-            for x, mapped in zip(args, in_batched)]
-    outs = wrapped(*(x.reshape((-1,) + x.shape[2:]) for x in args))
-    outs = jax.tree.map(lambda y: y.reshape((axis_size, -1) + y.shape[1:]), outs)
-    return outs, jax.tree.map(lambda _: True, outs)
-
-  return wrapped
-
-
 class Kernel(Protocol):
   """The two halves `attention` differentiates: any computation following the contract."""
 

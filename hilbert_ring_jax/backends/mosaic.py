@@ -81,7 +81,8 @@ per block rather than hoisted and held in registers across the walk: held, they 
 fused kernel spill at head dim 128 (ptxas's counts: docs/performance.md).
 All write through shared memory: float32, or bf16 from the split kernels where the gradients
 are final; several launches add up in float32. Head dim 256 does not fit (its tiles exceed
-shared memory): there the backward is the "triton" backend's.
+shared memory): `supports` declines that backward, and dispatch gives it to the next
+candidate ("triton" where it runs), as any backward it declines.
 `Config(interpret=True)` runs the kernels in Mosaic GPU interpret mode on a CPU (JAX >= 0.11),
 which is how the test suite checks them without a GPU.
 """
@@ -102,7 +103,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..pattern import DilatedPattern, heads_per_kv
 from . import schedule
-from .base import YES, Problem, Support, batched, no
+from .base import YES, Problem, Support, no
+from .common import batched
 from .hopper import (LN2, LOG2E, REGISTERS, SMEM_BYTES, accumulate, aligned, ceil_div, is_hopper,
                      opaque, products, run, sm_count, swizzled, turns)
 
@@ -255,8 +257,9 @@ def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_hea
 
 
 def supports(problem: Problem) -> Support:
-  """Hopper GPUs (sm_90); bf16 and f16; head dims 64, 128 and 256 (where the output is final,
-  and triton runs the backward); rows of whole blocks, or one segment of any length."""
+  """Hopper GPUs (sm_90); bf16 and f16; head dims 64 and 128, and 256 for a forward whose
+  output is final (one launch, no ring step); rows of whole blocks, or one segment of any
+  length."""
   if problem.platform != "gpu" or not is_hopper():
     return no("the mosaic backend runs on Hopper GPUs (sm_90) only")
   if jax.__version_info__ < (0, 11):
@@ -268,15 +271,9 @@ def supports(problem: Problem) -> Support:
   if d not in (64, 128, 256):
     return no(f"the mosaic backend needs a head dim of 64, 128 or 256; got {d}")
   b, n, h, _ = problem.q_shape
-  if d == 256:  # the backward is triton's (`backward`)
-    try:
-      from . import triton  # pylint: disable=g-import-not-at-top
-    except ImportError as e:
-      return no(f"the mosaic backend's backward at head dim 256 is the triton backend's: "
-                f"unavailable ({e})")
-    if not (support := triton.supports(problem)):
-      return no(f"the mosaic backend's backward at head dim 256 is the triton backend's: "
-                f"{support.reason}")
+  if d == 256 and problem.backward:
+    return no("the mosaic backend's backward runs head dims 64 and 128: at 256 its tiles "
+              "exceed shared memory")
   launches = _launches(problem.pattern, n, h, problem.branches)
   if d == 256 and (problem.varying or len(launches) > 1):
     return no("the mosaic backend writes float32 partials (ring steps, several launches) "
@@ -1427,11 +1424,7 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
   earlier launches' gradients to their own in their epilogues (fused: dk, dv; dq added to
   the float32 accumulators' sum). With `grad_dtype` bfloat16 the separate kernels write the
   gradients in bfloat16 (no float32 copy; the earlier launches' read in bfloat16 and added
-  in float32). At head dim 256 (where the tiles exceed shared memory) the "triton"
-  backend's."""
-  if q.shape[-1] not in (64, 128):  # at 256 the tiles exceed shared memory
-    from . import triton  # pylint: disable=g-import-not-at-top
-    return triton.backward(q, k, v, dout, lse, delta, pattern, scale, branches=branches)
+  in float32). Head dims 64 and 128 (`supports`)."""
   config = (config or Config()).resolved(q.shape[-1], q.dtype.itemsize)
   final = grad_dtype is not None and jnp.dtype(grad_dtype) == jnp.bfloat16
   fn = lambda *a: _backward(*a, pattern, scale, branches, config, final)

@@ -33,7 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 from ..merge import merge
 from ..pattern import Branch, DilatedPattern, heads_per_kv
 from .base import YES, Problem, Support, no
-from .xla import ds_operands
+from .common import ds_operands
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)

@@ -29,7 +29,8 @@ from ..merge import merge
 from ..pattern import DilatedPattern
 from . import _triton_kernels as kernels
 from . import schedule
-from .base import YES, Problem, Support, batched, no
+from .base import YES, Problem, Support, no
+from .common import batched
 
 # jax-triton 0.4 renamed `out_shape=` to `out_type=` (the old name warns); 0.3 knows only the
 # former. Aliasing is avoided altogether: the two versions disagree on whether an aliased

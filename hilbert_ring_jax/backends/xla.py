@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from ..merge import merge
 from ..pattern import Branch, DilatedPattern, heads_per_kv
-from .base import YES, Problem, Support, vary_like
+from .base import YES, Problem, Support
+from .common import ds_operands, transpose, vary_like
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -186,23 +187,6 @@ def _branch_forward(fold, q, k, v, scale, key_block):
   # Typed like the data the steps compute from (inside shard_map, as `lax.scan` needs).
   init = vary_like((jnp.zeros(qf.shape, acc), jnp.full(qf.shape[:-1], -jnp.inf, acc)), q, k, v)
   return _scan(step, init, blocks)[0]
-
-
-def ds_operands(ds, x):
-  """`(ds, x)` for the products `ds @ k` and `ds^T @ q`: in x's dtype, except float16, whose
-  range `ds = p (dp - delta)` can exceed where the gradients themselves fit: float32 there."""
-  if x.dtype == jnp.float16:
-    return ds.astype(jnp.float32), x.astype(jnp.float32)
-  return ds.astype(x.dtype), x
-
-
-def transpose(fn, y, like):
-  """`fn^T(y)` for a linear `fn` of arrays shaped like `like` (an unfold for a fold).
-
-  Built with `jax.vjp` at `zeros_like(like)` rather than `jax.linear_transpose`, so the
-  result keeps `like`'s varying-mesh-axes type inside `shard_map`.
-  """
-  return jax.vjp(fn, jnp.zeros_like(like, dtype=y.dtype))[1](y)[0]
 
 
 def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,

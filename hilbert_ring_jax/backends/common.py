@@ -1,0 +1,64 @@
+"""Array plumbing the backends and the ring share: the float16-safe operands of the `ds`
+products, transposes of linear layout maps, mesh-axes typing inside `shard_map`, and `vmap`
+of kernel calls by folding into the batch. Neutral: no backend's choices live here."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def ds_operands(ds, x):
+  """`(ds, x)` for the products `ds @ k` and `ds^T @ q`: in x's dtype, except float16, whose
+  range `ds = p (dp - delta)` can exceed where the gradients themselves fit: float32 there."""
+  if x.dtype == jnp.float16:
+    return ds.astype(jnp.float32), x.astype(jnp.float32)
+  return ds.astype(x.dtype), x
+
+
+def transpose(fn, y, like):
+  """`fn^T(y)` for a linear `fn` of arrays shaped like `like` (an unfold for a fold).
+
+  Built with `jax.vjp` at `zeros_like(like)` rather than `jax.linear_transpose`, so the
+  result keeps `like`'s varying-mesh-axes type inside `shard_map`.
+  """
+  return jax.vjp(fn, jnp.zeros_like(like, dtype=y.dtype))[1](y)[0]
+
+
+def vary_like(xs, *refs):
+  """`xs` (an array or a tuple of them) typed to vary over every mesh axis any of `refs`
+  varies over.
+
+  Inside `jax.shard_map(check_vma=True)` an array built from shapes alone (`jnp.zeros`) is
+  device-invariant, while results computed from the inputs vary over the mesh axes the inputs
+  vary over; `lax.scan` and `lax.cond` need the two to agree. Adding a zero that varies like
+  each of `refs` gives `xs` their type; outside `shard_map` it is a no-op (exact for every
+  value, -inf included). Also restores the type of kernel calls (jax_triton's) that return
+  device-invariant results inside `shard_map`.
+  """
+  def one(x):
+    for r in refs:
+      x = x + jnp.zeros_like(r, shape=(), dtype=x.dtype)
+    return x
+
+  return tuple(one(x) for x in xs) if isinstance(xs, tuple) else one(xs)
+
+
+def batched(fn):
+  """`fn(*arrays)` that `vmap` maps by folding the mapped axis into the batch axis 0.
+
+  Kernel calls (`triton_call`, Mosaic GPU kernels) have no batching rule; all arrays here
+  lead with the batch axis, so a mapped axis (moved to the front) merges with it and splits
+  off again afterwards.
+  """
+  wrapped = jax.custom_batching.custom_vmap(fn)
+
+  @wrapped.def_vmap
+  def rule(axis_size, in_batched, *args):
+    args = [x if mapped else jnp.broadcast_to(x, (axis_size,) + x.shape)
+            for x, mapped in zip(args, in_batched)]
+    outs = wrapped(*(x.reshape((-1,) + x.shape[2:]) for x in args))
+    outs = jax.tree.map(lambda y: y.reshape((axis_size, -1) + y.shape[1:]), outs)
+    return outs, jax.tree.map(lambda _: True, outs)
+
+  return wrapped
