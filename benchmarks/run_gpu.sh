@@ -4,7 +4,7 @@
 # named stages, logs under $OUT.
 #   bash benchmarks/run_gpu.sh tests-triton tune-triton bench-full ...
 #   WHL=.whl4 SITE=/tmp/site4 bash benchmarks/run_gpu.sh tests-triton   # another jax-triton
-# The real-data examples (README "Real data"): one LM per call, each under 10 minutes; their
+# The real-data examples (docs/real_data.md): one LM per call, each under 10 minutes; their
 # results merge in out/lm_real/lm_real.json on a machine kept warm, copied to $OUT each time:
 #   bash benchmarks/run_gpu.sh lm-dilated    (then lm-full, lm-local, digits)
 set -uo pipefail

@@ -23,10 +23,7 @@ BLOCK = re.compile(r"^([ \t]*)```python[ \t]*\n(.*?)^\1```[ \t]*$", re.M | re.S)
 TIMEOUT_S = 300  # each block takes seconds; this only stops a hang
 # (file, the block's first line) -> why it cannot run as written. Strict xfails: a block that
 # runs, or one that is gone, fails here until its entry goes.
-FRAGMENTS = {
-    ("docs/MOSAIC_GPU.md", "x6 = x.reshape(B, S, R, r, H, D)"):
-        "a sketch of a Mosaic GPU kernel (x, B, S, plgpu, ... undefined), not a program",
-}
+FRAGMENTS = {}
 
 
 def first_line(code: str) -> str:
