@@ -3,8 +3,8 @@
 A block is a whole program: its own imports, the 8 virtual CPU devices a mesh needs set by the
 block itself, and asserts (or prints) of what it computes, so a reader can paste it as it is.
 What cannot run on a CPU (a multi-process launch, a kernel sketch) belongs in a ```bash or
-plain fence. A block that does not run fails here, named by its file and index; the few known
-exceptions in docs this project does not keep runnable are listed in `FRAGMENTS`, with why.
+plain fence. A block that does not run fails here, named by its file and index. Also: the
+backend names of the code, docs/SPEC.md, README.md and docs/backends.md agree.
 """
 
 import os
@@ -21,16 +21,6 @@ FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # A fence of its own line, indented or not (inside a list item), up to the closing fence.
 BLOCK = re.compile(r"^([ \t]*)```python[ \t]*\n(.*?)^\1```[ \t]*$", re.M | re.S)
 TIMEOUT_S = 300  # each block takes seconds; this only stops a hang
-# (file, the block's first line) -> why it cannot run as written. Strict xfails: a block that
-# runs, or one that is gone, fails here until its entry goes.
-FRAGMENTS = {}
-
-
-def first_line(code: str) -> str:
-  """A block's first line without its comment: what `FRAGMENTS` keys a block by."""
-  return code.split("\n", 1)[0].split("#", 1)[0].strip()
-
-
 def blocks():
   """A `pytest.param(file, line, code)` per python block, its id `file:index`."""
   for path in FILES:
@@ -39,22 +29,31 @@ def blocks():
     for i, match in enumerate(BLOCK.finditer(text)):
       line = text.count("\n", 0, match.start()) + 1
       code = textwrap.dedent(match.group(2))
-      key = (rel, first_line(code))
-      marks = ()
-      if key in FRAGMENTS:
-        marks = pytest.mark.xfail(reason=FRAGMENTS[key], strict=True)
-      yield pytest.param(rel, line, code, id=f"{rel}:{i}", marks=marks)
+      yield pytest.param(rel, line, code, id=f"{rel}:{i}")
 
 
 BLOCKS = list(blocks())
 
 
 def test_blocks_found():
-  """README keeps its three examples, and every entry of `FRAGMENTS` names a block."""
+  """README keeps its three examples."""
   assert sum(p.values[0] == "README.md" for p in BLOCKS) >= 3
-  firsts = {(p.values[0], first_line(p.values[2])) for p in BLOCKS}
-  for key in FRAGMENTS:
-    assert key in firsts, f"FRAGMENTS names {key}, which no block starts with any more"
+
+
+def test_backend_names_agree():
+  """The backends the code knows are those docs/SPEC.md names and README's and
+  docs/backends.md's tables list, no more, no fewer."""
+  from hilbert_ring_jax.backends import NAMES  # pylint: disable=g-import-not-at-top
+  row = re.compile(r"^\| `(\w+)` \|", re.M)
+  for rel in ("README.md", "docs/backends.md"):
+    text = (ROOT / rel).read_text(encoding="utf-8")
+    table = text[text.index("| name |"):]
+    table = table[:table.index("\n\n")]
+    assert set(row.findall(table)) == set(NAMES), rel
+  spec = (ROOT / "docs/SPEC.md").read_text(encoding="utf-8")
+  named = set(re.findall(r"`(\w+)`", spec)) & {"xla", "pallas", "triton", "mosaic", "cudnn",
+                                                   "tokamax", "jax_triton"}
+  assert named == set(NAMES), named
 
 
 @pytest.mark.parametrize("rel, line, code", BLOCKS)
