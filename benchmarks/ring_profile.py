@@ -29,7 +29,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from ring_scaling import attention_fn, inputs, pattern_for
+from ring_scaling import add_problem_arguments, attention_fn, inputs, pattern_for
 from timing import busy_ns, device_events, median_ms
 
 
@@ -83,14 +83,7 @@ def trace(fn, args, calls: int) -> list[dict]:
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--per-gpu", default="8192")
-  ap.add_argument("--patterns", default="full,longnet")
-  ap.add_argument("--passes", default="fwd")
-  ap.add_argument("--causal", action="store_true")
-  ap.add_argument("--heads", type=int, default=16)
-  ap.add_argument("--head-dim", type=int, default=128)
-  ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--impl", default=None)
-  ap.add_argument("--runs", type=int, default=5)
+  add_problem_arguments(ap, passes="fwd")
   ap.add_argument("--calls", type=int, default=3, help="ring calls traced")
   ap.add_argument("--json", default=None)
   args = ap.parse_args()

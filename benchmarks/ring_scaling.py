@@ -78,19 +78,24 @@ def tflops(pattern, n, args, backward, ms):
   return flops / ms / 1e9
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--devices", default="1,2,4")
-  ap.add_argument("--per-gpu", default="8192,32768,131072")
-  ap.add_argument("--strong", type=int, default=131072)
+def add_problem_arguments(ap, passes):
+  """The flags of the problem timed (shared with ring_profile.py)."""
   ap.add_argument("--patterns", default="full,longnet")
-  ap.add_argument("--passes", default="fwd,fwdbwd")
+  ap.add_argument("--passes", default=passes)
   ap.add_argument("--causal", action="store_true")
   ap.add_argument("--heads", type=int, default=16)
   ap.add_argument("--head-dim", type=int, default=128)
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--impl", default=None)
   ap.add_argument("--runs", type=int, default=5)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--devices", default="1,2,4")
+  ap.add_argument("--per-gpu", default="8192,32768,131072")
+  ap.add_argument("--strong", type=int, default=131072)
+  add_problem_arguments(ap, passes="fwd,fwdbwd")
   ap.add_argument("--longest", action="store_true")
   ap.add_argument("--longest-heads", type=int, default=8)
   ap.add_argument("--longest-start", type=int, default=1 << 20)

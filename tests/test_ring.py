@@ -52,6 +52,21 @@ def mesh(p):
   return jax.make_mesh((p,), ("seq",), axis_types=(AUTO,), devices=jax.devices()[:p])
 
 
+def _assert_ring_equals(ring, single, inputs, grad_rtol=1e-5):
+  """`ring` and `single` (both `(q, k, v) -> (out, lse)`) agree on outputs, lse (-inf where a
+  query sees nothing) and gradients; returns the ring's output."""
+  q, k, v, dout, dlse = inputs
+  (out, lse), vjp = jax.vjp(single, q, k, v)
+  (rout, rlse), rvjp = jax.vjp(ring, q, k, v)
+  np.testing.assert_allclose(rout, out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.isneginf(rlse), np.isneginf(lse))
+  finite = np.isfinite(np.asarray(lse))
+  np.testing.assert_allclose(np.asarray(rlse)[finite], np.asarray(lse)[finite], atol=1e-5)
+  for g, rg in zip(vjp((dout, dlse)), rvjp((dout, dlse))):
+    np.testing.assert_allclose(rg, g, rtol=grad_rtol, atol=1e-5)
+  return rout
+
+
 # The plans the realistic cases below do not reach (head groups, odd rates, partial sub-rings
 # of compacted residues, one shard); the rest of CASES feeds the other tests.
 SMALL = ["head_groups_gqa", "mqa_not_compact", "partial_sub_rings", "partial_non_causal",
@@ -63,18 +78,11 @@ def test_ring_equals_single_device(name):
   p, n, h, hkv, pattern = CASES[name]
   case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
                       pattern.offsets, pattern.head_groups)
-  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.float32, 7)
+  q, k, v, dout, dlse = inputs = helpers.random_inputs(case, jnp.float32, 7)
   single = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
   ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
       q, k, v, pattern, mesh=mesh(p), axis_name="seq", return_lse=True))
-  (out, lse), vjp = jax.vjp(single, q, k, v)
-  (rout, rlse), rvjp = jax.vjp(ring, q, k, v)
-  np.testing.assert_allclose(rout, out, rtol=1e-5, atol=1e-5)
-  np.testing.assert_array_equal(np.isneginf(rlse), np.isneginf(lse))
-  finite = np.isfinite(np.asarray(lse))
-  np.testing.assert_allclose(np.asarray(rlse)[finite], np.asarray(lse)[finite], atol=1e-5)
-  for g, rg in zip(vjp((dout, dlse)), rvjp((dout, dlse))):
-    np.testing.assert_allclose(rg, g, rtol=1e-5, atol=1e-5)
+  rout = _assert_ring_equals(ring, single, inputs)
   # And against the float64 reference directly.
   ref_out, _, _ = helpers.reference(case, pattern.causal, q, k, v, dout, dlse)
   assert helpers.rel_err(rout, ref_out) < helpers.TOL[jnp.float32]
@@ -285,20 +293,14 @@ def test_data_and_sequence_parallel(name, data, axis_type):
   p, n, h, hkv, pattern = CASES[name]
   case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
                       pattern.offsets, pattern.head_groups, batch=2 * data)
-  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.float32, 13)
+  inputs = helpers.random_inputs(case, jnp.float32, 13)
   mesh = jax.make_mesh((data, p), ("data", "seq"), axis_types=(axis_type,) * 2,
                        devices=jax.devices()[:data * p])
   ring = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq",
                                                    batch_axis="data", return_lse=True)
   single = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
-  (out, lse), vjp = jax.vjp(single, q, k, v)
-  (rout, rlse), rvjp = jax.vjp(jax.jit(ring), q, k, v)
+  rout = _assert_ring_equals(jax.jit(ring), single, inputs)
   assert rout.sharding.spec[:2] == ("data", "seq")
-  np.testing.assert_allclose(rout, out, rtol=1e-5, atol=1e-5)
-  finite = np.isfinite(np.asarray(lse))
-  np.testing.assert_allclose(np.asarray(rlse)[finite], np.asarray(lse)[finite], atol=1e-5)
-  for g, rg in zip(vjp((dout, dlse)), rvjp((dout, dlse))):
-    np.testing.assert_allclose(rg, g, rtol=1e-5, atol=1e-5)
 
 
 def test_eager_call_compiles_once():
@@ -464,20 +466,13 @@ def test_ring_at_realistic_shard_sizes(name):
   """Forward, lse and gradients of the ring equal one device's, every plan kind, data x
   sequence meshes included (the scans over key blocks meet mesh-varying data here)."""
   case, pattern, m, config = _realistic(name)
-  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.float32, 21)
+  inputs = helpers.random_inputs(case, jnp.float32, 21)
   batch_axis = "data" if "data" in m.shape else None
   ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
       q, k, v, pattern, mesh=m, axis_name="seq", batch_axis=batch_axis, return_lse=True,
       config=config))
   single = jax.jit(lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True))
-  (out, lse), vjp = jax.vjp(single, q, k, v)
-  (rout, rlse), rvjp = jax.vjp(ring, q, k, v)
-  np.testing.assert_allclose(rout, out, rtol=1e-5, atol=1e-5)
-  np.testing.assert_array_equal(np.isneginf(rlse), np.isneginf(lse))
-  finite = np.isfinite(np.asarray(lse))
-  np.testing.assert_allclose(np.asarray(rlse)[finite], np.asarray(lse)[finite], atol=1e-5)
-  for g, rg in zip(vjp((dout, dlse)), rvjp((dout, dlse))):
-    np.testing.assert_allclose(rg, g, rtol=1e-4, atol=1e-5)
+  _assert_ring_equals(ring, single, inputs, grad_rtol=1e-4)
 
 
 def test_ring_inside_user_shard_map_at_2048_keys_per_shard():
