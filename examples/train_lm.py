@@ -82,7 +82,7 @@ class Recall:
     return jnp.asarray(tokens), jnp.asarray(targets), jnp.asarray(mask)
 
 
-def main(argv=None):
+def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seq-len", type=int, default=256)
   parser.add_argument("--local", type=int, default=32, help="first (local) segment length")
@@ -102,7 +102,17 @@ def main(argv=None):
   parser.add_argument("--impl", default=None, help="xla | pallas | triton (default: fastest)")
   parser.add_argument("--ckpt-dir", type=Path, default=Path("out/train_lm"))
   parser.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args(argv)
+  return parser.parse_args(argv)
+
+
+def run_config(args) -> dict:
+  """Every flag that changes the run, which keys its checkpoints: another --seed, --lr or
+  --dim never resumes this one's."""
+  return {k: v for k, v in vars(args).items() if k not in ("ckpt_dir", "eval_every")}
+
+
+def main(argv=None):
+  args = parse_args(argv)
 
   queries = args.seq_len // 2 if args.queries is None else args.queries
   task = Recall(args.seq_len, args.pairs, queries, args.keys, args.values, args.fillers,
@@ -131,10 +141,7 @@ def main(argv=None):
     model = DecoderLM(task.vocab, args.dim, args.layers, args.heads, args.kv_heads, pattern,
                       args.impl, rngs=nnx.Rngs(args.seed))
     batch_fn = lambda step: task.batch(np.random.default_rng([args.seed, step]), args.batch)
-    # Keyed by every flag that changes the run: another --seed, --lr or --dim never resumes
-    # this one's checkpoint.
-    config = {k: v for k, v in vars(args).items() if k not in ("ckpt_dir", "eval_every")}
-    ckpt = common.checkpoint_dir(args.ckpt_dir, name.replace(" ", "_"), config)
+    ckpt = common.checkpoint_dir(args.ckpt_dir, name.replace(" ", "_"), run_config(args))
     history = common.train(
         model, loss_fn, batch_fn, steps=args.steps, lr=args.lr, eval_batch=eval_batch,
         eval_every=args.eval_every, desc=name, ckpt_dir=ckpt)

@@ -10,7 +10,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
 import bench_decode  # noqa: E402  pylint: disable=wrong-import-position
 from hilbert_ring_jax import DilatedPattern  # noqa: E402
 
-pytestmark = pytest.mark.jax_independent  # a benchmark script: run on the newest JAX only in CI
 
 
 def test_formula_rows():

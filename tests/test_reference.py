@@ -5,7 +5,6 @@ import pytest
 
 import reference_np
 
-pytestmark = pytest.mark.jax_independent  # the NumPy reference
 
 
 def test_reference_gradients_match_finite_differences():
