@@ -243,7 +243,7 @@ def _ring_forward(st, q, k, v, axis_name):
   # An empty step's result: typed like a real one (varying over every mesh axis q varies
   # over, the data axis included), as lax.cond needs.
   zeros = lambda: backends.vary_like((jnp.zeros(acc[0].shape, acc[0].dtype),
-                              jnp.full(acc[1].shape, -jnp.inf, acc[1].dtype)), qs)
+                                      jnp.full(acc[1].shape, -jnp.inf, acc[1].dtype)), qs)
   for step in range(1, plan.span):
     # Issued before the previous step's compute is consumed, so XLA overlaps the two.
     kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step, causal_forward=st.causal))
