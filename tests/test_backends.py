@@ -130,3 +130,25 @@ def test_implementation_is_checked():
   for bad in (5, [], ["xla", "cuda"], "cuda"):
     with pytest.raises(ValueError, match="implementation"):
       dilated_attention(q, q, q, pattern, implementation=bad)
+
+
+@pytest.mark.pallas
+def test_pallas_declines_inside_shard_map():
+  """Inside `shard_map` the inputs vary over the mesh (`Problem.of` says so), which "pallas"
+  declines: the ring's steps then take the next candidate."""
+  problems = []
+  mesh = jax.make_mesh((2,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:2])
+  pattern = DilatedPattern((8,), (1,))
+
+  def step(x):
+    problems.append(backends.Problem.of(x, x, pattern))
+    return x
+
+  x = jax.ShapeDtypeStruct((1, 16, 2, 16), jnp.float32)
+  jax.eval_shape(jax.shard_map(step, mesh=mesh, in_specs=jax.P(None, "seq"),
+                               out_specs=jax.P(None, "seq")), x)
+  (inside,) = problems
+  assert inside.varying and not backends.Problem.of(x, x, pattern).varying
+  support = pallas.supports(inside)
+  assert not support and "shard_map" in support.reason
