@@ -11,7 +11,6 @@ import bench_decode  # noqa: E402  pylint: disable=wrong-import-position
 from hilbert_ring_jax import DilatedPattern  # noqa: E402
 
 
-
 def test_formula_rows():
   # The count: 11,606 rows per head for H = Hkv = 16 over its LongNet pattern.
   p = bench_decode.parse_pattern("2048,4096,8192,16384,32768/1,2,4,6,12")

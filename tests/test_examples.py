@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 

@@ -1,10 +1,8 @@
 """The float64 reference itself: its analytic gradients agree with finite differences."""
 
 import numpy as np
-import pytest
 
 import reference_np
-
 
 
 def test_reference_gradients_match_finite_differences():

@@ -8,7 +8,6 @@ import reference_np
 from hilbert_ring_jax import DilatedPattern
 from hilbert_ring_jax.backends import schedule
 
-
 CASES = [  # n, H, Hkv, segments, rates, offsets, head_groups
     (64, 2, 2, (64,), (1,), "head", False),
     (80, 4, 2, (16, 32, 64), (1, 2, 4), "head", False),

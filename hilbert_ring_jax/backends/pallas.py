@@ -373,7 +373,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode):
   dmask = _head_mask(d, dp)
   q = _load(q_ref, dmask)  # [bq, Dp]
   q = -q if scale < 0 else q  # (exact) so that the scale applied below is positive
-  c = abs(scale) * _LOG2E  # scores in base 2 so the exponentials are exp2
+  # Scores in base 2 so the exponentials are exp2; a zero scale scores every visible key 0
+  # (`body`) with c = 1, as -inf * 0 would be NaN.
+  c = abs(scale) * _LOG2E or 1.0
   q_rows = i * bq + jnp.arange(bq)
 
   def body(masked, j, carry):
@@ -384,14 +386,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode):
     acc, m, l = carry
     kb = _load(k_ref.at[pl.ds(j * bk, bk)], dmask)
     t = _dot(q, kb, trans_b=True)  # [bq, bk]
+    if scale == 0:
+      t = jnp.zeros_like(t)
     if masked:
       t = jnp.where(_mask(br, q_rows, j * bk + jnp.arange(bk), n_valid), t, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(t, axis=1))
     # A row with nothing visible yet keeps m = -inf; shifting by 0 keeps exp2 from NaN.
     shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    exp2 = lambda x: jnp.where(x == -jnp.inf, 0.0, jnp.exp2(x * c))  # c = 0: -inf * 0 = NaN
-    p = exp2(t - shift[:, None])
-    alpha = exp2(m - shift)
+    p = jnp.exp2((t - shift[:, None]) * c)
+    alpha = jnp.exp2((m - shift) * c)
     vb = _load(v_ref.at[pl.ds(j * bk, bk)], dmask)
     acc = acc * alpha[:, None] + _dot(p.astype(vb.dtype), vb)
     return acc, m_new, l * alpha + jnp.sum(p, axis=1)

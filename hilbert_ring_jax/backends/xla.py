@@ -177,7 +177,7 @@ def _branch_forward(fold, q, k, v, scale, key_block):
     # Softmax within the block; the one merge folds it into the carry.
     mx = jnp.max(s, axis=-1)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    p = jnp.exp(jnp.minimum(s - mx[..., None], 0.0))  # <= 1, as in the backward
+    p = jnp.exp(s - mx[..., None])  # s and mx read one product: s - mx <= 0 exactly
     den = jnp.sum(p, axis=-1)
     # ob: [B, Z, K, T, D]
     ob = jnp.einsum("BZKTJ,BZKJD->BZKTD", p.astype(vb.dtype), vb, preferred_element_type=acc)
