@@ -20,7 +20,7 @@ import helpers
 from helpers import Case
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 from hilbert_ring_jax.api import _Dispatch
-from hilbert_ring_jax.backends import base, hopper, mosaic, schedule
+from hilbert_ring_jax.backends import base, hopper, mosaic, mosaic_plan, schedule
 
 INTERPRET = pytest.mark.skipif(
     jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",
@@ -117,7 +117,7 @@ def test_interpret_blocks_of_192_keys(n, block_k):
   keys past N read as zeros and masked)."""
   case = Case(n, 2, 1, (n,), (1,), head_dim=128)
   sched = schedule.build(case.pattern(False), n, 2, 1, (0,), False)
-  assert mosaic._long_keys(sched, False) == (block_k is None)
+  assert mosaic_plan.long_key_rows(sched, False) == (block_k is None)
   _both_passes_vs_reference(case, False, jnp.bfloat16,
                             mosaic.Config(interpret=True, block_k=block_k))
 
@@ -147,7 +147,7 @@ def test_one_segment_rows_of_any_length():
       n_pad = -(-n // (8 * r)) * 8 * r
       for block_rows in (128, 256):
         last = sched.row_blocks(block_rows) * block_rows * sched.stride  # past every box
-        assert mosaic._n_out(sched, n_pad, block_rows) >= last >= n
+        assert mosaic_plan.out_length(sched, n_pad, block_rows) >= last >= n
   two = DilatedPattern((192, 384), (1, 1))
   assert "whole blocks" in mosaic.geometry_problem(two, 384, 2, 1, None, config)
 
@@ -158,8 +158,9 @@ def test_blocks_of_192_keys_where_rows_are_long():
   under a causal mask, not LongNet's strided pieces, not 2048 keys (11 blocks, 3% spare)."""
   def long(n, segments, rates, causal=False, heads=2):
     pattern = DilatedPattern(segments, rates, causal=causal)
-    fused, *_ = mosaic._launches(pattern, n, heads, None)
-    return mosaic._long_keys(schedule.build(pattern, n, heads, heads, fused, False), causal)
+    fused, *_ = mosaic_plan.launches(pattern, n, heads, None)
+    sched = schedule.build(pattern, n, heads, heads, fused, False)
+    return mosaic_plan.long_key_rows(sched, causal)
   assert long(32768, (32768,), (1,)) and long(6144, (6144,), (1,))
   assert not long(32768, (32768,), (1,), causal=True)
   assert not long(2048, (2048,), (1,))
@@ -184,7 +185,7 @@ def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal):
   q = jax.ShapeDtypeStruct((1, case.n, 2, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, case.n, 1, head_dim), jnp.bfloat16)
   stat = jax.ShapeDtypeStruct((1, case.n, 2), jnp.float32)
-  assert len(mosaic._launches(pattern, case.n, 2, None)) == 2  # an unstrided and a strided
+  assert len(mosaic_plan.launches(pattern, case.n, 2, None)) == 2  # an unstrided and a strided
   lower = lambda f, *args: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
   text = lower(lambda q, k, v: mosaic.forward(q, k, v, pattern, scale, out_dtype=q.dtype),
                q, k, k).as_text()
@@ -207,8 +208,8 @@ def test_causal_plan_balances_items():
   n, heads = 8192, 4
   pattern = Case(n, heads, heads, (n,), (1,)).pattern(True)
   sched = schedule.build(pattern, n, heads, heads, (0,), False)
-  ranges = mosaic._Ranges(True, n, 1, True, 128, 128)
-  work = mosaic._Work.of(sched, 1, mosaic.Config(persistent=True), True, ranges)
+  ranges = mosaic_plan.Ranges(True, n, 1, True, 128, 128)
+  work = mosaic_plan.Work.of(sched, 1, mosaic.Config(persistent=True), True, ranges)
   programs, items = work.programs, work.items
   assert items == heads * n // 128 and programs == min(items, hopper.sm_count()) < items
   offsets, order = work.plan[:programs + 1], work.plan[programs + 1:]
@@ -221,26 +222,26 @@ def test_causal_plan_balances_items():
   assert max(loads) <= cost.sum() / programs + cost.max()
   static = [cost[p::programs].sum() for p in range(programs)]  # items p, p + programs, ...
   assert max(loads) < max(static)
-  assert mosaic._Work.of(sched, 1, mosaic.Config(persistent=False), True,
-                         ranges).plan is None  # a program per item: the GPU's order
+  assert mosaic_plan.Work.of(sched, 1, mosaic.Config(persistent=False), True,
+                             ranges).plan is None  # a program per item: the GPU's order
   # The default: persistent where items walk few blocks on average (here 32.5 + 1), else a
   # program per item (at N = 32768: 128.5 + 1).
-  assert mosaic._Work.of(sched, 1, mosaic.Config(), True,
-                         ranges).plan is not None
+  assert mosaic_plan.Work.of(sched, 1, mosaic.Config(), True,
+                             ranges).plan is not None
   # Two batch elements: the items of the second cost what the first's do (launch order:
   # batch-major), and the plan covers both.
-  two = mosaic._Work.of(sched, 2, mosaic.Config(persistent=True), True, ranges)
+  two = mosaic_plan.Work.of(sched, 2, mosaic.Config(persistent=True), True, ranges)
   offsets, order = two.plan[:programs + 1], two.plan[programs + 1:]
   assert two.items == 2 * items and sorted(order.tolist()) == list(range(2 * items))
   cost2 = np.tile(cost, 2)
-  assert (work._costs(1, ranges) == cost).all() and (two._costs(2, ranges) == cost2).all()
+  assert (work.costs(1, ranges) == cost).all() and (two.costs(2, ranges) == cost2).all()
   loads = [cost2[order[a:b]].sum() for a, b in zip(offsets[:-1], offsets[1:])]
   assert max(loads) <= cost2.sum() / programs + cost2.max()
   n = 32768
   long_rows = schedule.build(Case(n, heads, heads, (n,), (1,)).pattern(True), n, heads, heads,
                              (0,), False)
-  work = mosaic._Work.of(long_rows, 1, mosaic.Config(), True,
-                         mosaic._Ranges(True, n, 1, True, 128, 128))
+  work = mosaic_plan.Work.of(long_rows, 1, mosaic.Config(), True,
+                             mosaic_plan.Ranges(True, n, 1, True, 128, 128))
   assert work.plan is None and not work.persistent and work.programs == work.items
 
 

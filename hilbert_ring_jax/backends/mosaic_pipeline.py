@@ -1,0 +1,141 @@
+"""The pipeline the three "mosaic" kernels share (forward, dq, dk/dv).
+
+Each program runs three warpgroups: a producer that issues the TMA copies of an item's
+streamed blocks into rings of shared-memory buffers (full and free barriers per buffer), and
+two consumers that walk the same blocks in the same order. Here: the producer's loop over a
+program's items (`produce_items`) and over one item's blocks (`produce`; the forward's and the
+dq kernel's key/value streams: `produce_kv`), the consumers' matching walk (`walk`), and the
+boxes of rows they address, unstrided or through the strided view (`at_rows`; reduce-add
+stores into them: `add_rows`). The blocks themselves are `mosaic_plan.Ranges`'.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .hopper import REGISTERS, aligned
+from .mosaic_plan import Program, Work
+
+def at_rows(src, strided_src, at, n0, size, stride, L, index, use):
+  """`use(box)` on the box of positions `at + stride * (n0 + i)`, i < size: of `src`
+  (`[B, N, ...]`) when the stride is 1, else of its strided view `strided_src`
+  (`[B, N/L, L, ...]`). `index(rows, cls)` makes the ref index (`cls` None for `src`)."""
+
+  def unit():
+    use(src.at[index(pl.ds(aligned(at + n0), size), None)])
+
+  def strided():
+    use(strided_src.at[index(pl.ds(aligned(lax.div(at, L) + n0), size), lax.rem(at, L))])
+
+  if L == 1:
+    unit()
+  else:
+    pl.when(stride == 1)(unit)
+    pl.when(stride != 1)(strided)
+
+
+def add_rows(add_at, value, tile, bar, interpret: bool):
+  """`box += value` (float32 `[rows, D]`) through the shared-memory `tile`, where
+  `add_at(use)` calls `use(box)` (`at_rows`): the value goes to `tile` once (after the
+  previous store from it has read it), then a TMA reduce-add store. Interpret mode has no
+  reduction stores: it reads, adds and writes back (each consumer into its own
+  accumulator)."""
+  if interpret:
+    def read_add_write(box):
+      plgpu.copy_gmem_to_smem(box, tile, bar)
+      plgpu.barrier_wait(bar)
+      tile[...] = tile[...] + value
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(tile, box)
+      plgpu.wait_smem_to_gmem(0)
+    add_at(read_add_write)
+    return
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  tile[...] = value
+  plgpu.commit_smem()
+  add_at(lambda box: plgpu.copy_smem_to_gmem(tile, box, reduction_op="add"))
+
+
+def produce(prog: Program, blocks, streams, stages: int, step):
+  """The producer's part of one item: for each piece `p` of the row and block `j` in
+  `blocks(p) = (piece, lo, hi)`, for each stream `(free, load)`: wait until the slot is free
+  (after the first round), then `load(piece, j, slot)`, which issues the stream's TMA copies.
+  The consumers walk the same blocks in the same order (`walk`) and arrive on `free` (two
+  arrivals) when done with a buffer. `step`: blocks loaded before (the ring's position);
+  returns it after."""
+
+  def per_piece(p, step):
+    piece, lo, hi = blocks(p)
+
+    def per_block(j, step):
+      slot = lax.rem(step, stages)
+      for free, load in streams:
+        @pl.when(step >= stages)
+        def _():
+          plgpu.barrier_wait(free.at[slot])
+
+        load(piece, j, slot)
+      return step + 1
+
+    return lax.fori_loop(lo, hi, per_block, step)
+
+  return lax.fori_loop(prog.p0, prog.p1, per_piece, step)
+
+
+def produce_items(work: Work, origin_ref, rows_ref, item, frees, stages: int):
+  """The producer warpgroup: `step = item(prog, step)` (a `produce`) over the program's
+  items, then it waits for the consumers to release the last buffers of each ring in
+  `frees`: every phase of a barrier is observed before the block exits (needed by interpret
+  mode, free on the GPU)."""
+  plgpu.set_max_registers(REGISTERS[0], action="decrease")
+  _, _, loop = work.mine(origin_ref, rows_ref)
+  steps = loop(lambda i, prog, step: item(prog, step), jnp.int32(0))
+  for i in range(stages):
+    step = steps - stages + i
+
+    @pl.when(step >= 0)
+    def _():
+      for free in frees:
+        plgpu.barrier_wait(free.at[lax.rem(step, stages)])
+
+
+def produce_kv(work: Work, origin_ref, rows_ref, per_kv: int, k, v, ranges, L: int,
+               bk: int, stages: int):
+  """The producer of the forward and dq kernels: the key and value blocks of each item's
+  key pieces (`ranges(prog)`), read from the key/value head of its query head. `k`, `v`:
+  (the `[B, N, Hkv, D]` input, its strided view, the shared-memory ring, its full and its
+  free barriers)."""
+
+  def stream(prog, src4, src5, smem, bar, free):
+    kv_head = lax.div(prog.head, per_kv)
+
+    def load(piece, j, slot):
+      at_rows(src4, src5, prog.base + piece.first, j * bk, bk, piece.stride, L,
+              lambda rows, c: (prog.b, rows, kv_head) if c is None else
+              (prog.b, rows, c, kv_head),
+              lambda box: plgpu.copy_gmem_to_smem(box, smem.at[slot], bar.at[slot]))
+    return free, load
+
+  def item(prog, step):
+    return produce(prog, ranges(prog), [stream(prog, *k), stream(prog, *v)], stages, step)
+
+  produce_items(work, origin_ref, rows_ref, item, [k[-1], v[-1]], stages)
+
+
+def walk(prog: Program, ranges, block, carry):
+  """A consumer's pass over the blocks `produce` loads: `ranges(p) = (piece, lo, a, b, hi)`,
+  blocks `[a, b)` unmasked, the rest of `[lo, hi)` masked; `block(carry, piece, j, masked)`."""
+
+  def per_piece(p, carry):
+    piece, lo, a, b, hi = ranges(p)
+    for begin, end, masked in ((lo, a, True), (a, b, False), (b, hi, True)):
+      carry = lax.fori_loop(begin, end, functools.partial(
+          lambda masked, j, c: block(c, piece, j, masked), masked), carry)
+    return carry
+
+  return lax.fori_loop(prog.p0, prog.p1, per_piece, carry)

@@ -1,0 +1,514 @@
+"""The plan of the "mosaic" kernels: launch choices, launches, work items and their blocks.
+
+Host-side where it is static per shape, traced where it is per work item:
+- `Config` (the launch choices) and the shared-memory budgets they are checked against
+  (`smem_bytes`; the backward's in `Config.backward_for`);
+- `launches`: the branches of each launch (`schedule.launches` in rows of at least
+  `ROW_BLOCK`), and `geometry_problem`, whether their rows fit the kernels' blocks and grid;
+- `Work`: a launch's work items and which program walks which (persistent programs, the
+  host's list scheduling under a causal mask); `Program`: one item, decoded in the kernel
+  from the schedule's row table;
+- `Ranges`: the blocks of an item's pieces that a kernel walks (the producer's, the
+  consumers', the host's cost estimate), and the per-row masks of the blocks at a piece's
+  edges (`key_limit`, `query_bounds`);
+- `strided_view` and `out_length`: the views the kernels address and the outputs' extent.
+
+Work items are program blocks of rows (`2 * block_q` positions of one row, period and batch
+element). The kernels run persistent (`Config.persistent`): one program per SM walks a run of
+the items, the producer streaming the next item's blocks while the consumers finish the last
+one, and the forward loading the next item's queries into a second tile (measured faster on
+LongNet than a program per item, the same on full attention). Without a causal mask every
+item costs the same and program `p` takes items `p, p + #SMs, ...`. Under one, items differ
+in cost, and that static split left the SMs idle for part of the launch (ncu, LongNet causal
+D = 64); so the host estimates each item's cost (the blocks it walks, by the producer's own
+ranges) and list-schedules the items in launch order (each to the program that frees first:
+what the GPU's own block scheduler does, decided ahead, which keeps the programs in flight
+on neighbouring keys, in L2). The default does so where items walk at most `_SHORT_ITEMS`
+blocks on average (against a program per item: causal LongNet's forward measured faster and
+its forward+backward the same, that 8K LongNet's forward+backward faster); longer items (full
+causal attention) have little fixed cost to hide, and an A/B measured its list-scheduled
+backward slower, so each item is a program there. (The figures behind these choices:
+docs/performance.md.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ..pattern import DilatedPattern
+from . import schedule
+from .hopper import SMEM_BYTES, aligned, ceil_div, sm_count
+
+# Barriers and alignment beside the tiles (no reduction scratch: `hopper.run`'s kernels reduce
+# within warps only).
+_SMEM_SLACK = 1024
+_LONG_BLOCK_K = 192  # the forward's key block in long unmasked rows (`long_key_rows`)
+_MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA's grid x)
+# Causal work items are walked by persistent programs (`Config.persistent=None`) where they
+# walk at most this many blocks on average (estimated): there an item's fixed cost (its
+# queries' load, the ring's refill, the output's store) matters and persistence hides it.
+# Longer items hide it anyway, and the GPU's own scheduler balances their real costs, not our
+# estimate (full causal attention: the list-scheduled backward measured slower in one A/B;
+# docs/performance.md).
+_SHORT_ITEMS = 64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """Launch choices of the "mosaic" kernels (keyword-only; None: tuned defaults).
+
+  Attributes:
+    block_q: forward: query rows per consumer warpgroup (64 or 128; a program takes twice
+      as many).
+    block_k: forward: keys per pipeline step (64, 128 or 192). None: 192 in launches of
+      long unmasked rows (see `resolved`), else 128 (64 at head dim 256).
+    stages: forward: key/value blocks in flight (2..4).
+    backward_stages: backward: blocks in flight (2..4; blocks of 64 queries and keys).
+    fused_backward: backward: dq inside the dk/dv kernel (TMA reduce-add stores into a
+      float32 accumulator), else a dq kernel of its own. None: fused in launches that read
+      their rows unstrided (full attention, stride-1 branches), split in strided ones (a
+      second float32 dq accumulator would be needed there for the strided view). The fused
+      kernel's gradients pass through float32 buffers; where the gradients are final (bf16)
+      the split kernels write bf16 directly: `False` halves that memory at extreme lengths.
+    persistent: one program per SM, each walking a run of the launch's work items (program
+      blocks of rows), so that the producer streams the next item's blocks while the
+      consumers finish the last one (and the forward loads the next item's queries into a
+      second tile, where it fits), instead of one program per item. Under a causal mask the
+      host list-schedules the items over the programs by their estimated cost (host work
+      when a launch first traces, cached per shape; its cost: docs/performance.md). None:
+      persistent, but for causal items that walk more than `_SHORT_ITEMS` blocks on
+      average (full causal attention), where a program per item measured as fast.
+    interpret: run in Mosaic GPU interpret mode (CPU, JAX >= 0.11; slow: for tests).
+  """
+
+  block_q: int | None = None
+  block_k: int | None = None
+  stages: int | None = None
+  backward_stages: int | None = None
+  fused_backward: bool | None = None
+  persistent: bool | None = None
+  interpret: bool = False
+
+  def __post_init__(self):
+    for name, allowed in (("block_q", (64, 128)), ("block_k", (64, 128, 192)),
+                          ("stages", (2, 3, 4)), ("backward_stages", (2, 3, 4))):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or value not in allowed):
+        raise ValueError(f"{name} must be None or one of {allowed}, got {name}={value!r}")
+    for name in ("fused_backward", "persistent"):
+      if not isinstance(getattr(self, name), (bool, type(None))):
+        raise ValueError(f"{name} must be None or a bool, got {name}={getattr(self, name)!r}")
+    if not isinstance(self.interpret, bool):
+      raise ValueError(f"interpret must be a bool, got interpret={self.interpret!r}")
+
+  def resolved(self, head_dim: int, itemsize: int = 2, out_itemsize: int = 2,
+               long_keys: bool = False) -> Config:
+    """This config with the forward's tuned defaults filled in: the first of the preferred
+    tiles whose buffers fit in shared memory (float32 outputs take a tile of their own).
+    `long_keys` (a launch whose rows are unmasked and read unstrided, its pieces whole blocks
+    of 192 keys to within 1%: `long_key_rows`) puts blocks of 192 keys first at head dim 128
+    (full attention's forward measured faster than with 128; LongNet's pieces of a few blocks
+    and the causal diagonal slower: docs/performance.md). `ValueError` if the chosen forward
+    tiles do not fit. (The backward's are per launch: `backward_for`.)"""
+    preferred = [(64, 128 if head_dim <= 128 else 64, 2), (64, 64, 3), (64, 64, 2)]
+    if long_keys and head_dim == 128:
+      preferred.insert(0, (64, _LONG_BLOCK_K, 2))
+    for bq, bk, fwd_stages in preferred:
+      config = dataclasses.replace(self, block_q=self.block_q or bq, block_k=self.block_k or bk,
+                                   stages=self.stages or fwd_stages)
+      if smem_bytes(config, head_dim, itemsize, out_itemsize) <= SMEM_BYTES:
+        return config
+    raise ValueError(
+        f"block_q={config.block_q}, block_k={config.block_k}, stages={config.stages} need "
+        f"{smem_bytes(config, head_dim, itemsize, out_itemsize)} bytes of shared memory at "
+        f"head dim {head_dim} ({SMEM_BYTES} available): choose smaller blocks or fewer stages")
+
+  def backward_for(self, stride: int, head_dim: int, itemsize: int = 2) -> Config:
+    """The backward's choices for a launch of row stride `stride`: fused where unstrided
+    (unless `fused_backward` says), with 2 stages; split with the most stages that fit (up
+    to 3). Explicit backward stages that do not fit fail when the kernel lowers."""
+    fused = stride == 1 if self.fused_backward is None else self.fused_backward
+    stages = self.backward_stages or (2 if fused else max(
+        [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize) <= SMEM_BYTES]
+        or [2]))
+    return dataclasses.replace(self, backward_stages=stages, fused_backward=fused)
+
+
+def smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int,
+               q_buffers: int = 1) -> int:
+  q = 2 * q_buffers * config.block_q * head_dim * itemsize
+  kv = 2 * config.stages * config.block_k * head_dim * itemsize
+  out = 0 if out_itemsize == itemsize else 2 * config.block_q * head_dim * out_itemsize
+  return q + kv + out + 2 * config.block_q * 4 + _SMEM_SLACK  # + lse tiles
+
+
+BWD_BLOCK = 64  # queries and keys per backward block (a program: two blocks of a row)
+# The shortest row of a launch of several branches: a backward program's, and a forward one's
+# at the default block_q. One value for both passes, so that they make the same launches.
+ROW_BLOCK = 2 * BWD_BLOCK
+
+
+def _backward_smem_bytes(stages: int, head_dim: int, itemsize: int) -> int:
+  """Both split backward kernels hold, per consumer, two resident tiles (q and dout, or k
+  and v) and a float32 output tile, and a ring of two streamed tiles (k and v, or q and
+  dout) and two row statistics."""
+  tile = BWD_BLOCK * head_dim
+  resident = 2 * 2 * tile * itemsize + 2 * tile * 4
+  ring = stages * (2 * tile * itemsize + 2 * BWD_BLOCK * 4)
+  return resident + ring + 2 * 2 * BWD_BLOCK * 4 + _SMEM_SLACK
+
+
+def launches(pattern: DilatedPattern, n: int, num_heads: int, branches):
+  """The branches of each launch: `schedule.launches` in rows of at least `ROW_BLOCK`."""
+  return schedule.launches(pattern, n, num_heads, branches, min_row=ROW_BLOCK)
+
+
+def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_heads: int,
+                     branches, config: Config, batch: int = 1) -> str | None:
+  """Why the schedule of this problem does not fit the kernels' blocks or grid, or None.
+
+  A launch's rows come in whole program blocks (a program's boxes never reach into the next
+  row's positions), except in a launch of one segment (every branch's segment covers all N:
+  full attention, a ring step), whose rows all end at the sequence's end: there a partial
+  last block reads zeros past N, masks those keys and writes into the outputs' padding
+  (`out_length`), so any N runs."""
+  rows = math.lcm(2 * config.block_q, 2 * BWD_BLOCK)  # a forward and a backward program
+  for fused in launches(pattern, n, num_heads, branches):
+    s = schedule.build(pattern, n, num_heads, num_kv_heads, fused, False)
+    one_segment = all(br.w == n for br in pattern.layout(n, num_heads, fused))
+    if s.period % s.stride or (
+        not one_segment and np.any(s.rows[:, schedule.ROW_LENGTH] % rows)):
+      return (f"the mosaic backend needs query rows of whole blocks of {rows} positions "
+              f"(per launch, the shortest segment over the rates' lcm a multiple of {rows}, "
+              f"or one segment over all N); got rows of "
+              f"{sorted(set(s.rows[:, schedule.ROW_LENGTH].tolist()))} for branches {fused}")
+    if (items := math.prod(s.grid(batch, 2 * BWD_BLOCK))) > _MAX_ITEMS:
+      return f"the mosaic backend numbers a launch's blocks in int32; got {items}"
+  return None
+
+
+def long_key_rows(sched: schedule.Schedule, causal: bool) -> bool:
+  """Whether a launch's rows read unmasked, unstrided pieces that blocks of 192 keys
+  cover with at most 1% to spare (full attention from ~19K keys)."""
+  lengths = sched.pieces[:, schedule.PIECE_LENGTH]
+  covered = -(-lengths // _LONG_BLOCK_K) * _LONG_BLOCK_K
+  return (not causal and sched.stride == 1 and len(lengths) > 0
+          and covered.sum() <= 1.01 * lengths.sum())
+
+
+def _cut(first, count, stride, base, n, L):
+  """`count` positions `first, first + stride, ...` of the period at `base`, cut at n."""
+  return jnp.minimum(count,
+                     _div_stride(jnp.maximum(n - base - first + stride - 1, 0), stride, L))
+
+
+def _div_stride(x, stride, L, bound=0):
+  """`floor(x / stride)` for `x >= -bound` (scalars, or a tile's per-row vectors), where
+  `stride` is 1 or the launch's `L` (the schedule's strides; `Work.of` checks): a division
+  by a constant (by a runtime divisor it took ~20 instructions, and the LM's launches walk a
+  piece or two per block), and no select (Mosaic GPU wants a select's predicate broadcast)."""
+  if L == 1:
+    return x
+  off = (bound // L + 1) * L if bound else 0
+  quotient = lax.div(x + off, L) - off // L
+  if isinstance(stride, int):
+    return quotient
+  return x + (stride != 1).astype(jnp.int32) * (quotient - x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """One work item of a launch (traced): batch `b`, the period's first position `base`, the
+  row's head, first position and length (cut at n), its pieces `[p0, p1)` (none when the
+  item is past the row's end: `busy` false), its row `row0` and class `cls` in the strided
+  view, and the item's first position `start` in the row (`block_rows` positions per
+  item)."""
+  b: jax.Array
+  base: jax.Array
+  head: jax.Array
+  first: jax.Array
+  nrows: jax.Array
+  p0: jax.Array
+  p1: jax.Array
+  row0: jax.Array
+  cls: jax.Array
+  start: jax.Array
+  busy: jax.Array
+
+  def rows(self, wg, size: int):
+    """Consumer `wg`'s `size` rows of the item, in the strided view."""
+    return pl.ds(aligned(self.row0 + self.start + wg * size), size)
+
+  @classmethod
+  def decode(cls, rows_ref, sched: schedule.Schedule, block_rows: int, n: int, item,
+             reverse: bool):
+    """Item `item` of the launch: `(batch, period)`-major, then rows, then the row's blocks
+    (from its last block if `reverse`: under a causal mask the heaviest first)."""
+    row_blocks, rc = sched.row_blocks(block_rows), schedule.ROW_COLUMNS
+    per_bp = len(sched.rows) * row_blocks
+    bp, pid = lax.div(item, per_bp), lax.rem(item, per_bp)
+    r, blk = lax.div(pid, row_blocks), lax.rem(pid, row_blocks)
+    if reverse:
+      blk = row_blocks - 1 - blk
+    base = lax.rem(bp, sched.periods) * sched.period
+    first = rows_ref[r * rc + schedule.ROW_FIRST]
+    nrows = _cut(first, rows_ref[r * rc + schedule.ROW_LENGTH], sched.stride, base, n,
+                 sched.stride)
+    start = blk * block_rows
+    p0 = rows_ref[r * rc + schedule.ROW_PIECE0]
+    busy = start < nrows
+    return cls(b=lax.div(bp, sched.periods), base=base, head=rows_ref[r * rc + schedule.ROW_HEAD],
+               first=first, nrows=nrows, p0=p0,
+               p1=jnp.where(busy, rows_ref[r * rc + schedule.ROW_PIECE1], p0),
+               row0=lax.div(base + first, sched.stride), cls=lax.rem(base + first, sched.stride),
+               start=start, busy=busy)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Work:
+  """A launch's work items (`sched.grid`'s programs, flattened) over `programs` programs
+  (`persistent`: one program per SM; else one per item). Program `p` takes items
+  `p, p + programs, ...`, or under a causal mask, where items differ in cost, the items
+  `plan` gives it: offsets `[programs + 1]`, then the items grouped by program, appended
+  to the rows table (`table`)."""
+  sched: schedule.Schedule
+  block_rows: int
+  n: int
+  items: int
+  programs: int
+  persistent: bool
+  reverse: bool
+  plan: np.ndarray | None = None
+
+  @classmethod
+  @functools.lru_cache(maxsize=256)
+  def of(cls, sched: schedule.Schedule, batch: int, config: Config, reverse: bool,
+         ranges: Ranges):
+    """The work of a launch whose items walk `ranges` (which holds the launch's `n`, causal
+    mask and program block; the items' costs are what `plan` balances). Cached (the plan is
+    host work: a model's layers share it)."""
+    strides = np.asarray(sched.pieces)[:, schedule.PIECE_STRIDE]
+    assert np.isin(strides, (1, sched.stride)).all(), "strides 1 or L (_div_stride)"
+    rows, bps = sched.grid(batch, ranges.block_rows)
+    items = rows * bps
+    persistent = True if config.persistent is None else config.persistent
+    # Interpret mode: one program walks all items (one launch: persistent programs in
+    # several interpreted launches hung under jit, nondeterministically, on JAX 0.11.2).
+    programs = min(items, 1 if config.interpret else sm_count())
+    work = cls(sched, ranges.block_rows, ranges.n, items, programs, persistent, reverse)
+    if not (persistent and ranges.causal):
+      return work if persistent else dataclasses.replace(work, programs=items)
+    costs = work.costs(batch, ranges)
+    if config.persistent is None and costs.mean() > _SHORT_ITEMS:
+      return dataclasses.replace(work, programs=items, persistent=False)
+    return dataclasses.replace(work, plan=work._plan(costs))
+
+  def costs(self, batch: int, ranges) -> np.ndarray:
+    """Each item's estimated cost: the blocks it walks (by the producer's own `ranges`,
+    evaluated here on the host), plus one for the item itself."""
+    per_batch = self.items // batch  # items of one batch element (the same costs in each)
+    try:
+      host = jax.devices("cpu")[0]
+    except RuntimeError:  # no CPU backend configured: the default device then
+      host = None
+    with jax.ensure_compile_time_eval(), jax.default_device(host):
+      rows, pieces, bias = self.sched.arrays()
+      rows = rows.reshape(-1)
+
+      def cost(item):
+        prog = Program.decode(rows, self.sched, self.block_rows, self.n, item, self.reverse)
+        blocks = ranges(prog, pieces.reshape(-1), bias)
+
+        def add(p, total):
+          _, lo, hi = blocks(p)
+          return total + jnp.maximum(hi - lo, 0)
+
+        return lax.fori_loop(prog.p0, prog.p1, add, jnp.int32(1))
+
+      return np.tile(np.asarray(jax.vmap(cost)(jnp.arange(per_batch))), batch)
+
+  def _plan(self, costs: np.ndarray) -> np.ndarray:
+    """List scheduling, decided on the host: the items in launch order (row by row, which
+    keeps the programs in flight on neighbouring keys), each to the program that frees
+    first by its estimated cost: what the GPU's block scheduler does with a program per
+    item. A static split (`p, p + programs, ...`) of LongNet's causal items left the SMs
+    idle for part of the launch, its busiest program well above the mean; the plan's is
+    near it (ncu and the estimate: docs/performance.md)."""
+    free = [(0, p) for p in range(self.programs)]
+    owner = np.empty(self.items, np.int32)
+    for item, c in enumerate(costs.tolist()):
+      t, p = heapq.heappop(free)
+      owner[item] = p
+      heapq.heappush(free, (t + c, p))
+    order = np.argsort(owner, kind="stable")
+    offsets = np.searchsorted(owner[order], np.arange(self.programs + 1))
+    return np.concatenate([offsets, order]).astype(np.int32)
+
+  @property
+  def grid(self):
+    return self.programs, 1
+
+  def table(self, rows):
+    """The rows table as the kernels read it: flat, the plan appended."""
+    rows = rows.reshape(-1)
+    return rows if self.plan is None else jnp.concatenate([rows, jnp.asarray(self.plan)])
+
+  def mine(self, origin_ref, rows_ref):
+    """This program's `(count, prog, loop)`: its number of items, `prog(i)` its i-th item
+    and `loop(body, carry)`, which runs `carry = body(i, prog(i), carry)` over them."""
+    pid = lax.axis_index("row") + origin_ref[0]
+    if self.plan is None:
+      count = ceil_div(self.items - pid, self.programs)
+      item = lambda i: pid + i * self.programs
+    else:
+      at = self.sched.rows.size
+      first = rows_ref[at + pid]
+      count = rows_ref[at + pid + 1] - first
+      item = lambda i: rows_ref[at + self.programs + 1 + first + i]
+
+    def prog(i):
+      return Program.decode(rows_ref, self.sched, self.block_rows, self.n, item(i),
+                             self.reverse)
+
+    def loop(body, carry):
+      return lax.fori_loop(0, count, lambda i, c: body(i, prog(i), c), carry)
+
+    return count, prog, loop
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+  """Piece `p` of the row (traced): the other side's head, first position, stride, length
+  (cut at n) and `log2 m`."""
+  head: jax.Array
+  first: jax.Array
+  stride: jax.Array
+  count: jax.Array
+  bias: jax.Array
+
+  @classmethod
+  def decode(cls, pieces_ref, bias_ref, p, base, n, L):
+    pc = schedule.PIECE_COLUMNS
+    first = pieces_ref[p * pc + schedule.PIECE_FIRST]
+    stride = pieces_ref[p * pc + schedule.PIECE_STRIDE]
+    return cls(head=pieces_ref[p * pc + schedule.PIECE_HEAD], first=first, stride=stride,
+               count=_cut(first, pieces_ref[p * pc + schedule.PIECE_LENGTH], stride, base, n,
+                          L),
+               bias=bias_ref[p])
+
+
+def key_limit(piece, key0, q_pos, causal, L, n):
+  """The masks of the forward and dq kernels: per query row (`q_pos`, its positions), the
+  last key of `piece` it sees counted from the block's first key `key0`; the row sees the
+  block's column `c` iff `c <= limit` (one comparison a score). Not causal: a scalar."""
+  last = piece.count - 1 - key0
+  if not causal:
+    return last
+  return jnp.minimum(_div_stride(q_pos - piece.first, piece.stride, L, n) - key0, last)
+
+
+def query_bounds(piece, query0, k_pos, causal, L, n):
+  """The masks of the dk/dv kernel: per key row (`k_pos`, its positions), the queries of
+  `piece` that see it counted from the block's first query `query0`: columns `lo <= c <
+  hi` (`lo` None when not causal; `hi` a scalar)."""
+  hi = piece.count - query0
+  if not causal:
+    return None, hi
+  return -_div_stride(piece.first - k_pos, piece.stride, L, n) - query0, hi
+
+
+def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first=None):
+  """Key pieces of a query row (forward, dq): `(piece, 0, 0, unmasked, blocks)` where
+  `blocks` covers the keys any query of the program sees and the first `unmasked` blocks
+  hold keys that exist and (causal) precede `q_first`, a consumer's first query; with
+  `q_first` None, `(piece, lo, hi)` for the producer."""
+  hi_q = prog.first + L * (jnp.minimum(prog.start + block_rows, prog.nrows) - 1)
+
+  def seen(piece, pos):  # keys of the piece at or before position `pos`
+    if not causal:
+      return piece.count
+    return jnp.where(pos >= piece.first,
+                     jnp.minimum(piece.count,
+                                 _div_stride(pos - piece.first, piece.stride, L) + 1), 0)
+
+  def ranges(p):
+    piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n, L)
+    blocks = ceil_div(seen(piece, hi_q), bk)
+    if q_first is None:
+      return piece, 0, blocks
+    unmasked = jnp.minimum(lax.div(seen(piece, q_first), bk), blocks)
+    return piece, 0, 0, unmasked, blocks
+
+  return ranges
+
+
+def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last=None):
+  """Query pieces of a key row (dk/dv): `(piece, lo, a, b, hi)` where `[lo, hi)` covers the
+  queries that see any key of the program (causal: at or after its first key), `[a, b)` the
+  blocks of queries that exist and see every key up to `k_last`, a consumer's last key;
+  with `k_last` None, `(piece, lo, hi)` for the producer."""
+  k_first = prog.first + L * prog.start
+
+  def before(piece, pos):  # queries of the piece before position `pos`
+    if not causal:
+      return jnp.int32(0)
+    return jnp.where(pos > piece.first,
+                     jnp.minimum(piece.count,
+                                 _div_stride(pos - piece.first + piece.stride - 1,
+                                             piece.stride, L)), 0)
+
+  def ranges(p):
+    piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n, L)
+    lo, hi = lax.div(before(piece, k_first), bq), ceil_div(piece.count, bq)
+    if k_last is None:
+      return piece, lo, hi
+    a = jnp.maximum(lo, ceil_div(before(piece, k_last), bq))
+    return piece, lo, a, jnp.maximum(a, lax.div(piece.count, bq)), hi
+
+  return ranges
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranges:
+  """The blocks of an item's pieces, as one kernel walks them: `_key_ranges` (`keys`: the
+  forward and dq) or `_query_ranges` (dk/dv), `block` positions a block, items of
+  `block_rows` positions. One object for the producer, the consumers (with their `bound`:
+  first query or last key), the launch's work (`Work.of`, cached by it) and the host's cost
+  estimate."""
+  keys: bool
+  n: int
+  L: int
+  causal: bool
+  block_rows: int
+  block: int
+
+  def __call__(self, prog, pieces_ref, bias_ref, bound=None):
+    if self.keys:
+      return _key_ranges(prog, pieces_ref, bias_ref, self.n, self.L, self.causal,
+                         self.block_rows, self.block, bound)
+    return _query_ranges(prog, pieces_ref, bias_ref, self.n, self.L, self.causal, self.block,
+                         bound)
+
+
+def strided_view(x, stride: int):
+  """The free view `[B, N/L, L, ...]` of `x [B, N, ...]`: row `p // L`, class `p % L`."""
+  return x.reshape(x.shape[0], x.shape[1] // stride, stride, *x.shape[2:])
+
+
+def out_length(sched: schedule.Schedule, n_pad: int, block_rows: int) -> int:
+  """Outputs cover whole periods and every program's boxes (`block_rows` positions of a row;
+  a one-segment launch's last block may be partial): TMA stores that run past the end of an
+  array are not clipped reliably on the GPU (measured: rows of the last, partial period
+  landed at the start), so none is issued."""
+  L = sched.stride
+  covered = max(sched.periods * sched.period, sched.row_blocks(block_rows) * block_rows * L)
+  return max(n_pad, -(-covered // (8 * L)) * 8 * L)
