@@ -3,9 +3,10 @@
 `DilatedMultiHeadAttention` projects tokens to queries, keys and values, optionally puts them
 in a Hilbert (or any other) order, runs `dilated_attention` (or the ring version over a mesh)
 and brings the result back to the caller's order; with `decode` it keeps the compressed key/value
-cache of `decode.py` and attends new tokens to everything seen so far. `dilated_attention_fn`
-plugs the same function into Flax's own `nnx.MultiHeadAttention`. The Linen twin is in
-`linen.py`.
+cache of `decode.py` and attends new tokens to everything seen so far. It is called as
+`nnx.MultiHeadAttention` is: any leading batch dims, keys and values from other inputs, and a
+`mask` that hides keys (`attend`). `dilated_attention_fn` plugs the same function into Flax's
+own `nnx.MultiHeadAttention`. The Linen twin is in `linen.py`.
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .api import dilated_attention
+from .api import check_scale, dilated_attention
 from .decode import KVCache, dilated_attention_prefill, dilated_attention_step, init_kv_cache
 from .ordering import (check_perm, hilbert_permutation, hilbert_permutation_per_segment,
-                       serialize, unserialize)
-from .pattern import DilatedPattern
+                       inverse_permutation, serialize, unserialize)
+from .pattern import DilatedPattern, heads_per_kv
+from .reference import visibility_counts
 
 ORDERINGS = ("hilbert", "hilbert_per_segment")
 # nnx.MultiHeadAttention's defaults (and linen.MultiHeadDotProductAttention's).
 DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
 DEFAULT_BIAS_INIT = nnx.initializers.zeros_init()
+# A hidden key scores this far below its logit (`hide_keys`).
+HIDE = 2.0 ** 24
 
 
 @functools.lru_cache(maxsize=32)
@@ -225,14 +229,15 @@ def decode_attend(q, k, v, cache: KVCache, pattern, *, prefill: bool, implementa
 
 
 def check_input_shape(input_shape, in_features) -> int:
-  """The batch size of `init_cache`'s `input_shape` `(B, N, in_features)` (N is unused)."""
+  """The batch size of `init_cache`'s `input_shape` `(batch..., N, in_features)`: the product
+  of the batch dims, 1 for none, as the layers' calls flatten them (N is unused)."""
   shape = tuple(input_shape) if isinstance(input_shape, (tuple, list)) else None
-  if shape is None or len(shape) != 3 or any(
+  if shape is None or len(shape) < 2 or any(
       isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in shape) \
       or shape[-1] != in_features:
-    raise ValueError(f"input_shape must be (batch, length, in_features={in_features}) of "
+    raise ValueError(f"input_shape must be (batch..., length, in_features={in_features}) of "
                      f"positive ints, got {input_shape=!r}")
-  return int(shape[0])
+  return int(np.prod(shape[:-2], dtype=np.int64))
 
 
 def static_implementation(implementation):
@@ -273,40 +278,223 @@ def apply_dropout(y, key, rate: float, broadcast: bool):
   return jnp.where(keep, y / (1.0 - rate), jnp.zeros_like(y))
 
 
-def attend(q, k, v, pattern, *, implementation=None, mesh=None, seq_axis=None,
-           batch_axis=None):
+def layer_inputs(inputs_q, inputs_k, inputs_v, in_features: int, in_kv_features=None):
+  """A layer call's inputs with Flax's defaults (keys from `inputs_q` unless `inputs_k`, values
+  from the keys' inputs unless `inputs_v`), as `(batch, xq, xk, xv)`: the batch dims and
+  `[B, N, F]` arrays, B the product of the batch dims (1 for none); one input passed twice is
+  flattened once. `ValueError` naming an input that does not fit (`in_kv_features` None: the
+  keys' and values' features are free)."""
+  if inputs_k is None:
+    if inputs_v is not None:
+      raise ValueError("inputs_v needs inputs_k (keys default to inputs_q, values to the keys' "
+                       "inputs): pass inputs_k too, or inputs_k alone for both")
+    inputs_k = inputs_q
+  inputs_v = inputs_k if inputs_v is None else inputs_v
+  batch = tuple(jnp.shape(inputs_q))[:-2]
+  flat = {}
+  for name, x, features, what in (("inputs_q", inputs_q, in_features, "in_features"),
+                                  ("inputs_k", inputs_k, in_kv_features, "in_kv_features"),
+                                  ("inputs_v", inputs_v, in_kv_features, "in_kv_features")):
+    shape = tuple(jnp.shape(x))
+    if len(shape) < 2 or (features is not None and shape[-1] != features):
+      raise ValueError(f"{name} must be [batch..., N, {what}={features or 'F'}], got "
+                       f"{name}.shape={shape}")
+    if shape[:-2] != batch:
+      raise ValueError(f"{name} must have the batch dims of inputs_q {batch}, got "
+                       f"{name}.shape={shape}")
+    if id(x) not in flat:
+      flat[id(x)] = jnp.reshape(x, (int(np.prod(batch, dtype=np.int64)),) + shape[-2:])
+  if jnp.shape(inputs_v)[-2] != jnp.shape(inputs_k)[-2]:
+    raise ValueError(f"inputs_k and inputs_v must have the same length, got "
+                     f"{jnp.shape(inputs_k)=} and {jnp.shape(inputs_v)=}")
+  return batch, flat[id(inputs_q)], flat[id(inputs_k)], flat[id(inputs_v)]
+
+
+def key_mask_of(mask, batch: tuple, n_k: int):
+  """Flax's `mask` (`[batch..., heads, Nq, Nk]` or broadcasting to it; True or nonzero: attend)
+  as a `[B, Nk]` bool key mask, B the product of the batch dims (None: None).
+
+  Only a mask that hides keys fits the dilated pattern, which decides what each query sees: one
+  of size 1 along heads and queries, such as a padding mask `key_valid[..., None, None, :]` or
+  `nnx.MultiHeadAttention`'s decode cache mask. Any other raises `ValueError`.
+  """
+  if mask is None:
+    return None
+  shape = tuple(jnp.shape(mask))
+  want = (*batch, 1, 1, n_k)
+  try:
+    fits = len(shape) <= len(want) and jnp.broadcast_shapes(shape, want) == want
+  except ValueError:
+    fits = False
+  if not fits:
+    raise ValueError(f"mask must hide keys only, of shape {want} = [batch..., 1, 1, Nk] or "
+                     f"broadcasting to it (True: attend), e.g. key_valid[..., None, None, :]; "
+                     f"got mask.shape={shape}. The dilated pattern decides which keys each query "
+                     f"sees: a mask that varies over queries or heads is not supported")
+  return jnp.broadcast_to(jnp.asarray(mask), want).reshape(-1, n_k).astype(bool)
+
+
+def check_position_free(pattern: DilatedPattern, n_q: int, n_k: int) -> None:
+  """`ValueError` unless `pattern` shows every key to every query whatever their positions (not
+  causal, every rate 1, every segment covering both lengths): the one kind of pattern for which
+  queries and keys of different lengths (`n_q`, `n_k`) have a meaning."""
+  n = max(n_q, n_k)
+  if pattern.causal or any(r != 1 or w < n for w, r in pattern.branches):
+    raise ValueError(f"queries and keys of different lengths ({n_q} and {n_k}) need a pattern "
+                     f"under which every query sees every key (not causal, every dilation rate "
+                     f"1, every segment length >= {n}), got {pattern=}: a dilated pattern places "
+                     f"queries and keys on one sequence. For cached decoding with a dilated "
+                     f"pattern, use DilatedMultiHeadAttention(decode=True)")
+
+
+def hide_keys(attention, q, k, v, key_mask, scale: float):
+  """`attention(q, k, v, scale=scale, return_lse=True)` with the keys where `key_mask [B, N]` is
+  False hidden: `(out, lse)` of the pattern's attention with those keys removed from every
+  query's view; a row left with no visible key gets `out = 0`, `lse = -inf` and no gradient.
+
+  Every backend computes it as it is: q, k and v get one more feature, 1 in queries, 0 in
+  values, and in keys 0 (visible) or `-HIDE / scale` (hidden), so a hidden key scores `HIDE`
+  below its logit. While logits stay within `HIDE / 4` in magnitude, `exp` of a hidden key's
+  score is exactly 0 in a row that sees a visible key, and a row of hidden keys alone has
+  `lse < -HIDE / 2`: it is then set to 0 and `-inf`. float16 cannot hold the feature: float16
+  inputs run in float32. The extra feature makes the head dim one that the GPU kernels decline,
+  so the "xla" backend runs.
+  """
+  if not abs(scale) >= 2.0 ** -64:
+    raise ValueError(f"a mask hides keys through the scores: it needs |scale| >= 2**-64, got "
+                     f"{scale=}")
+  dtype = q.dtype
+  wide = jnp.float32 if dtype == jnp.float16 else dtype
+
+  def extend(x, feature):
+    feature = jnp.broadcast_to(feature, x.shape[:-1] + (1,)).astype(wide)
+    return jnp.concatenate([x.astype(wide), feature], axis=-1)
+
+  bias = jnp.where(key_mask, 0.0, -HIDE / scale)[:, :, None, None]
+  out, lse = attention(extend(q, 1.0), extend(k, bias), extend(v, 0.0), scale=scale,
+                       return_lse=True)
+  seen = lse > -HIDE / 2
+  return (jnp.where(seen[..., None], out[..., :-1], 0.0).astype(dtype),
+          jnp.where(seen, lse, -jnp.inf))
+
+
+def attend(q, k, v, pattern, *, key_mask=None, scale=None, return_lse=False,
+           implementation=None, mesh=None, seq_axis=None, batch_axis=None):
   """`dilated_attention`, or the ring version sharded over `seq_axis` (and the batch over
-  `batch_axis`) of `mesh`."""
+  `batch_axis`) of `mesh`, with hidden keys and keys of another length than the queries.
+
+  Args:
+    q, k, v: `[B, Nq, H, D]` queries, `[B, Nk, Hkv, D]` keys and values, in processing order.
+    key_mask: None, or `[B, Nk]` bool: False hides that key from every query (`hide_keys`).
+    scale, return_lse, implementation: as in `dilated_attention`.
+    mesh, seq_axis, batch_axis: as in `sharded_dilated_attention` (None: one device).
+
+  Keys of another length (`Nk != Nq`) need a pattern that shows every key to every query
+  (`check_position_free`): the shorter side is padded, queries with rows dropped after and keys
+  hidden, which changes nothing there.
+
+  Returns:
+    `out [B, Nq, H, D]`, or `(out, lse)`.
+  """
   if mesh is None:
     if seq_axis is not None or batch_axis is not None:
       raise ValueError(f"seq_axis and batch_axis are only used with a mesh, got {seq_axis=}, "
                        f"{batch_axis=} and mesh=None")
-    return dilated_attention(q, k, v, pattern, implementation=implementation)
-  if seq_axis is None:
-    raise ValueError(f"a mesh needs seq_axis, the mesh axis that shards the sequence (one of "
-                     f"{tuple(mesh.shape)}), got seq_axis=None")
-  try:
-    from .ring import sharded_dilated_attention  # pylint: disable=import-outside-toplevel
-  except ImportError as e:
-    raise NotImplementedError(
-        f"mesh= needs hilbert_ring_jax.ring.sharded_dilated_attention, unavailable here: {e}"
-    ) from e
-  return sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name=seq_axis,
-                                   batch_axis=batch_axis,
-                                   implementation=implementation)
+    run = functools.partial(dilated_attention, pattern=pattern, implementation=implementation)
+  else:
+    if seq_axis is None:
+      raise ValueError(f"a mesh needs seq_axis, the mesh axis that shards the sequence (one of "
+                       f"{tuple(mesh.shape)}), got seq_axis=None")
+    try:
+      from .ring import sharded_dilated_attention  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+      raise NotImplementedError(
+          f"mesh= needs hilbert_ring_jax.ring.sharded_dilated_attention, unavailable here: {e}"
+      ) from e
+    run = functools.partial(sharded_dilated_attention, pattern=pattern, mesh=mesh,
+                            axis_name=seq_axis, batch_axis=batch_axis,
+                            implementation=implementation)
+  n_q, n_k = q.shape[1], k.shape[1]
+  if n_q != n_k:
+    check_position_free(pattern, n_q, n_k)
+    n = max(n_q, n_k)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+    if n_k < n:
+      key_mask = pad(jnp.ones(k.shape[:2], bool) if key_mask is None else key_mask)
+    q, k, v = pad(q), pad(k), pad(v)
+  if key_mask is None:
+    out, lse = run(q, k, v, scale=scale, return_lse=True)
+  else:
+    out, lse = hide_keys(run, q, k, v, key_mask, check_scale(scale, q.shape[-1]))
+  out, lse = out[:, :n_q], lse[:, :n_q]
+  return (out, lse) if return_lse else out
+
+
+def attention_weights(q, k, lse, pattern, *, key_mask=None, scale=None):
+  """The attention probabilities `[B, H, Nq, Nk]` behind `attend`'s `(out, lse)`:
+  `m exp(s - lse)` (docs/SPEC.md, section 5), 0 where a query does not see a key (hidden keys
+  included). Dense, `O(Nq Nk)` memory: what `sow_weights` records, in float32."""
+  n_q, n_k, h = q.shape[1], k.shape[1], q.shape[2]
+  counts = visibility_counts(pattern, max(n_q, n_k), h)[:, :n_q, :n_k]
+  kh = jnp.repeat(k, heads_per_kv(h, k.shape[2]), axis=2)
+  s = check_scale(scale, q.shape[-1]) * jnp.einsum(
+      "bihd,bjhd->bhij", q, kh, precision=jax.lax.Precision.HIGHEST,
+      preferred_element_type=jnp.float32)
+  seen = counts > 0 if key_mask is None else (counts > 0) & key_mask[:, None, None, :]
+  lse = jnp.moveaxis(jnp.where(jnp.isfinite(lse), lse, 0.0), 1, 2)[..., None]
+  return jnp.where(seen, counts * jnp.exp(s - lse), 0.0)
+
+
+def serialize_inputs(perm, mesh, *xs):
+  """`permute` each of `xs` (`[B, N, ...]` arrays or None) into processing order; an array
+  passed several times (self-attention's one input) is permuted once."""
+  done = {}
+  for x in xs:
+    if x is not None and id(x) not in done:
+      done[id(x)] = permute(x, perm, mesh=mesh)
+  return tuple(None if x is None else done[id(x)] for x in xs)
+
+
+def caller_weights(weights, perm, batch: tuple):
+  """`attention_weights` `[B, H, N, Nk]` in the caller's token order (both axes) and batch
+  dims: what a layer sows."""
+  if perm is not None:
+    inv = inverse_permutation(perm)
+    weights = weights[:, :, inv][:, :, :, inv]
+  return weights.reshape(batch + weights.shape[1:])
+
+
+def check_call(*, decode: bool, prefill, sow_weights, cross: bool, key_mask, rotary_base,
+               order: TokenOrder, pattern: DilatedPattern, mesh) -> None:
+  """`ValueError` for a layer call's flags that do not go together."""
+  check_flag("sow_weights", sow_weights)
+  if check_flag("prefill", prefill) and not decode:
+    raise ValueError("prefill=True fills the decoding cache: it needs decode=True (at the "
+                     "call or the constructor)")
+  if cross and rotary_base is not None:
+    raise ValueError("rotary_base turns queries and keys by their positions on one sequence: "
+                     "keys of another length than the queries have none")
+  if decode:
+    check_decodable(order, pattern, mesh)
+    for what, bad in (("keys of another length than the queries", cross),
+                      ("a mask (the cache hides what was not written)", key_mask is not None),
+                      ("sow_weights", sow_weights)):
+      if bad:
+        raise ValueError(f"decode takes no {what}")
 
 
 class DilatedMultiHeadAttention(nnx.Module):
-  """Multi-head self-attention with a LongNet dilated pattern and an optional token order.
+  """Multi-head attention with a LongNet dilated pattern and an optional token order.
 
-  `x [B, N, in_features]` -> (serialize) -> q `[B, N, H, D]`, k, v `[B, N, Hkv, D]` ->
-  (`normalize_qk`) -> `dilated_attention` -> dropout -> output projection -> (unserialize) ->
-  `[B, N, out_features]`. With an ordering, the pattern's segments, dilation and causality act
-  on positions in that order, and outputs come back in the caller's order: a caller never sees
-  the processing order.
+  `inputs_q [batch..., N, in_features]` -> (serialize) -> q `[B, N, H, D]`, k, v
+  `[B, N, Hkv, D]` -> (`normalize_qk`) -> `dilated_attention` -> dropout -> output projection ->
+  (unserialize) -> `[batch..., N, out_features]`. With an ordering, the pattern's segments,
+  dilation and causality act on positions in that order, and outputs come back in the caller's
+  order: a caller never sees the processing order.
 
-  A drop-in for self-attention with `flax.nnx.MultiHeadAttention`: the arguments they share mean
-  the same and default the same, and the parameters (`query`, `key`, `value`, `out`, each an
+  A drop-in for `flax.nnx.MultiHeadAttention`: the arguments they share mean the same and
+  default the same, a call takes the same arguments (`inputs_q`, `inputs_k`, `inputs_v`,
+  `mask`, ...), and the parameters (`query`, `key`, `value`, `out`, each an
   `nnx.LinearGeneral` with `kernel` and `bias`, and with `normalize_qk` the `LayerNorm`s
   `query_ln` and `key_ln`) are laid out identically, so weights copy across, to the Linen twin
   (`hilbert_ring_jax.linen.DilatedMultiHeadAttention`) too, when both were built with the same
@@ -332,6 +520,7 @@ class DilatedMultiHeadAttention(nnx.Module):
     qkv_features: total query features `H * D` (default `in_features`); `D` per head.
     out_features: output features (default `in_features`).
     num_kv_heads: key/value heads `Hkv` (default `H`); fewer gives GQA/MQA.
+    in_kv_features: input features of the key and value projections (default `in_features`).
     pattern: the `DilatedPattern` (its `causal` flag makes the layer causal).
     ordering: None (tokens as given), `"hilbert"` (tokens are the row-major cells of a grid of
       `grid_shape`, processed along a Hilbert curve), `"hilbert_per_segment"` (a Hilbert order
@@ -359,8 +548,9 @@ class DilatedMultiHeadAttention(nnx.Module):
       permutations: serializing once at the model's input is cheaper.
     batch_axis: with `mesh`, the mesh axis (or axes) the batch is split over: data x
       sequence parallelism.
-    rngs: `nnx.Rngs` for parameter init; with `dropout_rate > 0` it must have a `dropout` (or
-      `default`) stream, forked here for the calls.
+    rngs: `nnx.Rngs` for parameter init; with `dropout_rate > 0` (and `keep_rngs`) it must have
+      a `dropout` (or `default`) stream, forked here for the calls.
+    keep_rngs: keep that stream (as `self.rngs`); False: the calls that drop out pass `rngs`.
     kernel_metadata, bias_metadata: metadata of the projection `Param`s (e.g. a sharding:
       `{"out_sharding": ("embed", "heads", None)}`; or wrap the initializers in
       `nnx.with_partitioning`).
@@ -393,14 +583,15 @@ class DilatedMultiHeadAttention(nnx.Module):
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
-               out_features: int | None = None, num_kv_heads: int | None = None, *,
-               pattern: DilatedPattern, ordering=None, grid_shape=None, dtype=None,
-               param_dtype=jnp.float32, broadcast_dropout: bool = True,
+               out_features: int | None = None, num_kv_heads: int | None = None,
+               in_kv_features: int | None = None, *, pattern: DilatedPattern, ordering=None,
+               grid_shape=None, dtype=None, param_dtype=jnp.float32,
+               broadcast_dropout: bool = True,
                dropout_rate: float = 0.0, deterministic: bool | None = None, precision=None,
                kernel_init=DEFAULT_KERNEL_INIT, out_kernel_init=None,
                bias_init=DEFAULT_BIAS_INIT, out_bias_init=None, use_bias: bool = True,
                normalize_qk: bool = False, implementation=None, mesh=None, seq_axis=None,
-               batch_axis=None, rngs: nnx.Rngs,
+               batch_axis=None, rngs: nnx.Rngs, keep_rngs: bool = True,
                kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
                out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
                bias_metadata: Mapping[str, Any] = MappingProxyType({}),
@@ -411,7 +602,8 @@ class DilatedMultiHeadAttention(nnx.Module):
     check_features(in_features=in_features)
     qkv_features = in_features if qkv_features is None else qkv_features
     out_features = in_features if out_features is None else out_features
-    check_features(out_features=out_features)
+    in_kv_features = in_features if in_kv_features is None else in_kv_features
+    check_features(out_features=out_features, in_kv_features=in_kv_features)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     num_kv_heads, head_dim = check_heads(num_heads, qkv_features, num_kv_heads, pattern)
     self.rotary_base = check_rotary_base(rotary_base, head_dim)
@@ -419,8 +611,8 @@ class DilatedMultiHeadAttention(nnx.Module):
       raise ValueError(f"seq_axis and batch_axis are only used with a mesh, got {seq_axis=}, "
                        f"{batch_axis=} and mesh=None")
     check_options(broadcast_dropout=broadcast_dropout, deterministic=deterministic,
-                  use_bias=use_bias, normalize_qk=normalize_qk, kernel_init=kernel_init,
-                  out_kernel_init=out_kernel_init, bias_init=bias_init,
+                  use_bias=use_bias, normalize_qk=normalize_qk, keep_rngs=keep_rngs,
+                  kernel_init=kernel_init, out_kernel_init=out_kernel_init, bias_init=bias_init,
                   out_bias_init=out_bias_init)
     metadata = dict(kernel_metadata=kernel_metadata, out_kernel_metadata=out_kernel_metadata,
                     bias_metadata=bias_metadata, out_bias_metadata=out_bias_metadata,
@@ -432,13 +624,14 @@ class DilatedMultiHeadAttention(nnx.Module):
     if not isinstance(rngs, nnx.Rngs):
       raise ValueError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}")
     self.dropout_rate = check_dropout_rate(dropout_rate)
-    if self.dropout_rate and "dropout" not in rngs and "default" not in rngs:
+    if keep_rngs and self.dropout_rate and "dropout" not in rngs and "default" not in rngs:
       # Found now rather than at the first training step.
       raise ValueError(f"{dropout_rate=} needs a 'dropout' (or 'default') stream in rngs, got "
                        f"streams {sorted(name for name, _ in rngs.items())}: e.g. "
                        f"nnx.Rngs(params=0, dropout=1)")
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.in_features, self.out_features = in_features, out_features
+    self.in_kv_features = in_kv_features
     self.qkv_features = qkv_features
     self.pattern = pattern
     self.order = TokenOrder.make(ordering, grid_shape)
@@ -452,13 +645,12 @@ class DilatedMultiHeadAttention(nnx.Module):
     # Built in nnx.MultiHeadAttention's order, so one seed gives both the same parameters.
     linear = functools.partial(nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype,
                                use_bias=use_bias, precision=precision, rngs=rngs)
-    qkv = functools.partial(linear, in_features,
-                            kernel_init=checked_init("kernel_init", kernel_init),
+    qkv = functools.partial(linear, kernel_init=checked_init("kernel_init", kernel_init),
                             bias_init=checked_init("bias_init", bias_init),
                             kernel_metadata=kernel_metadata, bias_metadata=bias_metadata)
-    self.query = qkv((num_heads, head_dim))
-    self.key = qkv((num_kv_heads, head_dim))
-    self.value = qkv((num_kv_heads, head_dim))
+    self.query = qkv(in_features, (num_heads, head_dim))
+    self.key = qkv(in_kv_features, (num_kv_heads, head_dim))
+    self.value = qkv(in_kv_features, (num_kv_heads, head_dim))
     if normalize_qk:
       norm = functools.partial(nnx.LayerNorm, head_dim, use_bias=False, dtype=dtype,
                                param_dtype=param_dtype, rngs=rngs)
@@ -475,7 +667,7 @@ class DilatedMultiHeadAttention(nnx.Module):
                       kernel_metadata=out_kernel_metadata or kernel_metadata,
                       bias_metadata=out_bias_metadata or bias_metadata)
     # The dropout stream, forked as nnx.MultiHeadAttention forks it (and under the same name).
-    self.rngs = rngs["dropout"].fork() if self.dropout_rate else nnx.data(None)
+    self.rngs = rngs["dropout"].fork() if keep_rngs and self.dropout_rate else nnx.data(None)
     # The decoding cache, as in nnx.MultiHeadAttention: set by init_cache.
     self.cached_key = nnx.data(None)
     self.cached_value = nnx.data(None)
@@ -493,8 +685,9 @@ class DilatedMultiHeadAttention(nnx.Module):
   def init_cache(self, input_shape, dtype=jnp.float32) -> None:
     """Makes an empty decoding cache (`cache_index` 0) for inputs of `input_shape`.
 
-    As in `nnx.MultiHeadAttention`, `input_shape` is that of the inputs, `(B, N, in_features)`;
-    only `B` matters: the cache holds each branch's current segment, whatever `N`. Keys and
+    As in `nnx.MultiHeadAttention`, `input_shape` is that of the inputs,
+    `(batch..., N, in_features)`; only the batch dims matter (flattened into one, as the calls
+    flatten theirs): the cache holds each branch's current segment, whatever `N`. Keys and
     values are stored in `dtype` (q, k, v are cast to it for the attention). Calling it again
     empties the cache.
 
@@ -530,10 +723,11 @@ class DilatedMultiHeadAttention(nnx.Module):
     other head counts; they would otherwise fail later in a reshape, or not at all.
     """
     h, hkv, d, f = self.num_heads, self.num_kv_heads, self.head_dim, self.in_features
+    f_kv = self.in_kv_features
     expected = {
         ("query", "kernel"): ((f, h, d), "(in_features, num_heads, head_dim)"),
-        ("key", "kernel"): ((f, hkv, d), "(in_features, num_kv_heads, head_dim)"),
-        ("value", "kernel"): ((f, hkv, d), "(in_features, num_kv_heads, head_dim)"),
+        ("key", "kernel"): ((f_kv, hkv, d), "(in_kv_features, num_kv_heads, head_dim)"),
+        ("value", "kernel"): ((f_kv, hkv, d), "(in_kv_features, num_kv_heads, head_dim)"),
         ("out", "kernel"): ((h, d, self.out_features), "(num_heads, head_dim, out_features)"),
     }
     if self.use_bias:
@@ -554,11 +748,15 @@ class DilatedMultiHeadAttention(nnx.Module):
                          f"head counts (its shape is {got}, expected {shape})")
       raise ValueError(f"{module} {param} has shape {got}, the layer was built for {shape} = "
                        f"{layout} with num_heads={h}, num_kv_heads={hkv}, "
-                       f"in_features={f}, out_features={self.out_features}")
+                       f"in_features={f}, in_kv_features={f_kv}, "
+                       f"out_features={self.out_features}")
 
   def dropout(self, y, rngs=None):
     """`apply_dropout` to the attention output `y`, with a key from `rngs` or the layer's."""
     rngs = self.rngs if rngs is None else rngs
+    if rngs is None:
+      raise ValueError("dropout needs rngs at the call: the layer was built with "
+                       "keep_rngs=False (pass rngs=..., or deterministic=True)")
     if isinstance(rngs, nnx.Rngs):
       key = rngs["dropout"]()
     elif isinstance(rngs, nnx.RngStream):
@@ -567,46 +765,63 @@ class DilatedMultiHeadAttention(nnx.Module):
       key = rngs
     return apply_dropout(y, key, self.dropout_rate, self.broadcast_dropout)
 
-  def __call__(self, x, *, deterministic: bool | None = None, rngs: nnx.Rngs | None = None,
-               decode: bool | None = None, prefill: bool = False):
-    """`[B, N, in_features]` -> `[B, N, out_features]`, in the caller's token order.
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
+               deterministic: bool | None = None, rngs: nnx.Rngs | None = None,
+               sow_weights: bool = False, decode: bool | None = None, prefill: bool = False):
+    """`[batch..., N, in_features]` -> `[batch..., N, out_features]`, in the caller's order.
+
+    Called as `nnx.MultiHeadAttention` is; `layer(x)` is self-attention.
 
     Args:
-      x: the tokens, in the caller's order (row-major grid cells for `ordering="hilbert"`);
-        when decoding, the next `N` tokens after those in the cache.
+      inputs_q: the queries' tokens `[batch..., N, in_features]`, in the caller's order
+        (row-major grid cells for `ordering="hilbert"`); the batch dims, any number of them
+        (none: one sequence), are flattened into one and restored. When decoding, the next `N`
+        tokens after those in the cache.
+      inputs_k: the keys' tokens `[batch..., Nk, in_kv_features]` (None: `inputs_q`); the
+        same positions as the queries (`Nk = N`), or another length under a pattern that shows
+        every key to every query (not causal, rates 1, segments covering both lengths), with
+        no ordering needed and no `rotary_base`.
+      inputs_v: the values' tokens (None: `inputs_k`).
+      mask: hides keys: `[batch..., 1, 1, Nk]` or broadcasting to it, True (nonzero) to attend,
+        e.g. a padding mask `key_valid[..., None, None, :]`. The pattern decides which keys a
+        query sees; the mask removes keys from that, and a query left with none gives 0 before
+        the output projection. A mask over queries or heads raises `ValueError`.
       deterministic: overrides the constructor's flag; True disables dropout.
       rngs: optional `nnx.Rngs` (or stream, or key) for dropout, instead of the stream forked
-        at construction.
+        at construction (needed with `keep_rngs=False`).
+      sow_weights: record the attention probabilities `[batch..., H, N, Nk]` (dense) as the
+        `nnx.Intermediate` "attention_weights", as `nnx.MultiHeadAttention` does.
       decode: overrides the constructor's flag: attend to the cache of `init_cache` and add
         the tokens to it.
-      prefill: with `decode`, `x` is a prompt at position 0: the regular kernels run on it and
-        the cache is refilled from it, whatever it held (fast for long prompts).
+      prefill: with `decode`, `inputs_q` is a prompt at position 0: the regular kernels run on
+        it and the cache is refilled from it, whatever it held (fast for long prompts).
     """
-    if jnp.ndim(x) != 3 or x.shape[-1] != self.in_features:
-      raise ValueError(f"x must be [B, N, in_features={self.in_features}], got {x.shape=}")
+    batch, xq, xk, xv = layer_inputs(inputs_q, inputs_k, inputs_v, self.in_features,
+                                     self.in_kv_features)
+    cross = xk.shape[1] != xq.shape[1]
+    key_mask = key_mask_of(mask, batch, xk.shape[1])
     if decode is None:
       decode = bool(self.decode)  # None: not decoding
     check_flag("decode", decode)
-    if check_flag("prefill", prefill) and not decode:
-      raise ValueError("prefill=True fills the decoding cache: it needs decode=True (at the "
-                       "call or the constructor)")
-    if decode:
-      check_decodable(self.order, self.pattern, self.mesh)
+    check_call(decode=decode, prefill=prefill, sow_weights=sow_weights, cross=cross,
+               key_mask=key_mask, rotary_base=self.rotary_base, order=self.order,
+               pattern=self.pattern, mesh=self.mesh)
     self.check_parameters()
     if self.dropout_rate > 0.0:
       # As nnx.MultiHeadAttention: the flag matters (and must be given) only with dropout.
       deterministic = resolve_deterministic(deterministic, self.deterministic)
     else:
       deterministic = True
-    perm = self.order.permutation(x.shape[1], self.pattern)
+    # Keys of another length see every query whatever the order: none is needed.
+    perm = None if cross else self.order.permutation(xq.shape[1], self.pattern)
     if perm is not None:
-      x = permute(x, perm, mesh=self.mesh)
-    q, k, v = self.query(x), self.key(x), self.value(x)
+      xq, xk, xv, key_mask = serialize_inputs(perm, self.mesh, xq, xk, xv, key_mask)
+    q, k, v = self.query(xq), self.key(xk), self.value(xv)
     if self.normalize_qk:
       q, k = self.query_ln(q), self.key_ln(k)
     # [B, N, H, D]
     cache = self.kv_cache() if decode else None
-    positions = jnp.arange(x.shape[1]) if perm is None else jnp.asarray(perm)
+    positions = jnp.arange(xq.shape[1]) if perm is None else jnp.asarray(perm)
     if decode and not prefill:
       positions = positions + cache.length  # the new tokens follow those cached
     q, k = rotate(q, k, self.rotary_base, positions)
@@ -617,13 +832,18 @@ class DilatedMultiHeadAttention(nnx.Module):
         var[...] = val
       self.cache_index[...] = cache.length
     else:
-      y = attend(q, k, v, self.pattern, implementation=self.implementation, mesh=self.mesh,
-                 seq_axis=self.seq_axis, batch_axis=self.batch_axis)
+      y, lse = attend(q, k, v, self.pattern, key_mask=key_mask, return_lse=True,
+                      implementation=self.implementation, mesh=self.mesh,
+                      seq_axis=self.seq_axis, batch_axis=self.batch_axis)
+      if sow_weights:
+        weights = attention_weights(q, k, lse, self.pattern, key_mask=key_mask)
+        self.sow(nnx.Intermediate, "attention_weights", caller_weights(weights, perm, batch))
     if not deterministic:
       y = self.dropout(y, rngs)
     # [B, N, out_features]
     y = self.out(y)
-    return y if perm is None else permute(y, perm, inverse=True, mesh=self.mesh)
+    y = y if perm is None else permute(y, perm, inverse=True, mesh=self.mesh)
+    return y.reshape(batch + y.shape[1:])
 
 
 def dilated_attention_fn(pattern: DilatedPattern, *, scale: float | None = None,
@@ -631,12 +851,19 @@ def dilated_attention_fn(pattern: DilatedPattern, *, scale: float | None = None,
   """`dilated_attention` with `pattern`, shaped as the `attention_fn` of Flax attention modules.
 
   The returned function takes `(query, key, value, bias=None, mask=None, ...)` like
-  `flax.nnx.dot_product_attention`, with `[batch..., N, H, D]` queries and `[batch..., N, Hkv, D]`
-  keys and values (GQA works). The pattern alone defines which keys a query sees, so a `mask`
-  or `bias` raises `ValueError`, as does `is_causal=True` with a non-causal pattern. Dropout
-  (`dropout_rate > 0` and not `deterministic`) is applied to the attention output, not to the
-  attention probabilities, which are never materialized; `precision` is ignored and
-  `sow_weights` (a `module` argument) is refused.
+  `flax.nnx.dot_product_attention`, with `[batch..., N, H, D]` queries and `[batch..., Nk, Hkv, D]`
+  keys and values (GQA works). The pattern defines which keys a query sees; a `mask` may hide
+  keys from that (`[batch..., 1, 1, Nk]` or broadcasting to it, as a padding mask or
+  `nnx.MultiHeadAttention`'s decode cache mask; a query left with no key gives 0), any other
+  mask or a `bias` raises `ValueError`, as does `is_causal=True` with a non-causal pattern. Keys
+  of another length than the queries (`nnx.MultiHeadAttention(decode=True)` passes its whole
+  cache) need a pattern that shows every key to every query (not causal, rates 1, segments
+  covering both lengths); cached decoding with a dilated pattern goes through
+  `DilatedMultiHeadAttention(decode=True)`. Dropout (`dropout_rate > 0` and not
+  `deterministic`) is applied to the attention output, not to the attention probabilities,
+  which are never materialized but for `sow_weights` (a `module` argument: the dense
+  probabilities `[batch..., H, N, Nk]` are sown as "attention_weights"); `precision` is
+  ignored.
 
   Example:
     >>> import jax.numpy as jnp
@@ -645,6 +872,9 @@ def dilated_attention_fn(pattern: DilatedPattern, *, scale: float | None = None,
     >>> fn = dilated_attention_fn(DilatedPattern((16, 64), (1, 4), causal=True))
     >>> mha = nnx.MultiHeadAttention(4, 32, attention_fn=fn, decode=False, rngs=nnx.Rngs(0))
     >>> mha(jnp.ones((2, 64, 32))).shape
+    (2, 64, 32)
+    >>> padding = jnp.arange(64) < 50  # the last 14 keys are padding
+    >>> mha(jnp.ones((2, 64, 32)), mask=padding[None, None, None, :]).shape
     (2, 64, 32)
   """
   if not isinstance(pattern, DilatedPattern):
@@ -655,20 +885,31 @@ def dilated_attention_fn(pattern: DilatedPattern, *, scale: float | None = None,
                    dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
                    precision=None, module=None, is_causal=False, **unused):
     del precision, unused
-    if mask is not None or bias is not None:
-      raise ValueError("dilated attention takes no mask or bias: the pattern defines which keys "
-                       f"are visible; got mask={mask is not None}, bias={bias is not None} "
-                       "(nnx.MultiHeadAttention(decode=True) passes a cache mask: cached "
-                       "decoding is not supported through attention_fn)")
+    if bias is not None:
+      raise ValueError("dilated attention takes no bias: the pattern defines which keys are "
+                       "visible (a mask may hide keys), got a bias")
     if is_causal and not pattern.causal:
       raise ValueError(f"is_causal=True needs a causal pattern, got {pattern=}")
-    if module is not None:
-      raise ValueError("sow_weights is not supported: attention weights are never materialized")
+    shapes = {name: jnp.shape(x) for name, x in (("query", query), ("key", key),
+                                                 ("value", value))}
+    if any(len(s) < 3 or s[:-3] != shapes["query"][:-3] for s in shapes.values()) or \
+        shapes["key"] != shapes["value"]:
+      raise ValueError(f"query [batch..., N, H, D] and key, value [batch..., Nk, Hkv, D] must "
+                       f"share their batch dims, key and value their shapes, got {shapes}")
     dtype = jnp.result_type(query, key, value) if dtype is None else dtype
     batch = query.shape[:-3]
+    key_mask = key_mask_of(mask, batch, key.shape[-3])
     # [B, N, H, D] with the batch dims flattened (none gives B = 1)
     q, k, v = (jnp.asarray(x, dtype).reshape((-1,) + x.shape[-3:]) for x in (query, key, value))
-    out = dilated_attention(q, k, v, pattern, scale=scale, implementation=implementation)
+    out, lse = attend(q, k, v, pattern, key_mask=key_mask, scale=scale, return_lse=True,
+                      implementation=implementation)
+    if module is not None:
+      weights = attention_weights(q, k, lse, pattern, key_mask=key_mask, scale=scale)
+      weights = weights.reshape(batch + weights.shape[1:])
+      if isinstance(module, nnx.Module):
+        module.sow(nnx.Intermediate, "attention_weights", weights)
+      else:  # a Linen module
+        module.sow("intermediates", "attention_weights", weights)
     if dropout_rate > 0.0 and not deterministic:
       if dropout_rng is None:
         raise ValueError(f"{dropout_rate=} with deterministic=False needs a dropout_rng")
@@ -677,4 +918,3 @@ def dilated_attention_fn(pattern: DilatedPattern, *, scale: float | None = None,
     return out.reshape(batch + out.shape[1:])
 
   return attention_fn
-

@@ -120,7 +120,7 @@ def test_nnx_decode_errors():
     layer(x, decode=True)
   with pytest.raises(ValueError, match="prefill"):
     layer(x, prefill=True)
-  for shape in ((B, F), (B, N, F + 1), (0, N, F), (B, N, 2.0)):
+  for shape in ((F,), (B, N, F + 1), (0, N, F), (B, N, 2.0)):
     with pytest.raises(ValueError, match="input_shape"):
       layer.init_cache(shape)
   layer.init_cache((3, 1, F))
