@@ -15,9 +15,10 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from .decode import KVCache, init_kv_cache
-from .nn import (TokenOrder, apply_dropout, attend, check_decodable, check_dropout_rate, check_flag,
-                 check_heads, check_options, check_rotary_base, checked_init, decode_attend,
-                 permute, rotate, static_implementation)
+from .nn import (TokenOrder, apply_dropout, attend, attention_weights, caller_weights, check_call,
+                 check_dropout_rate, check_flag, check_heads, check_options, check_rotary_base,
+                 checked_init, decode_attend, key_mask_of, layer_inputs, permute, rotate,
+                 serialize_inputs, static_implementation)
 from .pattern import DilatedPattern
 
 DEFAULT_KERNEL_INIT = nn.initializers.lecun_normal()
@@ -25,16 +26,19 @@ DEFAULT_BIAS_INIT = nn.initializers.zeros_init()
 
 
 class DilatedMultiHeadAttention(nn.Module):
-  """Linen multi-head self-attention with a dilated pattern and an optional token order.
+  """Linen multi-head attention with a dilated pattern and an optional token order.
 
   Attributes are those of the NNX layer (see `hilbert_ring_jax.DilatedMultiHeadAttention`),
-  with Linen's conventions, as in `flax.linen.MultiHeadDotProductAttention`: `in_features` is
-  taken from the input; there is no `rngs`: parameters come from the `params` collection and
+  with Linen's conventions, as in `flax.linen.MultiHeadDotProductAttention`: the input features
+  are taken from the inputs (`inputs_q`; `inputs_k`, `inputs_v` for keys and values); there is
+  no `rngs`: parameters come from the `params` collection and
   dropout (on the attention output, before the output projection) from the `dropout` rng
   collection; there are no `*_metadata` arguments: sharding annotations come with the
   initializers (`nn.with_partitioning(init, names)`, `nn.with_logical_partitioning`).
   `deterministic` is given as an attribute or a call argument, not both (needed only when
-  `dropout_rate > 0`).
+  `dropout_rate > 0`). A call takes the NNX layer's arguments (`inputs_q`, `inputs_k`,
+  `inputs_v`, `mask`, `sow_weights`, `prefill`; leading batch dims) but `rngs` and `decode`;
+  `sow_weights` records the "attention_weights" in the `intermediates` collection.
 
   Decoding the Linen way, as `nn.MultiHeadDotProductAttention(decode=True)`: `init` with
   `decode=True` makes the `cache` collection (`cached_key`, `cached_value`: a tuple of one
@@ -114,48 +118,52 @@ class DilatedMultiHeadAttention(nn.Module):
   rotary_base: float | None = None
 
   @nn.compact
-  def __call__(self, x, *, deterministic: bool | None = None, prefill: bool = False):
-    """`[B, N, F]` -> `[B, N, out_features or F]`, in the caller's token order.
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
+               deterministic: bool | None = None, sow_weights: bool = False,
+               prefill: bool = False):
+    """`[batch..., N, F]` -> `[batch..., N, out_features or F]`, in the caller's token order.
 
-    With `decode`, `x` holds the next tokens after those in the `cache` collection (a prompt
-    at position 0 with `prefill=True`); the `init` call only makes the empty cache.
+    The arguments are those of the NNX layer's call. With `decode`, `inputs_q` holds the next
+    tokens after those in the `cache` collection (a prompt at position 0 with `prefill=True`);
+    the `init` call only makes the empty cache.
     """
-    if check_flag("prefill", prefill) and not check_flag("decode", self.decode):
-      raise ValueError("prefill=True fills the decoding cache: it needs decode=True")
-    if x.ndim != 3:
-      raise ValueError(f"x must be [B, N, in_features], got {x.shape=}")
-    in_features = x.shape[-1]
+    batch, xq, xk, xv = layer_inputs(inputs_q, inputs_k, inputs_v, None)
+    cross = xk.shape[1] != xq.shape[1]
+    key_mask = key_mask_of(mask, batch, xk.shape[1])
+    in_features = xq.shape[-1]
     qkv_features = in_features if self.qkv_features is None else self.qkv_features
     num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
     num_kv_heads, head_dim = check_heads(self.num_heads, qkv_features, num_kv_heads, self.pattern)
+    rotary_base = check_rotary_base(self.rotary_base, head_dim)
     rate = check_dropout_rate(self.dropout_rate)
     check_options(broadcast_dropout=self.broadcast_dropout, deterministic=self.deterministic,
                   use_bias=self.use_bias, normalize_qk=self.normalize_qk,
                   kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
                   bias_init=self.bias_init, out_bias_init=self.out_bias_init)
     order = TokenOrder.make(self.ordering, self.grid_shape)
-    if check_flag("decode", self.decode):
-      check_decodable(order, self.pattern, self.mesh)
-    perm = order.permutation(x.shape[1], self.pattern)
+    check_call(decode=check_flag("decode", self.decode), prefill=prefill,
+               sow_weights=sow_weights, cross=cross, key_mask=key_mask, rotary_base=rotary_base,
+               order=order, pattern=self.pattern, mesh=self.mesh)
+    perm = None if cross else order.permutation(xq.shape[1], self.pattern)
     if perm is not None:
-      x = permute(x, perm, mesh=self.mesh)
+      xq, xk, xv, key_mask = serialize_inputs(perm, self.mesh, xq, xk, xv, key_mask)
     dense = functools.partial(nn.DenseGeneral, dtype=self.dtype, param_dtype=self.param_dtype,
                               use_bias=self.use_bias, precision=self.precision)
     qkv = functools.partial(dense, kernel_init=checked_init("kernel_init", self.kernel_init),
                             bias_init=checked_init("bias_init", self.bias_init))
-    q = qkv((self.num_heads, head_dim), name="query")(x)
-    k = qkv((num_kv_heads, head_dim), name="key")(x)
-    v = qkv((num_kv_heads, head_dim), name="value")(x)
+    q = qkv((self.num_heads, head_dim), name="query")(xq)
+    k = qkv((num_kv_heads, head_dim), name="key")(xk)
+    v = qkv((num_kv_heads, head_dim), name="value")(xv)
     if self.normalize_qk:
       norm = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype,
                                param_dtype=self.param_dtype)
       q, k = norm(name="query_ln")(q), norm(name="key_ln")(k)
     implementation = static_implementation(self.implementation)
     decoding = self.decode and self.has_variable("cache", "cache_index")
-    positions = jnp.arange(x.shape[1]) if perm is None else jnp.asarray(perm)
+    positions = jnp.arange(xq.shape[1]) if perm is None else jnp.asarray(perm)
     if decoding and not prefill:  # the new tokens follow those cached
       positions = positions + self.get_variable("cache", "cache_index")
-    q, k = rotate(q, k, check_rotary_base(self.rotary_base, head_dim), positions)
+    q, k = rotate(q, k, rotary_base, positions)
     # [B, N, H, D]
     if decoding:
       cached_key = self.variable("cache", "cached_key")
@@ -168,13 +176,17 @@ class DilatedMultiHeadAttention(nn.Module):
       cached_key.value, cached_value.value, cache_index.value = cache.k, cache.v, cache.length
     else:
       if self.decode:  # initializing: an empty cache; the call runs as without decode
-        empty = init_kv_cache(self.pattern, batch=x.shape[0], num_heads=self.num_heads,
+        empty = init_kv_cache(self.pattern, batch=xq.shape[0], num_heads=self.num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=k.dtype)
         self.variable("cache", "cached_key", lambda: empty.k)
         self.variable("cache", "cached_value", lambda: empty.v)
         self.variable("cache", "cache_index", lambda: empty.length)
-      y = attend(q, k, v, self.pattern, implementation=implementation, mesh=self.mesh,
-                 seq_axis=self.seq_axis, batch_axis=self.batch_axis)
+      y, lse = attend(q, k, v, self.pattern, key_mask=key_mask, return_lse=True,
+                      implementation=implementation, mesh=self.mesh, seq_axis=self.seq_axis,
+                      batch_axis=self.batch_axis)
+      if sow_weights:
+        weights = attention_weights(q, k, lse, self.pattern, key_mask=key_mask)
+        self.sow("intermediates", "attention_weights", caller_weights(weights, perm, batch))
     if rate > 0.0:
       deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
       if not deterministic:
@@ -187,4 +199,5 @@ class DilatedMultiHeadAttention(nn.Module):
         ("bias_init", self.bias_init)
     y = dense(out_features, axis=(-2, -1), kernel_init=checked_init(*out_kernel),
               bias_init=checked_init(*out_bias), name="out")(y)
-    return y if perm is None else permute(y, perm, inverse=True, mesh=self.mesh)
+    y = y if perm is None else permute(y, perm, inverse=True, mesh=self.mesh)
+    return y.reshape(batch + y.shape[1:])

@@ -469,8 +469,7 @@ def check_call(*, decode: bool, prefill, sow_weights, cross: bool, key_mask, rot
   """`ValueError` for a layer call's flags that do not go together."""
   check_flag("sow_weights", sow_weights)
   if check_flag("prefill", prefill) and not decode:
-    raise ValueError("prefill=True fills the decoding cache: it needs decode=True (at the "
-                     "call or the constructor)")
+    raise ValueError("prefill=True fills the decoding cache: it needs decode=True")
   if cross and rotary_base is not None:
     raise ValueError("rotary_base turns queries and keys by their positions on one sequence: "
                      "keys of another length than the queries have none")
@@ -698,8 +697,10 @@ class DilatedMultiHeadAttention(nnx.Module):
       ...     num_heads=2, in_features=8, pattern=DilatedPattern((4, 8), (1, 2), causal=True),
       ...     decode=True, rngs=nnx.Rngs(0))
       >>> layer.init_cache((1, 100, 8))
-      >>> [x.shape for x in layer.cached_key]  # [B, Hkv, R_b, ceil(w_b / r_b), head_dim]
-      [(1, 2, 1, 4, 4), (1, 2, 1, 4, 4)]
+      >>> [x.shape for x in layer.cached_key]  # [B, Hkv, R_b, rows_b, head_dim]
+      [(1, 2, 1, 8, 4), (1, 2, 1, 8, 4)]
+
+    (`rows_b`: `ceil(w_b / r_b)` rounded up to a multiple of 8, docs/SPEC.md section 10.)
     """
     check_decodable(self.order, self.pattern, self.mesh)
     batch = check_input_shape(input_shape, self.in_features)
