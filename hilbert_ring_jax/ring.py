@@ -28,6 +28,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import backends
 from .api import check_flag, check_inputs, check_scale
@@ -90,6 +91,25 @@ def _compact(x, branch, head_of):
   return jnp.stack([x[:, :, branch.residues(h)[0], head_of(h)] for h in branch.heads], axis=2)
 
 
+def _uncompact(x, branch, num_heads):
+  """`_compact`'s query layout undone: `[B, n / r, E, ...]` -> `[B, n, H, ...]`, head `h` on
+  the rows of its residue class, zeros on the others.
+
+  One select per element, which XLA fuses into the merge that follows, where the transpose
+  of `_compact` would be a sum over the heads of padded strided rows.
+  """
+  heads = list(branch.heads)
+  source = [heads.index(h) if h in branch.heads else 0 for h in range(num_heads)]
+  if source != list(range(x.shape[2])):
+    x = jnp.take(x, np.array(source), axis=2)
+  keep = np.zeros((branch.r, num_heads), bool)
+  for h in heads:
+    keep[branch.residues(h)[0], h] = True
+  keep = keep.reshape((1, 1, branch.r, num_heads) + (1,) * (x.ndim - 3))
+  out = jnp.where(keep, x[:, :, None], jnp.zeros((), x.dtype))
+  return out.reshape(x.shape[0], x.shape[1] * branch.r, num_heads, *x.shape[3:])
+
+
 class _RingBranch:
   """One branch's steps: the layout they use (compact or not) and the pattern of each step.
 
@@ -146,7 +166,7 @@ class _RingBranch:
     return _compact(x, self.plan.branch, lambda h: h // self.per_kv)
 
   def unquery(self, x, like):
-    return transpose(self.query, x, like) if self.plan.compact else x
+    return _uncompact(x, self.plan.branch, like.shape[2]) if self.plan.compact else x
 
   def unkey(self, x, like):
     return transpose(self.key, x, like) if self.plan.compact else x
@@ -182,9 +202,22 @@ def _step_position(plan, axis_name):
 
 
 def _visible(plan, causal, step, axis_name):
-  """Whether the keys visiting at `step` (from `step` places back) are visible here."""
+  """Whether the keys visiting at `step` (from `step` places back) are visible here: True
+  where that holds on every device (non-causal rings whose sub-rings are all whole), else a
+  traced value."""
+  if not causal and plan.shards % plan.span == 0:
+    return True
   place, size = _step_position(plan, axis_name)
   return step <= place if causal else step < size
+
+
+def _if_visible(visible, compute, empty, operand):
+  """`compute(operand)` where `visible`, else `empty()`; a `lax.cond` only where `visible` is
+  traced (on GPUs a conditional reads its predicate on the host, a wait for the device, which
+  keeps the next step's launches from running ahead)."""
+  if visible is True:
+    return compute(operand)
+  return jax.lax.cond(visible, compute, lambda _: empty(), operand)
 
 
 def _zigzag_pairs(plan):
@@ -247,8 +280,8 @@ def _ring_forward(st, q, k, v, axis_name):
   for step in range(1, plan.span):
     # Issued before the previous step's compute is consumed, so XLA overlaps the two.
     kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step, causal_forward=st.causal))
-    part = jax.lax.cond(_visible(plan, st.causal, step, axis_name),
-                        lambda kv: st.forward(qs, *kv, False), lambda kv: zeros(), kv)
+    part = _if_visible(_visible(plan, st.causal, step, axis_name),
+                       lambda kv: st.forward(qs, *kv, False), zeros, kv)
     acc = _merge2(acc, part)
   return acc
 
@@ -309,9 +342,8 @@ def _ring_backward(st, q, k, v, dout, lse, delta, axis_name):
                                      rows[0])
 
   def step_grads(kv, step):
-    return jax.lax.cond(_visible(plan, st.causal, step, axis_name),
-                        lambda kv: st.backward(rows[0], *kv, *rows[1:], False),
-                        lambda kv: zeros(), kv)
+    return _if_visible(_visible(plan, st.causal, step, axis_name),
+                       lambda kv: st.backward(rows[0], *kv, *rows[1:], False), zeros, kv)
 
   return _backward_steps(plan, kv, grads, step_grads, axis_name)
 
