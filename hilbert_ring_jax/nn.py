@@ -367,8 +367,9 @@ def hide_keys(attention, q, k, v, key_mask, scale: float):
   wide = jnp.float32 if dtype == jnp.float16 else dtype
 
   def extend(x, feature):
-    feature = jnp.broadcast_to(feature, x.shape[:-1] + (1,)).astype(wide)
-    return jnp.concatenate([x.astype(wide), feature], axis=-1)
+    x = x.astype(wide)
+    # Built from x, so that it takes x's sharding (concatenate wants the same on a mesh).
+    return jnp.concatenate([x, jnp.zeros_like(x[..., :1]) + feature], axis=-1)
 
   bias = jnp.where(key_mask, 0.0, -HIDE / scale)[:, :, None, None]
   out, lse = attention(extend(q, 1.0), extend(k, bias), extend(v, 0.0), scale=scale,
@@ -476,7 +477,7 @@ def check_call(*, decode: bool, prefill, sow_weights, cross: bool, key_mask, rot
   if decode:
     check_decodable(order, pattern, mesh)
     for what, bad in (("keys of another length than the queries", cross),
-                      ("a mask (the cache hides what was not written)", key_mask is not None),
+                      ("mask (the cache hides what was not written yet)", key_mask is not None),
                       ("sow_weights", sow_weights)):
       if bad:
         raise ValueError(f"decode takes no {what}")

@@ -126,9 +126,29 @@ def test_nnx_decode_errors():
   layer.init_cache((3, 1, F))
   with pytest.raises(ValueError, match="cache"):  # built for a batch of 3
     layer(x[:, :1], decode=True)
+  layer.init_cache(x.shape)
+  for kwargs, match in ((dict(mask=np.ones((B, 1, 1, 1), bool)), "decode takes no mask"),
+                        (dict(sow_weights=True), "decode takes no sow_weights"),
+                        (dict(inputs_k=x[:, :2]), "decode takes no keys of another length")):
+    with pytest.raises(ValueError, match=match):
+      layer(x[:, :1], decode=True, **kwargs)
   mesh = jax.make_mesh((2,), ("seq",), devices=jax.devices("cpu")[:2])  # any 2 devices
   with pytest.raises(ValueError, match="mesh"):
     make(mesh=mesh, seq_axis="seq", decode=True)
+
+
+def test_decoding_with_other_batch_dims():
+  """Inputs without batch dims (`[N, F]`) or with several decode as the flattened batch:
+  `init_cache` takes their shape, and the steps equal the layer on the whole sequence."""
+  layer = DilatedMultiHeadAttention(4, F, num_kv_heads=2, pattern=PATTERN, rngs=nnx.Rngs(0))
+  for x in (inputs()[0], inputs().reshape(2, 1, N, F)):
+    expected = layer(x)
+    layer.init_cache(x.shape)
+    assert layer.cached_key[0].shape[0] == x[..., 0, 0].size
+    ys = [layer(x[..., :5, :], decode=True, prefill=True)]
+    ys += [layer(x[..., t:t + 1, :], decode=True) for t in range(5, 9)]
+    np.testing.assert_allclose(jnp.concatenate(ys, axis=-2), expected[..., :9, :], rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_linen_decoding_matches_the_module():

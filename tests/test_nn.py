@@ -10,6 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+import helpers
 import reference_np
 from hilbert_ring_jax import (DilatedMultiHeadAttention, DilatedPattern, dilated_attention,
                               dilated_attention_fn, dilated_attention_reference,
@@ -50,19 +51,62 @@ def params(layer):
   return nnx.to_pure_dict(nnx.state(layer, nnx.Param))
 
 
-def forward_np(p, x, pattern, perm=None, num_heads=H):
-  """The layer in float64 NumPy: projections, reference_np attention, output projection."""
+def projections_np(p, x, perm=None, xk=None, xv=None, key_mask=None):
+  """float64 q, k, v of the layer's parameters `p` (keys from `xk`, values from `xv`, default
+  `x`) and the key mask (default: all visible), in the processing order of `perm`."""
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
   x = np.asarray(x, np.float64)
-  x = x if perm is None else x[:, perm]
-  q, k, v = (np.einsum("BNF,FHD->BNHD", x, p[name]["kernel"]) + p[name]["bias"]
-             for name in ("query", "key", "value"))
-  m = reference_np.multiplicity(x.shape[1], num_heads, pattern.segment_lengths,
-                                pattern.dilation_rates, pattern.causal, pattern.offsets,
-                                pattern.head_groups)
-  out, _ = reference_np.attention(q, k, v, m, q.shape[-1] ** -0.5)
+  xk = x if xk is None else np.asarray(xk, np.float64)
+  xv = xk if xv is None else np.asarray(xv, np.float64)
+  key_mask = np.ones(xk.shape[:2], bool) if key_mask is None else np.asarray(key_mask)
+  if perm is not None:
+    x, xk, xv, key_mask = (a[:, perm] for a in (x, xk, xv, key_mask))
+  q, k, v = (np.einsum("BNF,FHD->BNHD", a, p[name]["kernel"]) + p[name]["bias"]
+             for name, a in (("query", x), ("key", xk), ("value", xv)))
+  return p, q, k, v, key_mask
+
+
+def multiplicity_np(pattern, n_q, n_k, num_heads=H):
+  """`reference_np.multiplicity` `[H, n_q, n_k]`; keys of another length than the queries only
+  under a pattern that shows every key to every query (FULL), whatever the length."""
+  return reference_np.multiplicity(max(n_q, n_k), num_heads, pattern.segment_lengths,
+                                   pattern.dilation_rates, pattern.causal, pattern.offsets,
+                                   pattern.head_groups)[:, :n_q, :n_k]
+
+
+def forward_np(p, x, pattern, perm=None, num_heads=H, xk=None, xv=None, key_mask=None):
+  """The layer in float64 NumPy: projections, reference_np attention with the keys where
+  `key_mask [B, Nk]` is False removed from visibility, output projection."""
+  p, q, k, v, key_mask = projections_np(p, x, perm, xk, xv, key_mask)
+  m = multiplicity_np(pattern, q.shape[1], k.shape[1], num_heads)
+  out = np.concatenate([
+      reference_np.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], m * key_mask[b],
+                             q.shape[-1] ** -0.5)[0] for b in range(len(q))])
   y = np.einsum("BNHD,HDO->BNO", out, p["out"]["kernel"]) + p["out"]["bias"]
   return y if perm is None else y[:, np.argsort(perm)]
+
+
+def weights_np(p, x, pattern, perm=None, key_mask=None):
+  """The attention probabilities `[B, H, N, N]` in float64, in the caller's token order."""
+  _, q, k, _, key_mask = projections_np(p, x, perm, key_mask=key_mask)
+  k = np.repeat(k, H // HKV, axis=2)
+  s = q.shape[-1] ** -0.5 * np.einsum("bihd,bjhd->bhij", q, k)
+  m = multiplicity_np(pattern, q.shape[1], k.shape[1])[None] * key_mask[:, None, None, :]
+  e = np.where(m > 0, m * np.exp(s - s.max(-1, keepdims=True)), 0.0)
+  w = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
+  if perm is not None:
+    inv = np.argsort(perm)
+    w = w[:, :, inv][:, :, :, inv]
+  return w
+
+
+def key_mask_np(seed=4, batch=B, n=N):
+  """`[batch, n]` bool: keys hidden at random, and in the second example the first segment of
+  PATTERN's first branch, so that its queries of the other residue see no key in half the
+  heads."""
+  mask = np.random.default_rng(seed).random((batch, n)) < 0.7
+  mask[1] = np.arange(n) >= 8
+  return mask
 
 
 @pytest.mark.parametrize("ordering", list(ORDERINGS))
@@ -259,6 +303,191 @@ def test_attention_fn_in_nnx_multi_head_attention():
                              rtol=1e-6)
 
 
+@pytest.mark.parametrize("ordering", ["none", "explicit"])
+def test_key_mask_against_reference(ordering):
+  """A mask that hides keys removes them from what the pattern shows (in the caller's order,
+  with an ordering too); broadcasting and float masks as Flax takes them."""
+  kwargs, perm = ORDERINGS[ordering]
+  layer = make_layer(**kwargs)
+  x, mask = inputs(), key_mask_np()
+  y = layer(x, mask=mask[:, None, None, :])
+  np.testing.assert_allclose(y, forward_np(params(layer), x, PATTERN, perm, key_mask=mask),
+                             rtol=1e-5, atol=1e-5)
+  assert not np.allclose(y, layer(x), atol=1e-3)
+  np.testing.assert_array_equal(layer(x, mask=mask[:, None, None, :].astype(np.float32)), y)
+  shared = np.broadcast_to(mask[0], (B, 1, 1, N))
+  np.testing.assert_array_equal(layer(x, mask=mask[0]), layer(x, mask=shared))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_attention_fn_hides_masked_keys(dtype):
+  """Values and gradients against the float64 reference with the masked keys removed from
+  visibility; a query left with no key (all of the third example's) gives exactly 0 and no
+  gradient. float16 computes in float32 there."""
+  case = helpers.Case(n=N, heads=H, kv_heads=HKV, segment_lengths=PATTERN.segment_lengths,
+                      dilation_rates=PATTERN.dilation_rates, batch=3)
+  q, k, v, dout, _ = helpers.random_inputs(case, dtype, 0)
+  mask = np.concatenate([key_mask_np(batch=2), np.zeros((1, N), bool)])
+  fn = dilated_attention_fn(PATTERN)
+  out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mask=mask[:, None, None, :]), q, k, v)
+  grads = vjp(dout)
+  assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+  m = multiplicity_np(PATTERN, N, N)
+  empty = 0
+  for b in range(3):
+    mb = m * mask[b]
+    ref_out, _, ref_grads = reference_np.attention(
+        *(np.asarray(a[b:b + 1], np.float64) for a in (q, k, v)), mb, case.head_dim ** -0.5,
+        np.asarray(dout[b:b + 1], np.float64), np.zeros((1, N, H)))
+    rows = (mb.sum(-1) == 0).T  # [N, H]: queries that see no key
+    empty += rows.sum()
+    np.testing.assert_array_equal(np.asarray(out[b])[rows], 0)
+    np.testing.assert_array_equal(np.asarray(grads[0][b])[rows], 0)
+    if b < 2:
+      assert helpers.rel_err(out[b:b + 1], ref_out) < helpers.TOL[dtype]
+      for g, ref in zip(grads, ref_grads):
+        assert helpers.rel_err(g[b:b + 1], ref) < 2 * helpers.TOL[dtype]
+    else:
+      for g in grads:
+        np.testing.assert_array_equal(g[b], 0)
+  assert N * H < empty < 3 * N * H  # the second example has some, the third only such rows
+  for bad in (np.ones((3, 1, N, N), bool), np.ones((3, H, 1, N), bool), np.ones((2, N), bool)):
+    with pytest.raises(ValueError, match="mask must hide keys only"):
+      fn(q, k, v, mask=bad)
+  with pytest.raises(ValueError, match="scale"):
+    dilated_attention_fn(PATTERN, scale=0.0)(q, k, v, mask=mask[:, None, None, :])
+
+
+def test_leading_batch_dims():
+  """Any leading batch dims (none: one sequence) are flattened and restored, the mask with
+  them, in both layers."""
+  layer = make_layer()
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 3, N, F)), jnp.float32)
+  mask = key_mask_np(batch=6).reshape(2, 3, N)
+  y = layer(x, mask=mask[..., None, None, :])
+  ref = forward_np(params(layer), x.reshape(6, N, F), PATTERN, key_mask=mask.reshape(6, N))
+  np.testing.assert_allclose(y, ref.reshape(2, 3, N, F), rtol=1e-5, atol=1e-5)
+  one = layer(x[0, 0])  # [N, F]
+  assert one.shape == (N, F)
+  np.testing.assert_allclose(one, forward_np(params(layer), x[0, :1], PATTERN)[0], rtol=1e-5,
+                             atol=1e-5)
+  module = linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=PATTERN)
+  np.testing.assert_allclose(module.apply({"params": params(layer)}, x,
+                                          mask=mask[..., None, None, :]), y, rtol=1e-6,
+                             atol=1e-6)
+  with pytest.raises(ValueError, match="in_features=16"):
+    layer(x[0, 0, 0])
+
+
+def test_keys_and_values_from_other_inputs():
+  """inputs_k and inputs_v (in_kv_features) at the queries' positions under a dilated pattern;
+  of another length under a pattern that shows every key to every query, where the layer
+  computes what nnx.MultiHeadAttention does with the same weights and key mask."""
+  rng = np.random.default_rng(3)
+  x = inputs()
+  xk, xv = (jnp.asarray(rng.standard_normal((B, N, 12)), jnp.float32) for _ in range(2))
+  layer = make_layer(in_kv_features=12)
+  assert layer.key.kernel.shape == (12, HKV, F // H)
+  np.testing.assert_allclose(layer(x, xk, xv), forward_np(params(layer), x, PATTERN, xk=xk,
+                                                          xv=xv), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(layer(x, xk), layer(x, xk, xk))
+  full = make_layer(FULL, in_kv_features=12)
+  mha = nnx.MultiHeadAttention(H, F, num_kv_heads=HKV, in_kv_features=12, decode=False,
+                               rngs=nnx.Rngs(0))
+  nnx.update(full, nnx.state(mha, nnx.Param))
+  ordered = make_layer(FULL, in_kv_features=12, ordering=RANDOM_PERM)
+  nnx.update(ordered, nnx.state(mha, nnx.Param))
+  mask = rng.random((B, N)) < 0.6
+  mask[:, 0] = True  # every query sees a key, as Flax needs to agree
+  for n_q, n_k in ((6, N), (N, 10)):
+    args = x[:, :n_q], xk[:, :n_k], xv[:, :n_k]
+    mask_k = mask[:, None, None, :n_k]
+    y = full(*args, mask=mask_k)
+    np.testing.assert_allclose(y, forward_np(params(full), *args[:1], FULL, xk=args[1],
+                                             xv=args[2], key_mask=mask[:, :n_k]),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y, mha(*args, mask=mask_k), rtol=1e-5, atol=1e-5)
+    if n_q == N:  # a token order of the queries changes nothing then
+      np.testing.assert_allclose(ordered(*args, mask=mask_k), y, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="different lengths"):
+    layer(x, xk[:, :10])
+  with pytest.raises(ValueError, match="rotary_base"):
+    make_layer(FULL, in_kv_features=12, rotary_base=100.0)(x, xk[:, :10])
+  with pytest.raises(ValueError, match="inputs_v needs inputs_k"):
+    layer(x, inputs_v=xv)
+  with pytest.raises(ValueError, match="batch dims of inputs_q"):
+    layer(x, xk[:1])
+  with pytest.raises(ValueError, match="in_kv_features=12"):
+    layer(x, x)
+  with pytest.raises(ValueError, match="same length"):
+    full(x, xk, xv[:, :10])
+
+
+def test_sow_weights():
+  """sow_weights records the attention probabilities `[B, H, N, Nk]` (hidden keys 0) in the
+  caller's order, as nnx.MultiHeadAttention sows its own; so do dilated_attention_fn inside
+  nnx.MultiHeadAttention and the Linen twin (into `intermediates`)."""
+  kwargs, perm = ORDERINGS["explicit"]
+  layer = make_layer(**kwargs)
+  x, mask = inputs(), key_mask_np()
+  mask4 = mask[:, None, None, :]
+  y, sown = nnx.capture(layer, nnx.Intermediate)(x, mask=mask4, sow_weights=True)
+  (w,) = sown["attention_weights"]
+  np.testing.assert_allclose(w, weights_np(params(layer), x, PATTERN, perm, mask), atol=1e-6)
+  np.testing.assert_array_equal(y, layer(x, mask=mask4))
+  assert not nnx.capture(layer, nnx.Intermediate)(x)[1]
+  module = linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=PATTERN,
+                                           ordering=RANDOM_PERM)
+  _, state = module.apply({"params": params(layer)}, x, mask=mask4, sow_weights=True,
+                          mutable=["intermediates"])
+  np.testing.assert_allclose(state["intermediates"]["attention_weights"][0], w, atol=1e-6)
+  mha = nnx.MultiHeadAttention(H, F, num_kv_heads=HKV, attention_fn=dilated_attention_fn(PATTERN),
+                               decode=False, rngs=nnx.Rngs(0))
+  _, sown = nnx.capture(mha, nnx.Intermediate)(x, mask=mask4, sow_weights=True)
+  np.testing.assert_allclose(sown["attention_weights"][0],
+                             weights_np(params(mha), x, PATTERN, key_mask=mask), atol=1e-6)
+
+
+def test_keep_rngs():
+  """keep_rngs=False keeps no dropout stream (none is needed at construction): calls that drop
+  out take rngs."""
+  x = inputs()
+  layer = make_layer(dropout_rate=0.5, deterministic=False, keep_rngs=False)
+  assert layer.rngs is None
+  with pytest.raises(ValueError, match="keep_rngs=False"):
+    layer(x)
+  kept = make_layer(dropout_rate=0.5, deterministic=False)
+  np.testing.assert_array_equal(layer(x, rngs=nnx.Rngs(dropout=1)),
+                                kept(x, rngs=nnx.Rngs(dropout=1)))
+  np.testing.assert_array_equal(layer(x, deterministic=True), make_layer()(x))
+  make_layer(dropout_rate=0.5, rngs=nnx.Rngs(params=0), keep_rngs=False)
+  with pytest.raises(ValueError, match="keep_rngs"):
+    make_layer(keep_rngs=None)
+
+
+def test_attention_fn_decodes_in_nnx_multi_head_attention():
+  """nnx.MultiHeadAttention(decode=True) passes its whole cache and a cache mask: with a pattern
+  that shows every key to every query, token steps give causal full attention, as Flax's own
+  attention does; a dilated pattern is refused, pointing at the layer."""
+  x = inputs()
+  mha = nnx.MultiHeadAttention(H, F, num_kv_heads=HKV, attention_fn=dilated_attention_fn(FULL),
+                               decode=True, rngs=nnx.Rngs(0))
+  flax_mha = nnx.MultiHeadAttention(H, F, num_kv_heads=HKV, decode=True, rngs=nnx.Rngs(0))
+  mha.init_cache(x.shape)
+  flax_mha.init_cache(x.shape)
+  ys = jnp.concatenate([mha(x[:, t:t + 1]) for t in range(N)], axis=1)
+  causal = DilatedPattern((N,), (1,), causal=True)
+  np.testing.assert_allclose(ys, forward_np(params(mha), x, causal), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(ys, jnp.concatenate([flax_mha(x[:, t:t + 1]) for t in range(N)],
+                                                 axis=1), rtol=1e-5, atol=1e-5)
+  dilated = nnx.MultiHeadAttention(H, F, num_kv_heads=HKV,
+                                   attention_fn=dilated_attention_fn(CAUSAL), decode=True,
+                                   rngs=nnx.Rngs(0))
+  dilated.init_cache(x.shape)
+  with pytest.raises(ValueError, match=r"DilatedMultiHeadAttention\(decode=True\)"):
+    dilated(x[:, :1])
+
+
 def test_optimizer_steps_reduce_loss():
   layer = make_layer(CAUSAL)
   optimizer = nnx.Optimizer(layer, optax.adam(1e-2), wrt=nnx.Param)
@@ -367,6 +596,9 @@ def test_layers_with_data_and_sequence_axes():
   sharded = make_layer(mesh=mesh, seq_axis="seq", batch_axis="data")
   np.testing.assert_allclose(jax.jit(lambda x: sharded(x))(x), make_layer()(x), rtol=1e-5,
                              atol=1e-5)
+  mask = key_mask_np()[:, None, None, :]  # hidden keys through the ring
+  np.testing.assert_allclose(jax.jit(lambda x: sharded(x, mask=mask))(x),
+                             make_layer()(x, mask=mask), rtol=1e-5, atol=1e-5)
   module = linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=PATTERN,
                                            mesh=mesh, seq_axis="seq", batch_axis="data")
   plain = linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=PATTERN)
@@ -375,6 +607,20 @@ def test_layers_with_data_and_sequence_axes():
                              rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="batch_axis"):
     make_layer(batch_axis="data")
+
+
+def test_key_mask_with_explicit_mesh_axes():
+  """Hidden keys through the ring with the batch and sequence sharded over Explicit axes."""
+  mesh = jax.make_mesh((2, 4), ("data", "seq"),
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  x, mask = inputs(), key_mask_np()[:, None, None, :]
+  expected = make_layer()(x, mask=mask)
+  with jax.set_mesh(mesh):
+    layer = make_layer(mesh=mesh, seq_axis="seq", batch_axis="data")
+    y = nnx.jit(lambda m, x, mask: m(x, mask=mask))(
+        layer, jax.device_put(x, jax.P("data", "seq")),
+        jax.device_put(mask, jax.P("data", None, None, "seq")))
+  np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
 FULL = DilatedPattern((N,), (1,))  # one segment of all N tokens at rate 1: full attention
