@@ -67,7 +67,8 @@ def time_case(n, p, pattern, args, backward):
   q, k, v, do = inputs(n, args.heads, args.head_dim, jnp.dtype(args.dtype), mesh)
   fn = attention_fn(pattern, mesh, args.impl, backward)
   try:
-    return median_ms(fn, (q, k, v, do) if backward else (q, k, v), args.runs)
+    return median_ms(fn, (q, k, v, do) if backward else (q, k, v), args.runs,
+                     calls=getattr(args, "calls", 1))
   except Exception as e:  # e.g. out of memory: reported, not fatal
     print(f"  failed: N={n} P={p} {type(e).__name__}: {str(e)[:200]}", flush=True)
     return float("nan")
@@ -95,12 +96,20 @@ def main():
   ap.add_argument("--devices", default="1,2,4")
   ap.add_argument("--per-gpu", default="8192,32768,131072")
   ap.add_argument("--strong", type=int, default=131072)
+  ap.add_argument("--calls", type=int, default=10,
+                  help="calls a timed run dispatches back to back (1: each call alone)")
   add_problem_arguments(ap, passes="fwd,fwdbwd")
   ap.add_argument("--longest", action="store_true")
   ap.add_argument("--longest-heads", type=int, default=8)
   ap.add_argument("--longest-start", type=int, default=1 << 20)
   ap.add_argument("--json", default=None)
+  ap.add_argument("--plot", default=None, help="efficiency plot (PNG) of the weak scaling")
+  ap.add_argument("--plot-from", default=None, help="only plot this earlier --json file")
   args = ap.parse_args()
+  if args.plot_from:
+    with open(args.plot_from) as f:
+      plot(json.load(f), args.plot)
+    return
   devices = [int(x) for x in args.devices.split(",")]
   rows = []
   print(f"JAX {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].device_kind}", flush=True)
@@ -150,10 +159,40 @@ def main():
       n *= 2
     rows.append(dict(kind="longest", pattern="longnet", p=p, heads=args.heads,
                      n=best[0] if best else None, ms=best[1] if best else None))
+  result = dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
+                devices=len(jax.devices()), args=vars(args), rows=rows)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
-                     devices=len(jax.devices()), args=vars(args), rows=rows), f, indent=1)
+      json.dump(result, f, indent=1)
+  if args.plot:
+    plot(result, args.plot)
+
+
+def plot(result, path):
+  """Weak-scaling efficiency ("whole") against tokens per GPU, a line per pattern and pass,
+  a panel per GPU count."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  rows = [r for r in result["rows"] if r["kind"] == "weak" and r["p"] > 1]
+  counts = sorted({r["p"] for r in rows})
+  fig, axes = plt.subplots(1, len(counts), figsize=(5 * len(counts), 3.6), squeeze=False)
+  for ax, p in zip(axes[0], counts):
+    lines = sorted({(r["pattern"], r["causal"], r["pass_"]) for r in rows if r["p"] == p})
+    for pattern, causal, pass_ in lines:
+      pts = sorted((r["n"] // p, r["eff_whole"]) for r in rows if r["p"] == p and
+                   (r["pattern"], r["causal"], r["pass_"]) == (pattern, causal, pass_))
+      label = f"{pattern}{', causal' if causal else ''}, {pass_}"
+      ax.plot([t for t, _ in pts], [100 * e for _, e in pts], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("tokens per GPU")
+    ax.set_ylabel("efficiency T1 / (P TP), %")
+    ax.set_title(f"{p} x {result['device']} (JAX {result['jax']})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

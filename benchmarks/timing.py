@@ -6,16 +6,20 @@ import time
 import jax
 
 
-def median_ms(fn, args, runs=5, warmup=2):
-  """Median wall time in ms of `fn(*args)` over `runs` calls, each waited for on the device,
-  after `warmup` calls (the first compiles)."""
+def median_ms(fn, args, runs=5, warmup=2, calls=1):
+  """Median wall time in ms of `fn(*args)` over `runs` runs after `warmup` calls (the first
+  compiles). A run is `calls` calls dispatched back to back and waited for once on the device,
+  divided by `calls`: 1 times each call alone (dispatch and the wait included), more times
+  them as a training loop issues them, the host running ahead of the devices."""
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
   times = []
   for _ in range(runs):
     t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(1e3 * (time.perf_counter() - t))
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append(1e3 * (time.perf_counter() - t) / calls)
   return statistics.median(times)
 
 
