@@ -356,9 +356,10 @@ def hide_keys(attention, q, k, v, key_mask, scale: float):
   values, and in keys 0 (visible) or `-HIDE / scale` (hidden), so a hidden key scores `HIDE`
   below its logit. While logits stay within `HIDE / 4` in magnitude, `exp` of a hidden key's
   score is exactly 0 in a row that sees a visible key, and a row of hidden keys alone has
-  `lse < -HIDE / 2`: it is then set to 0 and `-inf`. float16 cannot hold the feature: float16
-  inputs run in float32. The extra feature makes the head dim one that the GPU kernels decline,
-  so the "xla" backend runs.
+  `lse < -HIDE / 2`: it is then set to 0 and `-inf`. `HIDE` keeps the scores within every
+  backend's exact range (the mosaic forward's: `|s| log2 e < 2**27`). float16 cannot hold the
+  feature: float16 inputs run in float32. The extra feature usually makes a head dim that the GPU
+  kernels decline (they take powers of two), so the "xla" backend runs there.
   """
   if not abs(scale) >= 2.0 ** -64:
     raise ValueError(f"a mask hides keys through the scores: it needs |scale| >= 2**-64, got "
