@@ -8,7 +8,8 @@ one GPU doing the whole problem alone, then traces `--calls` ring calls under
   all-gather; NCCL kernels), fusions (merges, masks, layout), copies;
 - overlap: the share of the collectives' time during which an attention kernel runs on the
   same device (what the ring hides behind compute);
-- idle: span minus busy (launch gaps, waits on peers).
+- idle: span minus busy (launch gaps, waits on peers);
+and with `--timeline` every kernel of the first device, in order, with its stream.
 XLA's command buffers (CUDA graphs) attribute their kernels to the buffer: run with
 `XLA_FLAGS=--xla_gpu_enable_command_buffer=` so that each kernel keeps its own op.
 
@@ -70,6 +71,15 @@ def breakdown(events, calls: int) -> dict:
   return per_device
 
 
+def print_timeline(events, device: str):
+  """Every kernel of `device` in the traced calls: start (us from the first), duration (us),
+  stream and HLO op: what runs beside what, and the gaps."""
+  evs = sorted((e for e in events if e["device"] == device), key=lambda e: e["start"])
+  for e in evs:
+    print(f"    {(e['start'] - evs[0]['start']) / 1e3:9.1f} {e['ns'] / 1e3:8.1f} us  "
+          f"{e['stream'][:22]:22} {e['hlo_op'][:40]}", flush=True)
+
+
 def trace(fn, args, calls: int) -> list[dict]:
   jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as log_dir:
@@ -85,6 +95,8 @@ def main():
   ap.add_argument("--per-gpu", default="8192")
   add_problem_arguments(ap, passes="fwd")
   ap.add_argument("--calls", type=int, default=3, help="ring calls traced")
+  ap.add_argument("--timeline", action="store_true",
+                  help="print every kernel of the first device in the traced calls")
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
   p = len(jax.devices())
@@ -105,6 +117,8 @@ def main():
         one_ms = median_ms(call(attention_fn(pattern, None, args.impl, backward)), one_args,
                            args.runs)
         events = trace(call(ring), ring_args, args.calls)
+        if args.timeline:
+          print_timeline(events, min(e["device"] for e in events))
         row = dict(pattern=name, causal=args.causal, pass_="fwdbwd" if backward else "fwd",
                    n=n, p=p, ring_ms=ring_ms, one_gpu_ms=one_ms,
                    efficiency=one_ms / (p * ring_ms), devices=breakdown(events, args.calls))
