@@ -63,7 +63,7 @@ from flax import nnx
 
 import common
 from hilbert_ring_jax import DilatedMultiHeadAttention, DilatedPattern
-from hilbert_ring_jax.nn import rotate
+from hilbert_ring_jax.layers_common import rotate
 
 MODELS = ("dilated", "full", "local")
 FULL_IMPLS = ("auto", "cudnn", "xla", "ours")

@@ -15,10 +15,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from .decode import KVCache, init_kv_cache
-from .nn import (TokenOrder, apply_dropout, attend, attention_weights, caller_weights, check_call,
-                 check_dropout_rate, check_flag, check_heads, check_options, check_rotary_base,
-                 checked_init, decode_attend, key_mask_of, layer_inputs, permute, rotate,
-                 serialize_inputs, static_implementation)
+from .layers_common import (TokenOrder, apply_dropout, attend, attention_weights,
+                            caller_weights, check_call, check_dropout_rate, check_flag,
+                            check_heads, check_options, check_rotary_base, checked_init,
+                            decode_attend, key_mask_of, layer_inputs, permute, rotate,
+                            serialize_inputs, static_implementation)
 from .pattern import DilatedPattern
 
 DEFAULT_KERNEL_INIT = nn.initializers.lecun_normal()

@@ -16,7 +16,7 @@ from hilbert_ring_jax import (DilatedMultiHeadAttention, DilatedPattern, dilated
                               dilated_attention_fn, dilated_attention_reference,
                               hilbert_permutation, hilbert_permutation_per_segment, linen,
                               serialize, unserialize)
-from hilbert_ring_jax.nn import rotate
+from hilbert_ring_jax.layers_common import rotate
 
 B, N, F, H, HKV = 2, 16, 16, 4, 2  # N = 4 x 4 grid; head dim 4
 PATTERN = DilatedPattern((8, 16), (1, 2))
