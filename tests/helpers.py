@@ -79,3 +79,15 @@ def check_case(case, causal, dtype, implementation, seed=0, fn=None):
     assert g.dtype == x.dtype and g.shape == x.shape
     assert np.isfinite(np.asarray(g, np.float32)).all()
     assert rel_err(g, ref) < 2 * tol, (f"d{name}", rel_err(g, ref))
+
+
+# float16 q, k uniform in +-4e4 at D = 128 (|logits| up to ~5e8; the scale 128 ** -0.5 no
+# power of two) and v = 1: every true output is exactly 1.
+HUGE_LOGITS_CASE = Case(256, 2, 2, (16, 32, 64), (1, 2, 4), head_dim=128)
+
+
+def huge_logits(seed=0):
+  """q, k, v of HUGE_LOGITS_CASE (its pattern causal)."""
+  rng = np.random.default_rng(seed)
+  q, k = (jnp.asarray(rng.uniform(-4e4, 4e4, (1, 256, 2, 128)), jnp.float16) for _ in "qk")
+  return q, k, jnp.ones_like(k)

@@ -1,34 +1,356 @@
-"""The backend protocol (`backends/base.py`): the contract's dtypes, resolution, configs."""
+"""Every backend against the float64 reference, one suite; and the backend protocol.
+
+`BACKENDS` lists each backend as the suite runs it. A check runs each of its cases on every
+backend that declares the case: by the backend's own `supports(problem)` on this platform
+("xla" and "pallas" everywhere, "triton" and "mosaic" on the GPUs they support), or, for the
+mosaic kernels in Mosaic GPU interpret mode on a CPU (JAX >= 0.11; there `supports` declines:
+no Hopper GPU), by the capability declared below. A backend does not get the cases it does not
+declare (none is collected and skipped). The checks: forward, lse and gradients of small
+cases in float32 and 16 bits (every corner of the pattern: `CASES`), cases at the GPU kernels'
+tiles (`BLOCKS`: the only ones the mosaic kernels take; interpreted they cost 10-20 s each,
+so there are few, each on another path of theirs), random configurations, causality, empty
+rows, vmap, numerical range, and the contract's float32 partials.
+"""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import helpers
 import reference_np
+from helpers import Case
 from hilbert_ring_jax import DilatedPattern, backends, dilated_attention, sharded_dilated_attention
 from hilbert_ring_jax.backends import pallas, xla
 
-# "triton" needs a CUDA GPU: the gpu marker skips it elsewhere.
-BACKENDS = ["xla", pytest.param("pallas", marks=pytest.mark.pallas),
-            pytest.param("triton", marks=pytest.mark.gpu)]
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+DTYPE_IDS = {F32: "f32", BF16: "bf16", F16: "f16"}
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
-                         ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("name", BACKENDS)
-def test_partials_are_float32(name, dtype):
+@dataclasses.dataclass(frozen=True)
+class _Kernels:
+  """A backend's forward and backward as `backends.attention` differentiates them, the way
+  `dilated_attention` calls them (final output and gradients in the input dtype)."""
+
+  backend: object
+  pattern: DilatedPattern
+  scale: float
+  config: object
+
+  def forward(self, q, k, v):
+    return self.backend.forward(q, k, v, self.pattern, self.scale, config=self.config,
+                                out_dtype=q.dtype)
+
+  def backward(self, q, k, v, dout, lse, delta):
+    return self.backend.backward(q, k, v, dout, lse, delta, self.pattern, self.scale,
+                                 config=self.config, grad_dtype=q.dtype)
+
+
+def _interpreted(case, dtype):
+  """What the mosaic kernels run, as its `supports` says on a Hopper GPU (docs/backends.md):
+  16-bit inputs, head dims 64 and 128 (both passes), rows of whole blocks of 128 positions
+  (here every branch's `w / r`) or one segment over all N."""
+  one_segment = len(case.segment_lengths) == 1 and case.segment_lengths[0] >= case.n
+  rows = all(w % r == 0 and (w // r) % 128 == 0
+             for w, r in zip(case.segment_lengths, case.dilation_rates))
+  return dtype in (BF16, F16) and case.head_dim in (64, 128) and (one_segment or rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """A backend as the suite runs it: by `name` through `dilated_attention`, or (`interpret`)
+  the mosaic kernels in interpret mode through `backends.attention`, as `dilated_attention`
+  calls a backend (its `supports` declines them off a GPU)."""
+
+  name: str
+  interpret: bool = False
+  marks: tuple = ()
+
+  @property
+  def id(self):
+    return f"{self.name}_interpret" if self.interpret else self.name
+
+  def declares(self, case, causal, dtype) -> bool:
+    """Whether this backend runs `case` here, forward and backward."""
+    if self.interpret:
+      return (jax.__version_info__ >= (0, 11) and jax.default_backend() == "cpu"
+              and _interpreted(case, dtype))
+    try:
+      module = backends.load(self.name)
+    except ImportError:  # e.g. "triton" without jax_triton: not on this machine
+      return False
+    problem = backends.Problem(
+        q_shape=(case.batch, case.n, case.heads, case.head_dim),
+        kv_shape=(case.batch, case.n, case.kv_heads, case.head_dim), dtype=jnp.dtype(dtype),
+        pattern=case.pattern(causal), platform=jax.default_backend())
+    return all(module.supports(dataclasses.replace(problem, backward=b)) for b in (False, True))
+
+  def module(self):
+    return backends.load(self.name)
+
+  def config(self, configs=None):
+    """This backend's config from `configs` (by backend name; absent: its tuned defaults),
+    in interpret mode where the suite interprets it."""
+    config = (configs or {}).get(self.name)
+    return dataclasses.replace(config or self.module().Config(), interpret=True) \
+        if self.interpret else config
+
+  def attention(self, pattern, scale=None, configs=None):
+    """`(q, k, v) -> (out, lse)` of this backend."""
+    config = self.config(configs)
+    if not self.interpret:
+      return lambda q, k, v: dilated_attention(q, k, v, pattern, scale=scale, return_lse=True,
+                                               implementation=self.name, config=config)
+
+    def fn(q, k, v):
+      kernels = _Kernels(self.module(), pattern,
+                         q.shape[-1] ** -0.5 if scale is None else scale, config)
+      return backends.attention(q, k, v, kernels)
+
+    return fn
+
+
+BACKENDS = [Backend("xla"), Backend("pallas", marks=(pytest.mark.pallas,)), Backend("triton"),
+            Backend("mosaic"), Backend("mosaic", interpret=True)]
+
+
+def on_backends(cases, extra=(), exclude=(), xfail=None):
+  """Parametrizes `backend, case, causal, dtype` (and the names `extra`) over every backend of
+  BACKENDS but those named in `exclude`, and each of `cases` (id -> (Case, causal, dtype,
+  *extra values)) that the backend declares; `xfail`: backend name -> the known bug that
+  fails its cases (a strict xfail: a fix makes them fail until the entry goes)."""
+  xfail = xfail or {}
+  marks = lambda b: (*b.marks, *([pytest.mark.xfail(strict=True, reason=xfail[b.name])]
+                                 if b.name in xfail else []))
+  params = [pytest.param(b, *values, id=f"{b.id}-{name}", marks=marks(b))
+            for b in BACKENDS if b.name not in exclude for name, values in cases.items()
+            if b.declares(*values[:3])]
+  return pytest.mark.parametrize(["backend", "case", "causal", "dtype", *extra], params)
+
+
+@pytest.mark.old_jax  # which backends run here depends on the JAX version
+def test_each_backend_of_this_platform_has_cases():
+  """The suite runs on this machine every backend it can: no backend's cases silently gone
+  (e.g. "triton" on a GPU where jax_triton does not import)."""
+  ran = {b.id for b in BACKENDS for case, causal, dtype in
+         [*SMALL_F32.values(), *BLOCK_CASES.values()] if b.declares(case, causal, dtype)}
+  expected = {"xla", "pallas"}
+  if jax.default_backend() == "gpu":
+    from hilbert_ring_jax.backends import hopper  # pylint: disable=g-import-not-at-top
+    expected |= {"triton", "mosaic"} if hopper.is_hopper() else {"triton"}
+  elif jax.__version_info__ >= (0, 11):
+    expected.add("mosaic_interpret")
+  assert ran == expected
+
+
+CASES = {
+    "one_branch": Case(32, 2, 2, (8,), (1,)),
+    "two_branches": Case(32, 2, 2, (8, 16), (1, 2)),
+    "three_partial": Case(40, 4, 4, (8, 16, 32), (1, 2, 4), batch=2),
+    "r_not_dividing_w": Case(29, 4, 4, (6, 10), (4, 3)),
+    "offsets_all": Case(36, 2, 2, (12, 7), (3, 2), offsets="all"),
+    "head_groups": Case(32, 5, 5, (4, 8, 16), (1, 2, 4), head_groups=True),
+    "gqa": Case(32, 4, 2, (8, 16), (1, 2)),
+    "gqa_head_groups_unaligned": Case(24, 6, 2, (8, 24), (2, 3), head_groups=True),
+    "mqa_offsets_all": Case(30, 4, 1, (10, 30), (1, 3), offsets="all"),
+    "w_beyond_n": Case(24, 2, 1, (64,), (1,)),
+    "single_token": Case(1, 2, 2, (4, 8), (1, 2)),
+}
+# Every case runs causal; these run non-causal too (the rest are covered by the random test).
+NON_CAUSAL = ["two_branches", "three_partial", "r_not_dividing_w", "offsets_all", "gqa",
+              "head_groups"]
+SMALL_F32 = {f"{name}-causal": (CASES[name], True, F32) for name in CASES} | {
+    f"{name}-full": (CASES[name], False, F32) for name in NON_CAUSAL}
+
+
+@on_backends(SMALL_F32)
+def test_float32(backend, case, causal, dtype):
+  helpers.check_case(case, causal, dtype, None, fn=backend.attention(case.pattern(causal)))
+
+
+@on_backends({f"{name}-{DTYPE_IDS[dtype]}": (CASES[name], name == "gqa", dtype)
+              for name in ("three_partial", "gqa") for dtype in (BF16, F16)})
+def test_low_precision(backend, case, causal, dtype):
+  helpers.check_case(case, causal, dtype, None, fn=backend.attention(case.pattern(causal)))
+
+
+# Cases at the GPU kernels' tiles: rows of whole blocks of 128 positions, head dims 64 and
+# 128, several key blocks a row. `configs`: the mosaic kernels' options each case runs them
+# with (on the GPU too), each case another path of theirs; the other backends take defaults.
+BLOCKS = {
+    # LongNet in small (the first LM preset's grouping): two launches, {128/1, 256/1} and
+    # {512/4}, the second merging the first's float16 output in its epilogues and adding its
+    # gradients (the unstrided launch's dk/dv kernel adds dq, the strided one has a dq kernel);
+    # causal items list-scheduled over a persistent program; two query heads on a kv head.
+    "longnet_gqa": (Case(512, 2, 1, (128, 256, 512), (1, 1, 4), head_dim=64), True, F16, {}),
+    # Nested branches in one strided launch (offsets="all"), a partial last segment (N = 640,
+    # w = 512), head dim 128, blocks of 64 keys, 3 stages each way, dq added by the dk/dv
+    # kernel in a strided launch.
+    "partial_segment": (Case(640, 1, 1, (256, 512), (1, 2), offsets="all", head_dim=128), True,
+                        BF16, {"mosaic": dict(block_k=64, stages=3, backward_stages=3,
+                                              fused_backward=True)}),
+    # One segment over all N at an N that is no multiple of the blocks (the ring's steps):
+    # partial row blocks (queries past N read zeros, keys past N masked), blocks of 192 keys
+    # (the second partial), the backward's dq from its own kernel.
+    "one_segment": (Case(320, 2, 1, (320,), (1,), head_dim=128), False, BF16,
+                    {"mosaic": dict(block_k=192, fused_backward=False)}),
+}
+BLOCK_CASES = {name: case[:3] for name, case in BLOCKS.items()}
+
+
+@on_backends(BLOCKS, extra=["options"])
+def test_blocks(backend, case, causal, dtype, options):
+  configs = {name: backends.load(name).Config(**kw) for name, kw in options.items()}
+  helpers.check_case(case, causal, dtype, None,
+                     fn=backend.attention(case.pattern(causal), configs=configs))
+
+
+# Interpret-mode Pallas kernels take ~1 s each to compile on CPU: fewer random examples there.
+RANDOM_EXAMPLES = {"pallas": 6}
+
+
+@pytest.mark.parametrize("backend", [
+    pytest.param(b, id=b.id, marks=b.marks) for b in BACKENDS
+    if b.declares(CASES["gqa"], True, F32)])
+def test_random_configurations(backend):
+  examples = RANDOM_EXAMPLES.get(backend.id, settings.default.max_examples)
+  settings(max_examples=examples)(given(data=st.data())(_random_configuration))(backend)
+
+
+def _random_configuration(backend, data):
+  k = data.draw(st.integers(1, 3), "branches")
+  n = data.draw(st.integers(1, 48), "n")
+  segs = tuple(data.draw(st.integers(1, 40), "w") for _ in range(k))
+  rates = tuple(data.draw(st.integers(1, w), "r") for w in segs)
+  kv = data.draw(st.sampled_from([1, 2]), "kv_heads")
+  heads = kv * data.draw(st.integers(1, 3), "group")
+  groups = heads >= k and data.draw(st.booleans(), "head_groups")
+  case = Case(n, heads, kv, segs, rates, data.draw(st.sampled_from(["head", "all"])), groups)
+  causal = data.draw(st.booleans(), "causal")
+  helpers.check_case(case, causal, F32, None, seed=data.draw(st.integers(0, 1000), "seed"),
+                     fn=backend.attention(case.pattern(causal)))
+
+
+@on_backends({"three_partial": (CASES["three_partial"], True, F32)})
+def test_causal_leak(backend, case, causal, dtype):
+  """Perturbing keys and values after position t leaves outputs up to t unchanged."""
+  q, k, v, *_ = helpers.random_inputs(case, dtype, 1)
+  t = 21
+  noise = np.random.default_rng(9).standard_normal(k.shape)
+  noise[:, :t + 1] = 0
+  fn = jax.jit(backend.attention(case.pattern(causal)))
+  out, lse = fn(q, k, v)
+  out2, lse2 = fn(q, k + 100 * noise, v + 100 * noise)
+  np.testing.assert_array_equal(out[:, :t + 1], out2[:, :t + 1])
+  np.testing.assert_array_equal(lse[:, :t + 1], lse2[:, :t + 1])
+  assert not np.allclose(out[:, t + 1:], out2[:, t + 1:])
+
+
+@on_backends({"r2": (Case(16, 2, 2, (8,), (2,)), False, F32)})
+def test_queries_without_keys(backend, case, causal, dtype):
+  """offsets="head", r=2: a head sees only its residue; other queries get 0, -inf, zero grad."""
+  q, k, v, dout, dlse = helpers.random_inputs(case, dtype, 2)
+  (out, lse), vjp = jax.vjp(backend.attention(case.pattern(causal)), q, k, v)
+  dq, dk, dv = vjp((dout, dlse))
+  blind = (np.arange(16)[:, None] % 2) != (np.arange(2)[None, :] % 2)  # [N, H]
+  assert np.all(np.asarray(out)[:, blind] == 0)
+  assert np.all(np.isneginf(np.asarray(lse)[:, blind]))
+  assert np.all(np.asarray(dq)[:, blind] == 0)
+  for g in (dq, dk, dv):
+    assert np.isfinite(np.asarray(g)).all()
+  # A key of residue 1 is seen only by head 1, which reads kv head 1: kv head 0 gets no grad.
+  assert np.all(np.asarray(dk)[:, 1::2, 0] == 0) and np.all(np.asarray(dv)[:, 1::2, 0] == 0)
+
+
+@on_backends({"gqa": (CASES["gqa"], True, F32)})
+def test_vmap_and_scale(backend, case, causal, dtype):
+  q, k, v, *_ = helpers.random_inputs(case, dtype, 3)
+  qs, ks, vs = (jnp.stack([x, 2 * x]) for x in (q, k, v))
+  fn = backend.attention(case.pattern(causal), scale=0.3)
+  batched, _ = jax.jit(jax.vmap(fn))(qs, ks, vs)
+  for i in range(2):
+    ref_out, _ = reference_np.attention(
+        *(np.asarray(x[i], np.float64) for x in (qs, ks, vs)),
+        reference_np.multiplicity(case.n, case.heads, case.segment_lengths,
+                                  case.dilation_rates, True), 0.3)
+    assert helpers.rel_err(batched[i], ref_out) < helpers.TOL[dtype]
+
+
+@on_backends({"d64": (Case(16, 1, 1, (16,), (1,), head_dim=64), False, F16)}, xfail={
+    "mosaic": "the mosaic backward rounds ds to float16 for its products (mosaic_backward.py: "
+              "ds.astype(dtype)): inf in its float32 gradients, +-65504 after the cast"})
+def test_float16_backward_does_not_overflow(backend, case, causal, dtype):
+  """Large `v` and `dout` make `ds = p (dp - delta)` exceed float16's range although every
+  gradient fits it: the ds products must not round ds to float16 first."""
+  rng = np.random.default_rng(11)
+  shape = (1, 16, 1, 64)
+  q, k = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(2))
+  v = jnp.asarray(1e3 * rng.choice([-1.0, 1.0], shape), dtype)
+  dout = jnp.asarray(32 * rng.standard_normal(shape), dtype)
+  out = lambda q, k, v: backend.attention(case.pattern(causal))(q, k, v)[0]
+  grads = jax.vjp(jax.jit(out), q, k, v)[1](dout)
+  _, _, ref = helpers.reference(case, False, q, k, v, dout, np.zeros(shape[:3]))
+  for name, g, r in zip("qkv", grads, ref):
+    assert np.abs(r).max() < 6e4  # the true gradient is representable in float16
+    assert np.isfinite(np.asarray(g, np.float32)).all(), f"d{name}"
+    assert helpers.rel_err(g, r) < 2 * helpers.TOL[dtype], (f"d{name}", helpers.rel_err(g, r))
+
+
+@on_backends({f"{DTYPE_IDS[dtype]}": (Case(32, 2, 2, (16,), (1,)), True, dtype)
+              for dtype in (F16, BF16)})
+def test_huge_logits_keep_gradients_finite(backend, case, causal, dtype):
+  """Logits of ~1e9 (q, k ~ 6e4): float32 lse rounding must not turn p = exp(s - lse) into
+  inf. The softmax is one-hot there and the true gradient about 0."""
+  q, k, v, dout, _ = helpers.random_inputs(case, F32, 12)
+  q, k = (jnp.asarray(6e4 * jnp.sign(x), dtype) for x in (q, k))
+  v, dout = v.astype(dtype), dout.astype(dtype)
+  out = lambda q, k, v: backend.attention(case.pattern(causal))(q, k, v)[0]
+  out, vjp = jax.vjp(jax.jit(out), q, k, v)
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  for g in vjp(dout):
+    assert np.isfinite(np.asarray(g, np.float32)).all()
+
+
+# The mosaic forward's exponent is exact only up to |s log2 e| < 2^27 (docs/SPEC.md's one
+# exception): its own checks (test_mosaic.py) keep to that range.
+@on_backends({"d128": (helpers.HUGE_LOGITS_CASE, True, F16)}, exclude=["mosaic"])
+def test_huge_logits_forward_is_exact(backend, case, causal, dtype):
+  """No row of finite logits comes back inf, NaN or 0 (docs/SPEC.md: "never inf or NaN"),
+  at D = 128 and with a huge scale (1e20, float32)."""
+  q, k, v = helpers.huge_logits()
+  out, _ = backend.attention(case.pattern(causal))(q, k, v)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), 1.0)
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 64, 2, 16)), F32)
+  out, lse = backend.attention(DilatedPattern((16,), (1,)), scale=1e20)(x, x, jnp.ones_like(x))
+  np.testing.assert_allclose(out, 1.0, rtol=1e-6)
+  assert np.isfinite(np.asarray(lse)).all()
+
+
+# The contract's partials: small cases in every dtype, all branches and the second alone; a
+# case at the kernels' tiles, its second branch (the mosaic kernels' float32 output tile).
+PARTIALS = {DTYPE_IDS[dtype]: (Case(32, 4, 2, (8, 16), (1, 2)), True, dtype, (None, (1,)))
+            for dtype in (F32, BF16, F16)} | {
+                "blocks-bf16": (Case(256, 2, 1, (128, 256), (1, 2), head_dim=64), True, BF16,
+                                ((1,),))}
+
+
+@on_backends(PARTIALS, extra=["selections"])
+def test_partials_are_float32(backend, case, causal, dtype, selections):
   """Forward partials and backward contributions are float32 whatever the input dtype (the
   ring merges them); `out_dtype` gives a final output in the input dtype."""
-  backend = backends.load(name)
-  case = helpers.Case(32, 4, 2, (8, 16), (1, 2))
+  module, config = backend.module(), backend.config()
   q, k, v, dout, _ = helpers.random_inputs(case, dtype, 0)
-  pattern = case.pattern(causal=True)
-  for branches in (None, (1,)):
-    assert backend.supports(backends.Problem.of(q, k, pattern, branches))
-    out, lse = backend.forward(q, k, v, pattern, 0.25, branches=branches)
-    assert out.dtype == lse.dtype == jnp.float32
+  pattern = case.pattern(causal)
+  for branches in selections:
+    if not backend.interpret:  # (interpreted: declared, see _interpreted)
+      assert module.supports(backends.Problem.of(q, k, pattern, branches))
+    forward = lambda out_dtype: jax.jit(lambda q, k, v: module.forward(
+        q, k, v, pattern, 0.25, branches=branches, config=config, out_dtype=out_dtype))
+    out, lse = forward(None)(q, k, v)
+    assert out.dtype == lse.dtype == F32
     # The partial is the attention over the branches' keys (the float64 reference of them).
     picked = [pattern.branches[b] for b in (branches or range(pattern.num_branches))]
     m = reference_np.multiplicity(case.n, case.heads, *zip(*picked), True)
@@ -36,13 +358,14 @@ def test_partials_are_float32(name, dtype):
                                               m, 0.25)
     assert helpers.rel_err(out, ref_out) < helpers.TOL[dtype]
     helpers.check_lse(lse, ref_lse, helpers.TOL[dtype])
-    final, _ = backend.forward(q, k, v, pattern, 0.25, branches=branches, out_dtype=dtype)
+    final, _ = forward(dtype)(q, k, v)
     assert final.dtype == dtype
     np.testing.assert_allclose(np.asarray(final, np.float32), out,
                                rtol=helpers.TOL[dtype], atol=helpers.TOL[dtype])
-    grads = backend.backward(q, k, v, dout, lse, jnp.zeros(lse.shape), pattern, 0.25,
-                             branches=branches)
-    assert [g.dtype for g in grads] == [jnp.float32] * 3
+    grads = jax.jit(lambda *a: module.backward(*a, pattern, 0.25, branches=branches,
+                                               config=config))(
+        q, k, v, dout, lse, jnp.zeros(lse.shape))
+    assert [g.dtype for g in grads] == [F32] * 3
 
 
 def test_resolution_keeps_every_reason():
@@ -88,7 +411,7 @@ def test_ring_traces_each_step_once(monkeypatch):
   pattern = DilatedPattern((64, 128, 256), (1, 2, 4), causal=True)
   mesh = jax.make_mesh((4,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:4])
-  x = jax.ShapeDtypeStruct((1, 256, 4, 16), jnp.float32)
+  x = jax.ShapeDtypeStruct((1, 256, 4, 16), F32)
   loss = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh,
                                                    axis_name="seq").sum()
   jax.jit(loss).trace(x, x, x)
@@ -104,7 +427,7 @@ def test_configs_are_validated_keyword_only_and_routed():
     xla.Config(key_block=0)
   with pytest.raises(TypeError):
     xla.Config(64)
-  q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 40, 2, 8)), jnp.float32)
+  q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 40, 2, 8)), F32)
   pattern = DilatedPattern((20, 40), (1, 2), causal=True)
   with pytest.raises(ValueError, match="config"):
     dilated_attention(q, q, q, pattern, config={"key_block": 8})
@@ -119,17 +442,23 @@ def test_configs_are_validated_keyword_only_and_routed():
   ref_out = reference_np.attention(*(np.asarray(x, np.float64) for x in (q, q, q)),
                                    reference_np.multiplicity(40, 2, (20, 40), (1, 2), True),
                                    8 ** -0.5)[0]
-  assert helpers.rel_err(base, ref_out) < helpers.TOL[jnp.float32]
+  assert helpers.rel_err(base, ref_out) < helpers.TOL[F32]
   np.testing.assert_allclose(run(small), base, rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(run(pallas.Config(block_q=32)), base)
 
 
-def test_implementation_is_checked():
-  q = jnp.zeros((1, 8, 1, 4))
-  pattern = DilatedPattern((8,), (1,))
+def test_implementation_is_checked_and_defaults():
+  """None is the platform's default ("xla" on a CPU); anything but a name or a non-empty
+  sequence of names is refused."""
+  case = CASES["gqa"]
+  q, k, v, *_ = helpers.random_inputs(case, F32, 4)
+  pattern = case.pattern(causal=False)
+  if jax.default_backend() == "cpu":
+    np.testing.assert_array_equal(dilated_attention(q, k, v, pattern),
+                                  dilated_attention(q, k, v, pattern, implementation=["xla"]))
   for bad in (5, [], ["xla", "cuda"], "cuda"):
     with pytest.raises(ValueError, match="implementation"):
-      dilated_attention(q, q, q, pattern, implementation=bad)
+      dilated_attention(q, k, v, pattern, implementation=bad)
 
 
 @pytest.mark.pallas
@@ -145,7 +474,7 @@ def test_pallas_declines_inside_shard_map():
     problems.append(backends.Problem.of(x, x, pattern))
     return x
 
-  x = jax.ShapeDtypeStruct((1, 16, 2, 16), jnp.float32)
+  x = jax.ShapeDtypeStruct((1, 16, 2, 16), F32)
   jax.eval_shape(jax.shard_map(step, mesh=mesh, in_specs=jax.P(None, "seq"),
                                out_specs=jax.P(None, "seq")), x)
   (inside,) = problems

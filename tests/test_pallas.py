@@ -1,6 +1,6 @@
 """Checks specific to the "pallas" backend: padding, block shapes, fallback, Triton lowering.
 
-The shared suite (test_attention.py) runs the same function checks for every backend; these
+The shared suite (test_backends.py) runs the same function checks for every backend; these
 exercise what only the kernels have: padded views, tiles of different sizes, the loops split
 at the causal diagonal, head dims that are not a power of two, and the GPU lowering, which
 is traced here on CPU down to Triton IR.
