@@ -1,13 +1,10 @@
-"""Test setup: 8 CPU devices for the ring tests (before JAX initialises), hypothesis, markers."""
+"""Test setup: hypothesis, markers (the 8 CPU devices: the conftest.py above)."""
 
 import os
 
+import hypothesis
 import jax
-
-jax.config.update("jax_num_cpu_devices", 8)
-
-import hypothesis  # noqa: E402
-import pytest  # noqa: E402
+import pytest
 
 hypothesis.settings.register_profile(
     "ci", derandomize=True, deadline=None, max_examples=12, print_blob=True,
