@@ -69,7 +69,13 @@ def check_case(case, causal, dtype, implementation, seed=0, fn=None):
     fn = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True,
                                            implementation=implementation)
   (out, lse), vjp = jax.vjp(jax.jit(fn), q, k, v)
-  grads = vjp((dout, dlse))
+  check_result(case, causal, dtype, (q, k, v, dout, dlse), out, lse, vjp((dout, dlse)))
+
+
+def check_result(case, causal, dtype, inputs, out, lse, grads):
+  """`out`, `lse` and `grads` (of the cotangents `dout`, `dlse`) computed from `inputs`
+  (`random_inputs`' five) against the reference."""
+  q, k, v, dout, dlse = inputs
   ref_out, ref_lse, ref_grads = reference(case, causal, q, k, v, dout, dlse)
   tol = TOL[dtype]
   assert out.dtype == dtype and out.shape == q.shape and lse.dtype == jnp.float32
