@@ -57,7 +57,7 @@ from timing import median_ms
 from hilbert_ring_jax import (DilatedPattern, dilated_attention, dilated_attention_prefill,
                               dilated_attention_step, init_kv_cache)
 from hilbert_ring_jax.backends import mosaic_decode
-from hilbert_ring_jax.decode import _step_kernel
+from hilbert_ring_jax.decode import step_backend
 
 ISSUE = dict(batch="1,8", heads=16, kv_heads="16,4", head_dim=128, dtype="bfloat16",
              pattern="2048,4096,8192,16384,32768/1,2,4,6,12", prompts="65536,1048576",
@@ -137,7 +137,7 @@ def bench_ours(pattern, a, batch, kv_heads, prompt, dtype, impl=None, config=Non
   row["cache_vs_formula"] = round(row["cache_bytes"] / row["formula_bytes"], 4)
   row["first_position"] = first
 
-  row["ours"] = "mosaic" if _step_kernel(q, k, impl, config) else "xla"
+  row["ours"] = step_backend(q, k, pattern, impl, config)
   step = jax.jit(lambda q, k, v, c: dilated_attention_step(q, k, v, c, pattern,
                                                            implementation=impl, config=config),
                  donate_argnums=3)

@@ -15,6 +15,11 @@ of each query's residue: `rows_b` rows, whatever the sequence length. Scores and
 accumulated in float32 from inputs in their own dtype: the cached values are weighted by the
 float32 probabilities, the chunk's own values (and all values of long chunks) by probabilities
 cast to their dtype, as the attention kernels do.
+
+This module owns the cache: its layout (`_tables`), prefill and writes. The reads are a
+backend's `step`, resolved like the attention's (`backends.resolve`; backends/base.py has the
+contract): the portable one in backends/xla.py, the Hopper token-step kernel in
+backends/mosaic_decode.py (the "mosaic" backend's).
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ import numpy as np
 
 from .api import check_dtype, check_flag, check_inputs, check_scale, dilated_attention
 from .backends import base
-from .merge import merge
 from .pattern import DilatedPattern, heads_per_kv
 
 
@@ -188,99 +192,6 @@ def _write(kb, vb, k_new, v_new, pos, keep, table: _BranchTable):
   return kb, vb
 
 
-def _softmax_parts(parts, scale):
-  """Softmax over the union of key sets: `parts` is `[(scores, mask, values, spec)]`.
-
-  `scores [B, Hkv, G, T, K_i]` are unscaled float32 dot products, `mask` broadcasts against
-  them, and `jnp.einsum(spec, p, values)` gives that part's `[B, Hkv, G, T, D]` output; with
-  `spec=None`, `values [B, Hkv, T, K_i, D]` are summed against `p` directly (a fused
-  reduction: no transposed copy of the values, which a matrix-vector product can cost).
-  Returns `(o, lse)`, with `o = 0`, `lse = -inf` where a query sees no key.
-  """
-  scores = [jnp.where(mask, scale * s, -jnp.inf) for s, mask, _, _ in parts]
-  s_max = functools.reduce(jnp.maximum, [s.max(axis=-1) for s in scores])
-  seen = s_max > -jnp.inf
-  shift = jnp.where(seen, s_max, 0.0)
-  den, o = 0.0, 0.0
-  for s, (_, _, values, spec) in zip(scores, parts):
-    p = jnp.exp(s - shift[..., None])  # exactly 0 on masked keys
-    den = den + p.sum(axis=-1)
-    if spec is None:
-      o = o + (p[..., None] * values[:, :, None].astype(jnp.float32)).sum(axis=-2)
-    else:  # as the kernels do: p in the values' dtype, float32 accumulation
-      o = o + jnp.einsum(spec, p.astype(values.dtype), values,
-                         preferred_element_type=jnp.float32)
-  safe_den = jnp.where(seen, den, 1.0)
-  lse = jnp.where(seen, shift + jnp.log(safe_den), -jnp.inf)
-  return o / safe_den[..., None], lse
-
-
-def _cached_slots(kb, vb, c_t, table: _BranchTable):
-  """The cache slot each query reads, `[B, Hkv, T, rows, D]`, for `T <= R_b` queries.
-
-  A query of residue `c` reads only keys of residue `c`, so of the `R_b` slots of a kv head
-  it needs the one holding `c` (where none does, no query head of that kv head takes part).
-  One slot per branch needs no copy; a slot shared by all kv heads is a dynamic slice; else a
-  gather.
-  """
-  if table.slots == 1:
-    return kb[:, :, :1], vb[:, :, :1]
-  if table.uniform is not None and c_t.shape[0] == 1:
-    slot = jnp.asarray(table.uniform)[c_t[0]]
-    return (jax.lax.dynamic_slice_in_dim(kb, slot, 1, axis=2),
-            jax.lax.dynamic_slice_in_dim(vb, slot, 1, axis=2))
-  if table.uniform is not None:
-    slot = jnp.asarray(table.uniform)[c_t]                      # [T]
-    return jnp.take(kb, slot, axis=2, mode="clip"), jnp.take(vb, slot, axis=2, mode="clip")
-  slot = jnp.maximum(jnp.asarray(table.slot)[:, c_t], 0)       # [Hkv, T]
-  idx = slot[None, :, :, None, None]
-  return (jnp.take_along_axis(kb, idx, axis=2, mode="clip"),
-          jnp.take_along_axis(vb, idx, axis=2, mode="clip"))
-
-
-def _branch_partial(qg, k_new, v_new, kb, vb, length, table: _BranchTable, scale):
-  """One branch's `(o [B, Hkv, G, T, D], lse [B, Hkv, G, T])` for the new queries.
-
-  Cached rows and the chunk's own keys form one key set (they are disjoint), softmaxed once.
-  With `T <= R_b` new tokens (decoding: `T = 1`) each query reads only the cache slot of its
-  residue, `rows_b` rows per kv head; longer chunks read all `R_b` slots once.
-  """
-  batch, num_kv_heads, group, steps, head_dim = qg.shape
-  w, r = table.w, table.r
-  f32 = dict(preferred_element_type=jnp.float32)
-  t = length + jnp.arange(steps)                        # query positions [T]
-  c_t, seg_t = (t % w) % r, t // w
-  takes_part = jnp.asarray(table.takes_part)[:, c_t]    # [H, T]
-  takes_part = takes_part.reshape(num_kv_heads, group, steps)[None, :, :, :, None]
-  # Cached row j of the slot holding residue c is position seg_start(t) + j r + c.
-  rows = np.arange(table.rows) * r
-  if steps <= table.slots:
-    kc, vc = _cached_slots(kb, vb, c_t, table)          # [B, Hkv, T or 1, rows, D]
-    kc = jnp.broadcast_to(kc, (batch, num_kv_heads, steps) + kc.shape[3:])
-    vc = jnp.broadcast_to(vc, kc.shape)
-    offset = rows[None, :] + c_t[:, None]               # [T, rows]
-    mask_c = (offset < w) & ((seg_t * w)[:, None] + offset < length)
-    s_c = jnp.einsum("bhgtd,bhtkd->bhgtk", qg, kc, **f32)
-    cached = (s_c, mask_c[None, None, None] & takes_part, vc, None)
-  else:
-    res = np.repeat(table.residue, table.rows, axis=1)   # [Hkv, R rows]
-    offset = np.tile(rows, table.slots)[None, :] + res
-    static_ok = jnp.asarray((res >= 0) & (offset < w))
-    pos = (seg_t * w)[None, :, None] + jnp.asarray(offset)[:, None, :]  # [Hkv, T, R rows]
-    mask_c = (static_ok[:, None, :] & (jnp.asarray(res)[:, None, :] == c_t[None, :, None])
-              & (pos < length))
-    kc = kb.reshape(batch, num_kv_heads, -1, head_dim)
-    vc = vb.reshape(batch, num_kv_heads, -1, head_dim)
-    s_c = jnp.einsum("bhgtd,bhkd->bhgtk", qg, kc, **f32)
-    cached = (s_c, mask_c[None, :, None] & takes_part, vc, "bhgtk,bhkd->bhgtd")
-  mask_n = ((seg_t[:, None] == seg_t[None, :]) & (c_t[:, None] == c_t[None, :])
-            & (t[None, :] <= t[:, None]))                # [T, T]
-  k_new, v_new = k_new.transpose(0, 2, 1, 3), v_new.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
-  s_n = jnp.einsum("bhgtd,bhkd->bhgtk", qg, k_new, **f32)
-  new = (s_n, mask_n[None, None, None] & takes_part, v_new, "bhgtk,bhkd->bhgtd")
-  return _softmax_parts([cached, new], scale)
-
-
 def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
                            scale: float | None = None, return_lse: bool = False,
                            implementation=None, config=None):
@@ -293,9 +204,11 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
   reads `rows_b = ceil(w_b / r_b)` cached rows per branch and kv head. Works under `jax.jit`
   with `pattern` static; the cache can be donated.
 
-  A token step (`T = 1`) on a Hopper GPU runs as one Pallas Mosaic GPU launch ("mosaic":
-  all branches and query heads of a kv head together, the cached rows split over the GPU);
-  chunks, and every other platform, run the portable jnp step ("xla").
+  The step's backend is resolved like `dilated_attention`'s (`backends.resolve`, from a
+  `Problem` with `step` set): a token step (`T = 1`) on a Hopper GPU runs as one Pallas
+  Mosaic GPU launch ("mosaic": all branches and query heads of a kv head together, the cached
+  rows split over the GPU); chunks, and every other platform, run the portable jnp step
+  ("xla").
 
   Args:
     q: `[B, T, H, D]` new queries.
@@ -306,9 +219,9 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
     scale: score scale, default `D ** -0.5`.
     return_lse: also return the float32 `[B, T, H]` log-denominators.
     implementation: None (the platform's defaults), a backend name or a sequence of them, as
-      for `dilated_attention`: "mosaic" is the token-step kernel; every other name runs the
-      jnp step, which is also what chunks (`T > 1`) always run. `NoBackendError` if only
-      "mosaic" is named and it cannot run this step.
+      for `dilated_attention`: "mosaic" has a token-step kernel; every other name decodes
+      with the portable step ("xla"'s), which is also what chunks (`T > 1`) always run.
+      `NoBackendError` if only "mosaic" is named and it cannot run this step.
     config: None, or a `hilbert_ring_jax.backends.mosaic_decode.Config` for the kernel.
 
   Returns:
@@ -329,80 +242,51 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
   scale = check_scale(scale, q.shape[-1])
   check_flag("return_lse", return_lse)
   _check_cache(cache, q, k, pattern)
-  kernel = _step_kernel(q, k, implementation, config)
-  return _step(q, k, v, cache, pattern, scale, bool(return_lse), kernel)
+  backend = step_backend(q, k, pattern, implementation, config)
+  return _step(q, k, v, cache, pattern, scale, bool(return_lse), backend, config)
 
 
-def _step_kernel(q, k, implementation, config):
-  """The token-step kernel's config if it runs this step (`T = 1`, "mosaic" the first
-  candidate that runs it), else None (the jnp step, which every other name runs)."""
+def step_backend(q, k, pattern: DilatedPattern, implementation=None, config=None) -> base.Name:
+  """The backend whose `step` runs `dilated_attention_step(q, k, ...)` with these arguments:
+  `backends.resolve` over the `implementation` candidates for the step's `Problem` ("mosaic"
+  for a token on Hopper, or in interpret mode when `config` asks; "xla" for chunks and for
+  every backend without a token-step kernel). `ValueError` for a bad `implementation` or
+  `config`, `NoBackendError` if no candidate runs the step."""
   names = base.candidates(implementation)
   if config is not None:
     from .backends import mosaic_decode  # pylint: disable=g-import-not-at-top
     if not isinstance(config, mosaic_decode.Config):
       raise ValueError(f"config must be None or a mosaic_decode.Config, got {config=!r}")
-  if q.shape[1] != 1:  # chunks: the jnp step
-    return None
-  reasons = {}
-  for name in names:
-    if name != "mosaic":
-      return None
-    try:
-      from .backends import mosaic_decode  # pylint: disable=g-import-not-at-top
-    except ImportError as e:
-      reasons[name] = f"unavailable here ({e})"
-      continue
-    config = config or mosaic_decode.Config()
-    support = mosaic_decode.supports(q.dtype, q.shape[-1],
-                                     heads_per_kv(q.shape[2], k.shape[2]), config.interpret)
-    if support:
-      return config
-    reasons[name] = support.reason
-  raise base.NoBackendError(reasons)
+  problem = dataclasses.replace(base.Problem.of(q, k, pattern), step=True,
+                                interpret=config is not None and config.interpret)
+  return base.resolve(names, problem)
 
 
 # Jitted inside, so that calls outside jit compile once rather than op by op; under an outer
 # jit (with the cache donated there) this one is inlined.
-@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8))
 def _step(q, k, v, cache: KVCache, pattern: DilatedPattern, scale: float, return_lse: bool,
-          kernel):
-  batch, steps, num_heads, head_dim = q.shape
-  num_kv_heads = k.shape[2]
-  tables = _tables(pattern, num_heads, num_kv_heads)
-  group = heads_per_kv(num_heads, num_kv_heads)
+          backend: base.Name, config):
+  steps, num_heads = q.shape[1], q.shape[2]
+  tables = _tables(pattern, num_heads, k.shape[2])
   length = cache.length.astype(jnp.int32)
   pos = length + jnp.arange(steps)
-  if kernel is not None:  # the token's row written, then one launch reads every branch
-    from .backends import mosaic_decode  # pylint: disable=g-import-not-at-top
+  step = base.load(backend).step
+  if steps == 1:
+    # Write, then read: the cache is updated in place (reading the old buffer after an
+    # in-place write would make XLA copy it). The token's row sits at position `length`.
     new = [_write(kb, vb, k, v, pos, jnp.ones((1,), bool), table)
            for table, kb, vb in zip(tables, cache.k, cache.v)]
     new_k, new_v = (tuple(x) for x in zip(*new))
-    out, lse = mosaic_decode.step(q[:, 0], new_k, new_v, length, tables, scale, kernel)
-    cache = KVCache(length + 1, new_k, new_v, num_heads, pattern)
-    out, lse = out[:, None].astype(q.dtype), lse[:, None]
-    return (out, lse, cache) if return_lse else (out, cache)
-  qg = q.reshape(batch, steps, num_kv_heads, group, head_dim)
-  qg = qg.transpose(0, 2, 3, 1, 4)                       # [B, Hkv, G, T, D]
-  outs, lses, new_k, new_v = [], [], [], []
-  for table, kb, vb in zip(tables, cache.k, cache.v):
-    # Only the last new token's segment stays readable; earlier segments are over.
-    keep = pos // table.w == (length + steps - 1) // table.w
-    if steps == 1:
-      # Write, then read: the cache is updated in place (reading the old buffer after an
-      # in-place write would make XLA copy it). The new row sits at position `length`,
-      # outside the cached rows a query reads (`< length`); it enters as the chunk's key.
-      kb, vb = _write(kb, vb, k, v, pos, keep, table)
-      o, lse = _branch_partial(qg, k, v, kb, vb, length, table, scale)
-    else:
-      # A chunk's tokens of a later segment overwrite rows its earlier tokens still read.
-      o, lse = _branch_partial(qg, k, v, kb, vb, length, table, scale)
-      kb, vb = _write(kb, vb, k, v, pos, keep, table)
-    outs.append(o.transpose(0, 3, 1, 2, 4).reshape(batch, steps, num_heads, head_dim))
-    lses.append(lse.transpose(0, 3, 1, 2).reshape(batch, steps, num_heads))
-    new_k.append(kb)
-    new_v.append(vb)
-  out, lse = merge(outs, lses)
-  cache = KVCache(length + steps, tuple(new_k), tuple(new_v), num_heads, pattern)
+    out, lse = step(q, k, v, new_k, new_v, length, tables, scale, config=config)
+  else:
+    # A chunk's tokens of a later segment overwrite rows its earlier tokens still read; only
+    # the last new token's segment stays readable (earlier segments are over).
+    out, lse = step(q, k, v, cache.k, cache.v, length, tables, scale, config=config)
+    new = [_write(kb, vb, k, v, pos, pos // table.w == (length + steps - 1) // table.w, table)
+           for table, kb, vb in zip(tables, cache.k, cache.v)]
+    new_k, new_v = (tuple(x) for x in zip(*new))
+  cache = KVCache(length + steps, new_k, new_v, num_heads, pattern)
   out = out.astype(q.dtype)
   return (out, lse, cache) if return_lse else (out, cache)
 

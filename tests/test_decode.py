@@ -12,7 +12,7 @@ from helpers import TOL, Case, check_lse, random_inputs, reference, rel_err
 from hilbert_ring_jax import DilatedPattern
 from hilbert_ring_jax.backends.hopper import is_hopper
 from hilbert_ring_jax.decode import (KVCache, _tables, dilated_attention_prefill,
-                                     dilated_attention_step, init_kv_cache)
+                                     dilated_attention_step, init_kv_cache, step_backend)
 
 
 @pytest.fixture(autouse=True)
@@ -308,3 +308,32 @@ def test_step_kernel_choice():
     dilated_attention_step(q, kv, kv, _cache(), P, implementation="cuda")
   with pytest.raises(ValueError, match="config"):
     dilated_attention_step(q, kv, kv, _cache(), P, config="fast")
+
+
+def test_step_resolves_through_the_backend_protocol():
+  """A step is a `Problem` with `step` set, resolved by `base.resolve`: "mosaic" (the one
+  backend with a token-step kernel) answers for single tokens through `supports`, with its
+  reasons; chunks and backends without a step kernel decode with "xla"'s portable step,
+  which every name then runs (a backend need not be importable here for that)."""
+  from hilbert_ring_jax.backends import base, mosaic, xla
+  token = base.Problem.of(jnp.ones((1, 1, 4, 64), jnp.bfloat16),
+                          jnp.ones((1, 1, 2, 64), jnp.bfloat16), P)
+  token = dataclasses.replace(token, step=True)
+  chunk = dataclasses.replace(token, q_shape=(1, 3, 4, 64), kv_shape=(1, 3, 2, 64))
+  assert base.STEP_KERNELS == ("mosaic",) and hasattr(mosaic, "step") and hasattr(xla, "step")
+  for names in (("triton",), ("pallas", "mosaic"), ("xla",)):
+    assert base.resolve(names, token) == "xla"
+  assert base.resolve(("mosaic",), chunk) == "xla"
+  if jax.__version_info__ >= (0, 11):
+    assert base.resolve(("mosaic",), dataclasses.replace(token, interpret=True)) == "mosaic"
+    for change, why in ((dict(dtype=jnp.dtype(jnp.float32)), "bf16 and f16"),
+                        (dict(q_shape=(1, 1, 4, 32), kv_shape=(1, 1, 2, 32)), "head dim"),
+                        (dict(q_shape=(1, 1, 130, 64), kv_shape=(1, 1, 2, 64)), "at most 64")):
+      support = mosaic.supports(dataclasses.replace(token, interpret=True, **change))
+      assert not support and why in support.reason
+  if jax.default_backend() != "gpu":
+    with pytest.raises(base.NoBackendError, match="mosaic token step"):
+      base.resolve(("mosaic",), token)
+    assert base.resolve(("mosaic", "triton"), token) == "xla"
+    q, kv = jnp.ones((1, 1, 4, 64), jnp.bfloat16), jnp.ones((1, 1, 2, 64), jnp.bfloat16)
+    assert step_backend(q, kv, P) == step_backend(q, kv, P, "triton") == "xla"

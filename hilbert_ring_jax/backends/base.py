@@ -17,12 +17,22 @@ A backend is a module of `hilbert_ring_jax.backends` that provides (see `Backend
   steps add up to the exact gradient (docs/SPEC.md, sections 5 and 6); a caller whose
   gradients are final may pass `grad_dtype=q.dtype`, and a backend may then return them in
   that dtype directly (bfloat16 only: float16 needs `attention`'s saturating cast), so no
-  float32 copy of them is materialized.
+  float32 copy of them is materialized;
+- a decoding step (`decode.py`), in "xla" (the portable step, any T) and in the backends of
+  `STEP_KERNELS` (a kernel of their own, one token): `step(q, k, v, ks, vs, length, tables,
+  scale, *, config=None)` -> float32 `(out [B, T, H, D], lse [B, T, H])` of the new tokens at
+  positions `length, length + 1, ...` (q `[B, T, H, D]`, k, v `[B, T, Hkv, D]`) over their
+  own keys and the cached rows before `length` that they read. `ks, vs` are the cache (a
+  `[B, Hkv, R_b, rows_b, D]` pair per branch, its slots laid out by `tables`: decode.py); a
+  single token's own row is already written there (a kernel may read it from the cache).
+  `supports` answers for a step when `problem.step` is set.
 
 `resolve` picks the first candidate whose `supports` says yes, once per call (or per ring
 branch): forward and backward are resolved from the same facts, and when every candidate
-declines, `NoBackendError` keeps each one's reason. To add a backend: write the module, add
-its name to `Name`, and give it a place in `candidates`' platform defaults.
+declines, `NoBackendError` keeps each one's reason. A decoding step is resolved the same way,
+from a `Problem` with `step` set. To add a backend: write the module, add its name to `Name`,
+and give it a place in `candidates`' platform defaults (and in `STEP_KERNELS` if it brings a
+token-step kernel).
 """
 
 from __future__ import annotations
@@ -42,6 +52,9 @@ from ..pattern import DilatedPattern
 
 Name = Literal["mosaic", "triton", "pallas", "xla"]
 NAMES: tuple[Name, ...] = typing.get_args(Name)
+# The backends with a token-step kernel of their own (`step`, one token); every other
+# backend decodes with the portable step, "xla"'s.
+STEP_KERNELS: tuple[Name, ...] = ("mosaic",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +68,10 @@ class Problem:
     platform: `jax.default_backend()` ("cpu", "gpu", ...).
     varying: whether the inputs vary over mesh axes (inside `shard_map(check_vma=True)`).
     backward: whether the backward pass is asked for (else the forward).
+    step: a decoding step: `q_shape`, `kv_shape` are the T new tokens' `[B, T, H(kv), D]`,
+      read against a KV cache of `pattern` (decode.py), and the backend's `step` runs it.
+    interpret: a decoding step whose kernel config asks for interpret mode
+      (`mosaic_decode.Config(interpret=True)`): the kernel runs off its platform, on a CPU.
   """
 
   q_shape: tuple[int, ...]
@@ -65,6 +82,8 @@ class Problem:
   platform: str = "cpu"
   varying: bool = False
   backward: bool = False
+  step: bool = False
+  interpret: bool = False
 
   @classmethod
   def of(cls, q, k, pattern, branches=None, *, like=None) -> Problem:
@@ -100,7 +119,8 @@ def no(reason: str) -> Support:
 
 
 class Backend(Protocol):
-  """The interface every backend module implements (see the module docstring)."""
+  """The interface every backend module implements (see the module docstring); "xla" and
+  the backends of `STEP_KERNELS` also have `step`, a decoding step."""
 
   Config: type
 
@@ -148,9 +168,15 @@ def candidates(implementation) -> tuple[Name, ...]:
 
 
 def resolve(names: Sequence[Name], problem: Problem) -> Name:
-  """The first of `names` whose backend supports `problem`; `NoBackendError` if none does."""
+  """The first of `names` whose backend supports `problem`; `NoBackendError` if none does.
+
+  A decoding step (`problem.step`) asks a backend of `STEP_KERNELS` whether its kernel runs
+  it (one token); any other backend, and any chunk of several tokens, decodes with the
+  portable step: "xla" stands in for it."""
   reasons = {}
   for name in names:
+    if problem.step and (name not in STEP_KERNELS or problem.q_shape[1] != 1):
+      name = "xla"
     try:
       backend = load(name)
     except ImportError as e:  # e.g. jax_triton missing

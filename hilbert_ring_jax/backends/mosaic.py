@@ -25,9 +25,10 @@ The backend's modules, in reading order:
   kernel walks over them (`Work`, `Program`, `Ranges`), with the host's list scheduling;
 - `mosaic_pipeline.py`: the producer/consumer pipeline the three kernels share;
 - `mosaic_forward.py`: the forward kernel;
-- `mosaic_backward.py`: the dq and dk/dv kernels.
+- `mosaic_backward.py`: the dq and dk/dv kernels;
+- `mosaic_decode.py`: the decoding token step's kernel (`step`).
 The Hopper building blocks (limits, tile layouts, wgmma products, turns, the launcher) are
-`hopper.py`'s, shared with the token-step kernel (`mosaic_decode.py`).
+`hopper.py`'s, shared by all of them.
 
 Boxes past the end of an input read zeros (the kernel masks keys past each piece's end);
 outputs are allocated in whole periods, so that no store runs past their end, and sliced.
@@ -51,19 +52,22 @@ import jax
 import jax.numpy as jnp
 
 from ..pattern import DilatedPattern
-from . import mosaic_backward, mosaic_forward, schedule
+from . import mosaic_backward, mosaic_decode, mosaic_forward, schedule
 from .base import YES, Problem, Support, no
 from .common import batched
 from .hopper import LOG2E, is_hopper
 from .mosaic_plan import (BWD_BLOCK, ROW_BLOCK, Config, geometry_problem, launches,
                           long_key_rows, out_length)
 
-__all__ = ["Config", "backward", "forward", "geometry_problem", "supports"]
+__all__ = ["Config", "backward", "forward", "geometry_problem", "step", "supports"]
+
 
 def supports(problem: Problem) -> Support:
   """Hopper GPUs (sm_90); bf16 and f16; head dims 64 and 128, and 256 for a forward whose
   output is final (one launch, no ring step); rows of whole blocks, or one segment of any
-  length."""
+  length. A decoding step (`problem.step`): the token-step kernel's `mosaic_decode.supports`."""
+  if problem.step:
+    return mosaic_decode.supports(problem)
   if problem.platform != "gpu" or not is_hopper():
     return no("the mosaic backend runs on Hopper GPUs (sm_90) only")
   if jax.__version_info__ < (0, 11):
@@ -223,3 +227,12 @@ def _fused_backward(x, stats, transposed: schedule.Schedule, n, causal, scale, c
   dq = sum(acc[...].reshape(copies, batch, n_acc, num_heads, d).sum(0) for acc in accs)
   dq = dq[:, :dk.shape[1]] * scale
   return dq if prior is None else dq + prior[0], dk, dv
+
+
+def step(q, k, v, ks, vs, length, tables, scale: float, *, config=None):
+  """A decoding token step (the contract of `base.py`, one token): one launch of
+  `mosaic_decode.step` over every branch's slot, which reads the token's own row from the
+  caches (`k`, `v` are not read). `config`: a `mosaic_decode.Config`, or None."""
+  del k, v
+  out, lse = mosaic_decode.step(q[:, 0], ks, vs, length, tables, scale, config)
+  return out[:, None], lse[:, None]

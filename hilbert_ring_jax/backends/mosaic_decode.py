@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..merge import merge
-from .base import YES, Support, no
+from .base import YES, Problem, Support, no
 from .hopper import (LN2, LOG2E, REGISTERS, SMEM_BYTES, accumulate, aligned, ceil_div, is_hopper,
                      products, run, swizzled)
 
@@ -90,17 +90,19 @@ def resolved(config: Config | None, head_dim: int, itemsize: int) -> Config:
                    f"memory at head dim {head_dim} ({SMEM_BYTES} available)")
 
 
-def supports(dtype, head_dim: int, group: int, interpret: bool = False) -> Support:
-  """Hopper GPUs (or interpret mode), JAX >= 0.11, bf16/f16, head dims 64 and 128, at most 64
+def supports(problem: Problem) -> Support:
+  """A decoding step (`problem.step`; one token: `base.resolve` gives chunks to "xla"):
+  Hopper GPUs (or interpret mode), JAX >= 0.11, bf16/f16, head dims 64 and 128, at most 64
   query heads per kv head."""
   if jax.__version_info__ < (0, 11):
     return no(f"the mosaic token step needs JAX >= 0.11, this is {jax.__version__}")
-  if not interpret and (jax.default_backend() != "gpu" or not is_hopper()):
+  if not problem.interpret and (problem.platform != "gpu" or not is_hopper()):
     return no("the mosaic token step runs on Hopper GPUs (sm_90) only")
-  if not any(jnp.dtype(dtype) == t for t in (jnp.bfloat16, jnp.float16)):
-    return no(f"the mosaic token step runs bf16 and f16 caches, got {jnp.dtype(dtype)}")
-  if head_dim not in (64, 128):
-    return no(f"the mosaic token step needs a head dim of 64 or 128, got {head_dim}")
+  if not any(problem.dtype == t for t in (jnp.bfloat16, jnp.float16)):
+    return no(f"the mosaic token step runs bf16 and f16 caches, got {problem.dtype}")
+  if problem.head_dim not in (64, 128):
+    return no(f"the mosaic token step needs a head dim of 64 or 128, got {problem.head_dim}")
+  group = problem.q_shape[2] // problem.kv_shape[2]
   if group > _ROWS:
     return no(f"the mosaic token step takes at most {_ROWS} query heads per kv head, got "
               f"{group}")

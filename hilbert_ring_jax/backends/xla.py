@@ -9,14 +9,19 @@ head with static slices (`offsets="head"`). A scan over key blocks keeps a float
 
 The backward follows the kernel contract: it takes the global `lse` and
 `delta = rowsum(dout * out) - dlse` and recomputes probabilities blockwise.
+
+`step` is the portable decoding step (decode.py): the new tokens against the slots of the
+compressed KV cache they read, any number of tokens, any platform.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..merge import merge
 from ..pattern import Branch, DilatedPattern, heads_per_kv
@@ -248,3 +253,118 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
     dk = dk + transpose(fold.key, dkb, k)
     dv = dv + transpose(fold.key, dvb, k)
   return dq, dk, dv
+
+
+def _softmax_parts(parts, scale):
+  """Softmax over the union of key sets: `parts` is `[(scores, mask, values, spec)]`.
+
+  `scores [B, Hkv, G, T, K_i]` are unscaled float32 dot products, `mask` broadcasts against
+  them, and `jnp.einsum(spec, p, values)` gives that part's `[B, Hkv, G, T, D]` output; with
+  `spec=None`, `values [B, Hkv, T, K_i, D]` are summed against `p` directly (a fused
+  reduction: no transposed copy of the values, which a matrix-vector product can cost).
+  Returns `(o, lse)`, with `o = 0`, `lse = -inf` where a query sees no key.
+  """
+  scores = [jnp.where(mask, scale * s, -jnp.inf) for s, mask, _, _ in parts]
+  s_max = functools.reduce(jnp.maximum, [s.max(axis=-1) for s in scores])
+  seen = s_max > -jnp.inf
+  shift = jnp.where(seen, s_max, 0.0)
+  den, o = 0.0, 0.0
+  for s, (_, _, values, spec) in zip(scores, parts):
+    p = jnp.exp(s - shift[..., None])  # exactly 0 on masked keys
+    den = den + p.sum(axis=-1)
+    if spec is None:
+      o = o + (p[..., None] * values[:, :, None].astype(jnp.float32)).sum(axis=-2)
+    else:  # as the kernels do: p in the values' dtype, float32 accumulation
+      o = o + jnp.einsum(spec, p.astype(values.dtype), values,
+                         preferred_element_type=jnp.float32)
+  safe_den = jnp.where(seen, den, 1.0)
+  lse = jnp.where(seen, shift + jnp.log(safe_den), -jnp.inf)
+  return o / safe_den[..., None], lse
+
+
+def _cached_slots(kb, vb, c_t, table):
+  """The cache slot each query reads, `[B, Hkv, T, rows, D]`, for `T <= R_b` queries.
+
+  A query of residue `c` reads only keys of residue `c`, so of the `R_b` slots of a kv head
+  it needs the one holding `c` (where none does, no query head of that kv head takes part).
+  One slot per branch needs no copy; a slot shared by all kv heads is a dynamic slice; else a
+  gather.
+  """
+  if table.slots == 1:
+    return kb[:, :, :1], vb[:, :, :1]
+  if table.uniform is not None and c_t.shape[0] == 1:
+    slot = jnp.asarray(table.uniform)[c_t[0]]
+    return (jax.lax.dynamic_slice_in_dim(kb, slot, 1, axis=2),
+            jax.lax.dynamic_slice_in_dim(vb, slot, 1, axis=2))
+  if table.uniform is not None:
+    slot = jnp.asarray(table.uniform)[c_t]                      # [T]
+    return jnp.take(kb, slot, axis=2, mode="clip"), jnp.take(vb, slot, axis=2, mode="clip")
+  slot = jnp.maximum(jnp.asarray(table.slot)[:, c_t], 0)       # [Hkv, T]
+  idx = slot[None, :, :, None, None]
+  return (jnp.take_along_axis(kb, idx, axis=2, mode="clip"),
+          jnp.take_along_axis(vb, idx, axis=2, mode="clip"))
+
+
+def _branch_step(qg, k_new, v_new, kb, vb, length, table, scale):
+  """One branch's `(o [B, Hkv, G, T, D], lse [B, Hkv, G, T])` for the new queries.
+
+  Cached rows and the chunk's own keys form one key set (they are disjoint), softmaxed once.
+  With `T <= R_b` new tokens (decoding: `T = 1`) each query reads only the cache slot of its
+  residue, `rows_b` rows per kv head; longer chunks read all `R_b` slots once. `table`: the
+  branch's slot table (decode.py: `w, r, rows, slots`, `slot [Hkv, r]`, `residue [Hkv, R_b]`,
+  `takes_part [H, r]`, `uniform`).
+  """
+  batch, num_kv_heads, group, steps, head_dim = qg.shape
+  w, r = table.w, table.r
+  f32 = dict(preferred_element_type=jnp.float32)
+  t = length + jnp.arange(steps)                        # query positions [T]
+  c_t, seg_t = (t % w) % r, t // w
+  takes_part = jnp.asarray(table.takes_part)[:, c_t]    # [H, T]
+  takes_part = takes_part.reshape(num_kv_heads, group, steps)[None, :, :, :, None]
+  # Cached row j of the slot holding residue c is position seg_start(t) + j r + c.
+  rows = np.arange(table.rows) * r
+  if steps <= table.slots:
+    kc, vc = _cached_slots(kb, vb, c_t, table)          # [B, Hkv, T or 1, rows, D]
+    kc = jnp.broadcast_to(kc, (batch, num_kv_heads, steps) + kc.shape[3:])
+    vc = jnp.broadcast_to(vc, kc.shape)
+    offset = rows[None, :] + c_t[:, None]               # [T, rows]
+    mask_c = (offset < w) & ((seg_t * w)[:, None] + offset < length)
+    s_c = jnp.einsum("bhgtd,bhtkd->bhgtk", qg, kc, **f32)
+    cached = (s_c, mask_c[None, None, None] & takes_part, vc, None)
+  else:
+    res = np.repeat(table.residue, table.rows, axis=1)   # [Hkv, R rows]
+    offset = np.tile(rows, table.slots)[None, :] + res
+    static_ok = jnp.asarray((res >= 0) & (offset < w))
+    pos = (seg_t * w)[None, :, None] + jnp.asarray(offset)[:, None, :]  # [Hkv, T, R rows]
+    mask_c = (static_ok[:, None, :] & (jnp.asarray(res)[:, None, :] == c_t[None, :, None])
+              & (pos < length))
+    kc = kb.reshape(batch, num_kv_heads, -1, head_dim)
+    vc = vb.reshape(batch, num_kv_heads, -1, head_dim)
+    s_c = jnp.einsum("bhgtd,bhkd->bhgtk", qg, kc, **f32)
+    cached = (s_c, mask_c[None, :, None] & takes_part, vc, "bhgtk,bhkd->bhgtd")
+  mask_n = ((seg_t[:, None] == seg_t[None, :]) & (c_t[:, None] == c_t[None, :])
+            & (t[None, :] <= t[:, None]))                # [T, T]
+  k_new, v_new = k_new.transpose(0, 2, 1, 3), v_new.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+  s_n = jnp.einsum("bhgtd,bhkd->bhgtk", qg, k_new, **f32)
+  new = (s_n, mask_n[None, None, None] & takes_part, v_new, "bhgtk,bhkd->bhgtd")
+  return _softmax_parts([cached, new], scale)
+
+
+def step(q, k, v, ks, vs, length, tables, scale: float, *, config=None):
+  """A decoding step of any T tokens (the contract of `base.py`; every backend without a
+  token-step kernel decodes with it, and chunks always do): per branch, each new token
+  scored against the cached rows of its residue's slot before `length` and the new tokens
+  it sees, one softmax over both (`_branch_step`); branches merged. `config` is not read:
+  the portable step has no knobs."""
+  del config
+  batch, steps, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  group = heads_per_kv(num_heads, num_kv_heads)
+  qg = q.reshape(batch, steps, num_kv_heads, group, head_dim)
+  qg = qg.transpose(0, 2, 3, 1, 4)                       # [B, Hkv, G, T, D]
+  outs, lses = [], []
+  for table, kb, vb in zip(tables, ks, vs):
+    o, lse = _branch_step(qg, k, v, kb, vb, length, table, scale)
+    outs.append(o.transpose(0, 3, 1, 2, 4).reshape(batch, steps, num_heads, head_dim))
+    lses.append(lse.transpose(0, 3, 1, 2).reshape(batch, steps, num_heads))
+  return merge(outs, lses)
