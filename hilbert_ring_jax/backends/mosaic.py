@@ -63,9 +63,10 @@ __all__ = ["Config", "backward", "forward", "geometry_problem", "step", "support
 
 
 def supports(problem: Problem) -> Support:
-  """Hopper GPUs (sm_90); bf16 and f16; head dims 64 and 128, and 256 for a forward whose
-  output is final (one launch, no ring step); rows of whole blocks, or one segment of any
-  length. A decoding step (`problem.step`): the token-step kernel's `mosaic_decode.supports`."""
+  """Hopper GPUs (sm_90); bf16 and f16 (the backward bf16 only); head dims 64 and 128, and 256
+  for a forward whose output is final (one launch, no ring step); rows of whole blocks, or one
+  segment of any length. A decoding step (`problem.step`): the token-step kernel's
+  `mosaic_decode.supports`."""
   if problem.step:
     return mosaic_decode.supports(problem)
   if problem.platform != "gpu" or not is_hopper():
@@ -79,6 +80,10 @@ def supports(problem: Problem) -> Support:
   if d not in (64, 128, 256):
     return no(f"the mosaic backend needs a head dim of 64, 128 or 256; got {d}")
   b, n, h, _ = problem.q_shape
+  if problem.backward and problem.dtype == jnp.float16:
+    return no("the mosaic backend's backward rounds ds = p (dp - delta) to the inputs' dtype "
+              "for its products: float16 can overflow there where every gradient fits, so a "
+              "float16 backward goes to the next backend")
   if d == 256 and problem.backward:
     return no("the mosaic backend's backward runs head dims 64 and 128: at 256 its tiles "
               "exceed shared memory")
