@@ -551,37 +551,62 @@ def plot(path: Path, runs: list[dict], summary: dict) -> bool:
 
 def draw_segments(path: Path, image: np.ndarray, size: int, first: int,
                   orders=ORDERS) -> bool:
-  """What each order's pattern covers on `image` (a `size` x `size` crop): top row, the first
-  branch's segments (alternating tints) with segments 0 and 1 in red and blue; bottom row, the
-  first segment of the second branch, its residue classes 0 and 1 in red and blue (the keys a
-  pixel of each class sees there)."""
+  """What each order's pattern covers on `image` (a `size` x `size` crop), one column per
+  order. Top: the first branch's segments (outlined), segments 0 and 1 in red and blue.
+  Middle: the second branch's segment 0, outlined, and its residue class 0 in red (the keys a
+  pixel of that class sees there). Bottom: every pixel one pixel (the cross) sees in one layer,
+  coloured by the first branch that shows it."""
   plt = common.pyplot()
   if plt is None:
     return False
   from matplotlib.colors import ListedColormap  # pylint: disable=import-outside-toplevel
   pattern = pattern_for(size * size, first)
   w1, r1 = pattern.segment_lengths[1], pattern.dilation_rates[1]
-  fig, axes = plt.subplots(2, len(orders), figsize=(3.6 * len(orders), 7.6), squeeze=False)
-  tint = ListedColormap([(0, 0, 0, 0), (1, 1, 0, 0.12)])
-  marks = ListedColormap([(0, 0, 0, 0), (0.9, 0.1, 0.1, 0.7), (0.1, 0.3, 1.0, 0.7)])
+  branches = pattern.num_branches
+  query = (size // 2 + 3) * size + size // 2 + 5  # a pixel off every segment boundary
+  fig, axes = plt.subplots(3, len(orders), figsize=(3.6 * len(orders), 11.4), squeeze=False)
+  line = ListedColormap([(0, 0, 0, 0), (1, 0.85, 0, 0.8)])
+  marks = ListedColormap([(0, 0, 0, 0), (0.9, 0.1, 0.1, 0.75), (0.1, 0.3, 1.0, 0.75)])
+  palette = plt.get_cmap("plasma")(np.linspace(0, 0.9, branches))
+  palette[:, 3] = 0.75
+  seen_map = ListedColormap([(0, 0, 0, 0)] + [tuple(c) for c in palette])
+
+  def outline(labels):
+    """Pixels whose right or lower neighbour has another label."""
+    edge = np.zeros(labels.shape, bool)
+    edge[:, :-1] |= labels[:, :-1] != labels[:, 1:]
+    edge[:-1] |= labels[:-1] != labels[1:]
+    return edge
+
   for col, order in enumerate(orders):
     perm = permutation(order, size, pattern)
     pos = np.empty(size * size, np.int64)
     pos[perm] = np.arange(size * size)
-    segment = (pos // first).reshape(size, size)
-    top, bottom = axes[0, col], axes[1, col]
-    for ax in (top, bottom):
+    for ax in axes[:, col]:
       ax.imshow(image, cmap="gray", vmin=0, vmax=1, interpolation="nearest")
       ax.set(xticks=[], yticks=[])
-    top.imshow(segment % 2, cmap=tint, interpolation="nearest")
-    top.imshow(np.where(segment < 2, segment + 1, 0), cmap=marks, vmin=0, vmax=2,
-               interpolation="nearest")
-    top.set_title(f"{order}\nbranch ({first}, 1): segments 0, 1", fontsize=10)
+    segment = (pos // first).reshape(size, size)
+    ax = axes[0, col]
+    ax.imshow(outline(segment), cmap=line, interpolation="nearest")
+    ax.imshow(np.where(segment < 2, segment + 1, 0), cmap=marks, vmin=0, vmax=2,
+              interpolation="nearest")
+    ax.set_title(f"{order}\nbranch ({first}, 1): segments 0 and 1", fontsize=10)
+    ax = axes[1, col]
     in_first = (pos < w1).reshape(size, size)
-    residue = (pos % r1).reshape(size, size)
-    bottom.imshow(np.where(in_first & (residue < 2), residue + 1, 0), cmap=marks, vmin=0,
-                  vmax=2, interpolation="nearest")
-    bottom.set_title(f"branch ({w1}, {r1}), segment 0:\nresidue classes 0, 1", fontsize=10)
+    ax.imshow(outline(in_first), cmap=line, interpolation="nearest")
+    ax.imshow(in_first & (pos % r1 == 0).reshape(size, size), cmap=marks, vmin=0, vmax=2,
+              interpolation="nearest")
+    ax.set_title(f"branch ({w1}, {r1}): segment 0, residue 0", fontsize=10)
+    ax = axes[2, col]
+    shown = np.zeros(size * size, np.int64)
+    for b in reversed(range(branches)):
+      groups = branch_groups(perm, pattern, b)
+      shown[groups == groups[query]] = b + 1
+    ax.imshow(shown.reshape(size, size), cmap=seen_map, vmin=0, vmax=branches,
+              interpolation="nearest")
+    ax.plot([query % size], [query // size], "c+", ms=14, mew=2)
+    ax.set_title(f"what the cross sees: {shown.astype(bool).sum()} pixels,\n"
+                 "by first branch (dark: 0 ... light: last)", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
