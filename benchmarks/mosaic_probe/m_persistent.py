@@ -16,7 +16,7 @@ sys.path.insert(0, "benchmarks")
 import jax, jax.numpy as jnp, numpy as np
 from timing import median_ms
 from hilbert_ring_jax import DilatedPattern, dilated_attention
-from hilbert_ring_jax.backends import mosaic
+from hilbert_ring_jax.backends import mosaic, mosaic_plan
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--runs", type=int, default=7)
@@ -49,7 +49,8 @@ shapes = [("full", 1, 32768, 16, 16, 128, DilatedPattern((32768,), (1,))),
 shapes = [shapes[int(i)] for i in args.shapes.split(",")]
 variants = {spec: {k: ast.literal_eval(v) for k, v in (kv.split("=") for kv in spec.split(","))}
             for spec in args.variant or ["persistent=True"] if spec != "none"}
-# "mosaic.NAME=value" sets a module flag of backends/mosaic.py while the variant compiles.
+# "mosaic.NAME=value" sets a module flag of backends/mosaic_plan.py (e.g. _SHORT_ITEMS) while
+# the variant compiles.
 configs = {"default": (None, {}), **{
     spec: (mosaic.Config(**{k: v for k, v in kw.items() if not k.startswith("mosaic.")}),
            {k[len("mosaic."):]: v for k, v in kw.items() if k.startswith("mosaic.")})
@@ -81,17 +82,17 @@ for kind, b, n, h, hkv, d, pattern in shapes:
     fns["tokamax"] = (jax.jit(f), jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)))
   results = {}
   for name, (fwd, fb) in fns.items():
-    saved = {attr: getattr(mosaic, attr) for attr in flags.get(name, {})}
+    saved = {attr: getattr(mosaic_plan, attr) for attr in flags.get(name, {})}
     try:  # compile (and run) once; a variant that does not apply here is left out
       for attr, value in flags.get(name, {}).items():
-        setattr(mosaic, attr, value)
+        setattr(mosaic_plan, attr, value)
       results[name] = jax.block_until_ready((fwd(q, k, v), fb(q, k, v, do)))
     except Exception as e:  # noqa: BLE001
       print(json.dumps(dict(kind=kind, n=n, d=d, variant=name, error=str(e)[:300])), flush=True)
       fns[name] = (None, None)
     finally:
       for attr, value in saved.items():
-        setattr(mosaic, attr, value)
+        setattr(mosaic_plan, attr, value)
   # Each variant's output and gradients against the default's (the same math: 0 expected
   # where only the schedule or the kernel's waits change).
   for name in results:

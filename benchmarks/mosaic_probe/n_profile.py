@@ -9,7 +9,7 @@ import argparse, ast, ctypes, sys
 sys.path.insert(0, "benchmarks")
 import jax, jax.numpy as jnp, numpy as np
 from hilbert_ring_jax import DilatedPattern, dilated_attention
-from hilbert_ring_jax.backends import mosaic
+from hilbert_ring_jax.backends import mosaic, mosaic_plan
 
 LONGNET = ((2048, 4096, 8192), (1, 2, 4))
 LM = ((512, 2048, 8192), (1, 4, 16))
@@ -28,13 +28,13 @@ ap.add_argument("--shape", choices=list(SHAPES), required=True)
 ap.add_argument("--variant", default="", help="key=value,... of mosaic.Config")
 ap.add_argument("--impl", default="mosaic", help="mosaic, or a peer: cudnn, tokamax")
 ap.add_argument("--backward", action="store_true", help="forward+backward")
-ap.add_argument("--flags", default="", help="NAME=value,... module flags of backends/mosaic.py")
+ap.add_argument("--flags", default="", help="NAME=value,... module flags of backends/mosaic_plan.py")
 args = ap.parse_args()
 b, n, h, hkv, d, pattern = SHAPES[args.shape]
 config = mosaic.Config(**{k: ast.literal_eval(v) for k, v in
                           (kv.split("=") for kv in args.variant.split(",") if kv)})
 for kv in filter(None, args.flags.split(",")):
-  setattr(mosaic, kv.split("=")[0], ast.literal_eval(kv.split("=")[1]))
+  setattr(mosaic_plan, kv.split("=")[0], ast.literal_eval(kv.split("=")[1]))
 rng = np.random.default_rng(0)
 q, do = (jnp.asarray(rng.standard_normal((b, n, h, d)), jnp.bfloat16) for _ in range(2))
 k, v = (jnp.asarray(rng.standard_normal((b, n, hkv, d)), jnp.bfloat16) for _ in range(2))
