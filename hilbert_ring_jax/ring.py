@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -498,9 +499,10 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   Does the `jax.shard_map` for the caller: `q`, `k`, `v` are global `[B, N, H(kv), D]` arrays
   (sharded or not); the result is sharded like `P(batch_axis, axis_name)`: with `batch_axis`
   (a mesh axis, or a tuple of them) the batch is split over it too (data x sequence
-  parallelism); other mesh axes hold replicas. Compiled as one program, so an eager call is
-  as fast as a jitted one (and inlined under an outer `jit`). Works the same in one process
-  or under `jax.distributed.initialize()` with one process per GPU.
+  parallelism); other mesh axes of more than one device hold replicas, with a warning that
+  says so. Compiled as one program, so an eager call is as fast as a jitted one (and inlined
+  under an outer `jit`). Works the same in one process or under
+  `jax.distributed.initialize()` with one process per GPU.
 
   Example:
     >>> from hilbert_ring_jax import DilatedPattern, dilated_attention
@@ -536,6 +538,13 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
     if name not in mesh.shape or name == axis_name:
       raise ValueError(f"batch_axis must be None or mesh axes other than axis_name, got "
                        f"batch_axis={batch_axis!r} (mesh axes {dict(mesh.shape)})")
+  unused = [name for name, size in mesh.shape.items()
+            if size > 1 and name != axis_name and name not in batch_axes]
+  if unused:
+    warnings.warn(f"mesh axes {unused} are used by neither axis_name={axis_name!r} nor "
+                  f"batch_axis={batch_axis!r}: the devices along them all compute the same "
+                  f"result (replicas). Pass batch_axis={unused[0]!r} to split the batch over "
+                  f"it, or a mesh without it", stacklevel=2)
   replicas = math.prod(mesh.shape[name] for name in batch_axes)
   if q.shape[0] % replicas:
     raise ValueError(f"the batch size {q.shape[0]} must be divisible by the size {replicas} "

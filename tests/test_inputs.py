@@ -1,5 +1,8 @@
 """Every "Bad input" of SPEC.md raises ValueError naming the argument; patterns behave."""
 
+import warnings
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,6 +11,7 @@ from hilbert_ring_jax import (DilatedPattern, dilated_attention, dilated_attenti
                               hilbert_permutation, hilbert_permutation_per_segment,
                               inverse_permutation, ring_dilated_attention, serialize,
                               unserialize)
+from hilbert_ring_jax.ring import sharded_dilated_attention
 
 pytestmark = pytest.mark.old_jax  # what each JAX version accepts differs: CI runs both
 
@@ -155,3 +159,17 @@ def test_flags_and_reference_are_checked():
 def test_ring_outside_shard_map():
   with pytest.raises(ValueError, match="axis_name='seq' is not bound"):
     ring_dilated_attention(x, x, x, P, axis_name="seq")
+
+
+def test_unused_mesh_axis_warns():
+  """A mesh axis neither the sequence nor the batch uses holds replicas: a warning says so and
+  names `batch_axis`; the result is still exact."""
+  mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  q = jnp.asarray(np.random.default_rng(0).standard_normal((2, 64, 2, 8)), jnp.float32)
+  pattern = DilatedPattern((16, 64), (1, 4))
+  with pytest.warns(UserWarning, match=r"mesh axes \['data'\].*batch_axis='data'"):
+    out = sharded_dilated_attention(q, q, q, pattern, mesh=mesh, axis_name="seq")
+  np.testing.assert_allclose(out, dilated_attention_reference(q, q, q, pattern), atol=1e-5)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    sharded_dilated_attention(q, q, q, pattern, mesh=mesh, axis_name="seq", batch_axis="data")
