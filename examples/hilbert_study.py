@@ -38,12 +38,13 @@ Also reported: the mean step time per order and the ordering's share of it (the 
 per layer and their gradients, timed alone on the step's activations, and the step's time
 against raster's), and how much of each pixel's 2-D neighbourhood (Chebyshev radius `--hole`)
 each order's pattern shows it, in the first branch and in any branch. A Gaussian
-normalized-convolution fill of the holes is a classical reference (the progress lines'
-`eval_acc` is the held-out PSNR in dB). `--orders` and `--seeds` pick runs; runs of one
-configuration merge into `hilbert_study_<crop>px.json` in `--out-dir` (GPU machines: a few
-runs per process). With matplotlib, `hilbert_study_<crop>px.png` shows
-the curves and PSNRs; `--draw PATH` only draws what each order's first segments cover on a
-held-out photograph (no training).
+normalized-convolution fill of the holes is a classical reference. The progress lines'
+`eval_acc` is the held-out PSNR in dB (per batch, averaged). `--orders` and `--seeds` pick
+runs; runs of one configuration merge into `hilbert_study_<crop>px.json` in `--out-dir` (GPU
+machines: a few runs per process), and checkpoints per order, seed and configuration go to
+`--ckpt-dir` (a run started again resumes). With matplotlib, `hilbert_study_<crop>px.png`
+shows the curves, the PSNRs and the paired differences; `--draw PATH` only draws what each
+order's segments cover on a held-out photograph (no training).
 
 CPU default (about two minutes on two cores): 32x32 crops (1,024 tokens), first segment 16
 (a 4x4 patch or half a row), 2x2 holes, a 2-layer d=32 model, 100 steps of 4 crops, seed 0.
@@ -524,11 +525,12 @@ def run_config(args, digests: dict) -> dict:
 
 
 def plot(path: Path, runs: list[dict], summary: dict) -> bool:
-  """Held-out PSNR during training (every run) and at the end (each seed, per order)."""
+  """Held-out PSNR during training (every run), at the end (each seed, per order), and each
+  order's paired difference from raster."""
   plt = common.pyplot()
   if plt is None:
     return False
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6))
+  fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 4.6))
   colors = dict(zip(ORDERS, ("C3", "C0", "C1", "C2")))
   for r in runs:
     c = r["curves"]
@@ -543,6 +545,14 @@ def plot(path: Path, runs: list[dict], summary: dict) -> bool:
     ax2.errorbar([i + 0.15], [s["mean"]], yerr=[s["std"]], fmt="s", color="k", capsize=4)
   ax2.set(xticks=range(len(orders)), xticklabels=orders, ylabel="held-out PSNR (dB)",
           title="each seed (dots), mean +- std (squares)")
+  others = [o for o in orders if "minus_raster" in summary[o]]
+  for i, order in enumerate(others):
+    d = summary[order]["minus_raster"]
+    ax3.plot([i] * len(d["per_seed"]), d["per_seed"], "o", color=colors[order])
+    ax3.errorbar([i + 0.15], [d["mean"]], yerr=[d["std"]], fmt="s", color="k", capsize=4)
+  ax3.axhline(0.0, color="C3", lw=1)
+  ax3.set(xticks=range(len(others)), xticklabels=others, ylabel="minus raster (dB)",
+          title="paired by seed: each seed, mean +- std")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

@@ -16,6 +16,7 @@ from hilbert_ring_jax import DilatedMultiHeadAttention, serialize, unserialize
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 HAS_SKIMAGE = importlib.util.find_spec("skimage") is not None
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 # Two orders and two branches, (16, 64) x (1, 4): compiling the steps is most of the time.
 TINY = ["--crop", "8", "--first-segment", "16", "--hole", "2", "--dim", "8", "--layers", "1",
         "--heads", "2", "--kv-heads", "1", "--batch", "2", "--steps", "2", "--eval-every", "2",
@@ -128,3 +129,4 @@ def test_smallest_run(study, tmp_path):
   assert finite(saved["interpolation_psnr"], saved["model_flops_per_step"] * 1.0)
   assert finite(saved["summary"]["hilbert"]["minus_raster"]["mean"])
   assert saved["ordering_seconds"]["hilbert"] >= 0 == saved["ordering_seconds"]["raster"]
+  assert (tmp_path / "hilbert_study_8px.png").exists() == HAS_MATPLOTLIB
