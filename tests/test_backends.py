@@ -192,10 +192,11 @@ BLOCKS = {
     "partial_segment": (Case(640, 1, 1, (256, 512), (1, 2), offsets="all", head_dim=128), True,
                         BF16, {"mosaic": dict(block_k=64, stages=3, backward_stages=3,
                                               fused_backward=True)}),
-    # One segment over all N at an N that is no multiple of the blocks (the ring's steps):
-    # partial row blocks (queries past N read zeros, keys past N masked), blocks of 192 keys
-    # (the second partial), the backward's dq from its own kernel.
-    "one_segment": (Case(320, 2, 1, (320,), (1,), head_dim=128), False, BF16,
+    # One strided segment over all N (the ring's steps), rows of 320 positions, no multiple
+    # of the blocks: a partial last row block (queries past the row read zeros, keys past it
+    # masked), blocks of 192 keys (the second partial), unmasked, the backward's dq from its
+    # own kernel.
+    "one_segment": (Case(640, 2, 1, (640,), (2,), head_dim=128), False, BF16,
                     {"mosaic": dict(block_k=192, fused_backward=False)}),
 }
 BLOCK_CASES = {name: case[:3] for name, case in BLOCKS.items()}
