@@ -177,8 +177,8 @@ def test_low_precision(backend, case, causal, dtype):
   helpers.check_case(case, causal, dtype, None, fn=backend.attention(case.pattern(causal)))
 
 
-# Cases at the GPU kernels' tiles: rows of whole blocks of 128 positions, head dims 64 and
-# 128, several key blocks a row. `configs`: the mosaic kernels' options each case runs them
+# Cases at the GPU kernels' tiles: rows of whole blocks of 128 positions (or one segment over
+# all N), head dims 64 and 128, several key blocks a row. `configs`: the mosaic kernels' options each case runs them
 # with (on the GPU too), each case another path of theirs; the other backends take defaults.
 BLOCKS = {
     # LongNet in small (the first LM preset's grouping): two launches, {128/1, 256/1} and
