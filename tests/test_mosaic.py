@@ -1,11 +1,12 @@
-"""The "mosaic" backend (Pallas Mosaic GPU, Hopper) against the float64 reference.
+"""What only the "mosaic" backend (Pallas Mosaic GPU, Hopper) has: its geometry and plans,
+its lowering for the GPU, and in interpret mode its bf16 gradients and logit range.
 
-On CPU the kernels (forward, dq, dk/dv) run in Mosaic GPU interpret mode (JAX >= 0.11: 0.10's
-interpreter lacks primitives they use), one launch per program: the very kernels the H100
-compiles.
-On a Hopper GPU (gpu marker) the shared checks run through `dilated_attention` on random
-block-aligned configurations, and a cross-pass test pairs this forward with the "xla"
-backward and the reverse, so a failure points at one pass.
+The shared suite (test_backends.py) runs the kernels (forward, dq, dk/dv) against the float64
+reference in Mosaic GPU interpret mode on CPU (JAX >= 0.11: 0.10's interpreter lacks
+primitives they use), one launch per program: the very kernels the H100 compiles.
+On a Hopper GPU (gpu marker) random block-aligned configurations run through
+`dilated_attention`, and a cross-pass test pairs this forward with the "xla" backward and the
+reverse, so a failure points at one pass.
 """
 
 import math
@@ -28,110 +29,16 @@ INTERPRET = pytest.mark.skipif(
            ">= 0.11 (0.10's interpreter lacks run_state and layout_cast)")
 
 
-def _forward_vs_reference(case, causal, dtype, out_dtype, config):
-  q, k, v, dout, dlse = helpers.random_inputs(case, dtype, 0)
-  pattern = case.pattern(causal)
-  out, lse = mosaic.forward(q, k, v, pattern, case.head_dim ** -0.5, config=config,
-                            out_dtype=out_dtype)
-  ref_out, ref_lse, _ = helpers.reference(case, causal, q, k, v, dout, dlse)
-  assert out.dtype == (out_dtype or jnp.float32) and out.shape == q.shape
-  assert helpers.rel_err(out, ref_out) < helpers.TOL[dtype]
-  helpers.check_lse(lse, ref_lse, helpers.TOL[dtype])
-
-
-def _both_passes_vs_reference(case, causal, dtype, config):
-  """Both passes in interpret mode, through the one custom_vjp."""
-  kernel = _Dispatch(case.pattern(causal), case.head_dim ** -0.5, "mosaic", "mosaic", config)
-  helpers.check_case(case, causal, dtype, None, fn=lambda q, k, v: base.attention(q, k, v, kernel))
-
-
-@INTERPRET
-def test_interpret_nested_gqa_float16():
-  """Two nested branches in one launch (strided rows and pieces), two query heads on one
-  key/value head, four work items walked by one persistent program (the default); float16
-  output written by the kernel; the backward's dk/dv kernel adding dq (`fused_backward`),
-  dk/dv summing the two query heads of the key/value head."""
-  case = Case(512, 2, 1, (256, 512), (1, 2), head_dim=64)
-  _both_passes_vs_reference(case, False, jnp.float16,
-                            mosaic.Config(interpret=True, fused_backward=True))
-
-
-@INTERPRET
-@pytest.mark.parametrize("head_dim,causal,fused", [(64, True, None), (64, True, False),
-                                                  (64, False, True)])
-def test_interpret_launches_in_whole_blocks(head_dim, causal, fused):
+def test_short_rows_launch_in_whole_blocks():
   """Rows of 32 all together (w0 / L = 128 / 4), so the kernels' launches group the branches
-  in rows of 128: {128/1, 256/1} and {512/4} (the first LM preset's grouping in small), the
-  second launch merging the first's float16 output (the output's dtype) into its own in its
-  epilogues, and adding the first's gradients to its own in its epilogues: by default
-  (`fused` None) the unstrided launch's dk/dv kernel adds dq (float32), the strided one has
-  a dq kernel of its own; False: both launches' split (the first LM preset's), True: both
-  fused. (Head dim 128: the causal partial cases below.)
-  The kernels are persistent (list-scheduled under the mask)."""
-  case = Case(512, 2, 1, (128, 256, 512), (1, 1, 4), head_dim=head_dim)
-  pattern = case.pattern(causal)
-  assert schedule.launches(pattern, case.n, case.heads, min_row=128) == [(0, 1), (2,)]
-  assert mosaic.geometry_problem(pattern, case.n, case.heads, case.kv_heads, None,
-                                 mosaic.Config().resolved(head_dim)) is None
-  _both_passes_vs_reference(case, causal, jnp.float16,
-                            mosaic.Config(interpret=True, fused_backward=fused))
-
-
-@INTERPRET
-@pytest.mark.parametrize("fused", [False, True])
-def test_interpret_persistent_causal_partial(fused):
-  """Persistent kernels under a causal mask (the items list-scheduled; in interpret mode one
-  program walks them all, in the plan's order): the key/value ring, the ds^T turns (fused)
-  and the output tiles carry from item to item, through items past a partial segment's
-  end."""
-  case = Case(640, 2, 1, (256, 512), (1, 2), offsets="all", head_dim=64)
-  _both_passes_vs_reference(case, True, jnp.bfloat16, mosaic.Config(
-      interpret=True, persistent=True, fused_backward=fused))
-
-
-@INTERPRET
-def test_interpret_causal_partial_float32_partials():
-  """Causal, offsets="all", a partial last segment (N = 640, w = 512), head dim 128, float32
-  partials (the output tile in its own shared-memory buffer), blocks of 64 keys, 3 stages."""
-  case = Case(640, 1, 1, (256, 512), (1, 2), offsets="all", head_dim=128)
-  _forward_vs_reference(case, True, jnp.bfloat16, None,
-                        mosaic.Config(interpret=True, block_k=64, stages=3))
-
-
-@INTERPRET
-@pytest.mark.parametrize("fused", [False, True])
-def test_interpret_causal_partial_backward(fused):
-  """The backward of the case above: causal block ranges of the transposed schedule (query
-  blocks before, across and after a key block's diagonal), a partial segment, 3 stages; dq
-  from its own kernel (the default in this strided launch), or added by the dk/dv kernel."""
-  case = Case(640, 1, 1, (256, 512), (1, 2), offsets="all", head_dim=128)
-  _both_passes_vs_reference(case, True, jnp.bfloat16, mosaic.Config(
-      interpret=True, backward_stages=3, fused_backward=fused))
-
-
-@INTERPRET
-@pytest.mark.parametrize("n,block_k", [(384, None), (256, 192)])
-def test_interpret_blocks_of_192_keys(n, block_k):
-  """Full attention in blocks of 192 keys: chosen by default where the rows are long and
-  unmasked (N = 384: two whole blocks), or asked for (N = 256: the last block partial, its
-  keys past N read as zeros and masked)."""
-  case = Case(n, 2, 1, (n,), (1,), head_dim=128)
-  sched = schedule.build(case.pattern(False), n, 2, 1, (0,), False)
-  assert mosaic_plan.long_key_rows(sched, False) == (block_k is None)
-  _both_passes_vs_reference(case, False, jnp.bfloat16,
-                            mosaic.Config(interpret=True, block_k=block_k))
-
-
-@INTERPRET
-@pytest.mark.parametrize("n,causal,fused", [(200, True, False), (320, False, None)])
-def test_interpret_one_segment_of_any_length(n, causal, fused):
-  """One segment over all N (full attention, the ring's steps) at an N that is no multiple
-  of the blocks: the rows' last program blocks are partial (queries past N read zeros, keys
-  past N masked, outputs into the padding), both passes; dq from its own kernel or added
-  by the dk/dv kernel."""
-  case = Case(n, 2, 1, (n,), (1,), head_dim=64)
-  _both_passes_vs_reference(case, causal, jnp.bfloat16,
-                            mosaic.Config(interpret=True, fused_backward=fused))
+  in rows of 128: {128/1, 256/1} and {512/4} (the first LM preset's grouping in small; the
+  shared suite's "longnet_gqa" runs them), and the geometry takes them."""
+  case = Case(512, 2, 1, (128, 256, 512), (1, 1, 4), head_dim=64)
+  for causal in (False, True):
+    pattern = case.pattern(causal)
+    assert schedule.launches(pattern, case.n, case.heads, min_row=128) == [(0, 1), (2,)]
+    assert mosaic.geometry_problem(pattern, case.n, case.heads, case.kv_heads, None,
+                                   mosaic.Config().resolved(case.head_dim)) is None
 
 
 def test_one_segment_rows_of_any_length():
@@ -165,6 +72,7 @@ def test_blocks_of_192_keys_where_rows_are_long():
   assert not long(32768, (32768,), (1,), causal=True)
   assert not long(2048, (2048,), (1,))
   assert not long(131072, (2048, 4096, 8192), (1, 2, 4), heads=16)
+  assert long(384, (384,), (1,)) and not long(256, (256,), (1,))  # 2 blocks of 192; 1.33
   config = mosaic.Config()
   assert config.resolved(128, 2, 2, long_keys=True).block_k == 192
   assert config.resolved(64, 2, 2, long_keys=True).block_k == 128  # measured at D = 128
