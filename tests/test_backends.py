@@ -178,8 +178,9 @@ def test_low_precision(backend, case, causal, dtype):
 
 
 # Cases at the GPU kernels' tiles: rows of whole blocks of 128 positions (or one segment over
-# all N), head dims 64 and 128, several key blocks a row. `configs`: the mosaic kernels' options each case runs them
-# with (on the GPU too), each case another path of theirs; the other backends take defaults.
+# all N), head dims 64 and 128, several key blocks a row. Last: the mosaic kernels' options
+# each case runs them with (on the GPU too), each case another path of theirs; the other
+# backends take their defaults.
 BLOCKS = {
     # LongNet in small (the first LM preset's grouping): two launches, {128/1, 256/1} and
     # {512/4}, the second merging the first's float16 output in its epilogues and adding its
