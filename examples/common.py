@@ -381,6 +381,19 @@ def train(model: nnx.Module, loss_fn: Callable, batch_fn: Callable[[int], tuple]
   return history
 
 
+def check_model_args(args) -> None:
+  """The checks every example's model flags share (`--dim`, `--heads`, `--kv-heads`), and
+  `--ckpt-dir`'s default (`--out-dir`/ckpt; "none": no checkpoints), in place."""
+  if args.dim % args.heads:
+    raise ValueError(f"--dim {args.dim} must be divisible by --heads {args.heads}")
+  if args.heads % args.kv_heads:
+    raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
+  if args.ckpt_dir is None:
+    args.ckpt_dir = args.out_dir / "ckpt"
+  elif str(args.ckpt_dir).lower() == "none":
+    args.ckpt_dir = None
+
+
 def table(header: list[str], rows: list[list]) -> str:
   """A Markdown table (it reads fine in a terminal too)."""
   cells = [header] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]

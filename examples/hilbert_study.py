@@ -503,14 +503,7 @@ def check_args(args) -> None:
     raise ValueError(f"--hole must be below --crop {size}, got {args.hole}")
   if not args.mask_ratio < 1:
     raise ValueError(f"--mask-ratio must be in (0, 1), got {args.mask_ratio}")
-  if args.dim % args.heads:
-    raise ValueError(f"--dim {args.dim} must be divisible by --heads {args.heads}")
-  if args.heads % args.kv_heads:
-    raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
-  if args.ckpt_dir is None:
-    args.ckpt_dir = args.out_dir / "ckpt"
-  elif str(args.ckpt_dir).lower() == "none":
-    args.ckpt_dir = None
+  common.check_model_args(args)
 
 
 def run_config(args, digests: dict) -> dict:

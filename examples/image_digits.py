@@ -156,14 +156,7 @@ def check_args(args) -> None:
     args.shift = args.size // 8
   if not 0 <= args.shift < args.size:
     raise ValueError(f"--shift must be in [0, --size), got {args.shift}")
-  if args.dim % args.heads:
-    raise ValueError(f"--dim {args.dim} must be divisible by --heads {args.heads}")
-  if args.heads % args.kv_heads:
-    raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
-  if args.ckpt_dir is None:
-    args.ckpt_dir = args.out_dir / "ckpt"
-  elif str(args.ckpt_dir).lower() == "none":
-    args.ckpt_dir = None
+  common.check_model_args(args)
 
 
 def train_one(order: str, seed: int, args, data: dict, config: dict) -> tuple[dict, nnx.Module]:

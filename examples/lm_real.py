@@ -334,16 +334,9 @@ def check_args(args) -> None:
   if args.head_groups and args.heads < len(args.segments):
     raise ValueError(f"--head-groups needs a head per branch: --heads {args.heads} < "
                      f"{len(args.segments)} branches")
-  if args.dim % args.heads:
-    raise ValueError(f"--dim {args.dim} must be divisible by --heads {args.heads}")
-  if args.heads % args.kv_heads:
-    raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
   if not 0.0 < args.heldout_fraction < 1.0:
     raise ValueError(f"--heldout-fraction must be in (0, 1), got {args.heldout_fraction}")
-  if args.ckpt_dir is None:
-    args.ckpt_dir = args.out_dir / "ckpt"
-  elif str(args.ckpt_dir).lower() == "none":
-    args.ckpt_dir = None
+  common.check_model_args(args)
 
 
 def resolve_full_impl(args) -> tuple[str, str | None]:
