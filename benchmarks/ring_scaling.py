@@ -61,7 +61,18 @@ def attention_fn(pattern, mesh, impl, backward):
   return jax.jit(fwd_bwd)
 
 
+_TIMED = {}
+
+
 def time_case(n, p, pattern, args, backward):
+  """Median ms of one call; each (n, p, pattern, pass) is timed once per run of the script."""
+  key = (n, p, pattern, backward, args.heads)
+  if key not in _TIMED:
+    _TIMED[key] = _time_case(n, p, pattern, args, backward)
+  return _TIMED[key]
+
+
+def _time_case(n, p, pattern, args, backward):
   mesh = None if p == 1 else jax.make_mesh(
       (p,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:p])
   q, k, v, do = inputs(n, args.heads, args.head_dim, jnp.dtype(args.dtype), mesh)
@@ -94,8 +105,8 @@ def add_problem_arguments(ap, passes):
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--devices", default="1,2,4")
-  ap.add_argument("--per-gpu", default="8192,32768,131072")
-  ap.add_argument("--strong", type=int, default=131072)
+  ap.add_argument("--per-gpu", default="8192,32768,131072", help="weak scaling ('': none)")
+  ap.add_argument("--strong", type=int, default=131072, help="strong scaling (0: none)")
   ap.add_argument("--calls", type=int, default=10,
                   help="calls a timed run dispatches back to back (1: each call alone)")
   add_problem_arguments(ap, passes="fwd,fwdbwd")
@@ -114,6 +125,12 @@ def main():
   rows = []
   print(f"JAX {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].device_kind}", flush=True)
 
+  def save():  # after every row, so that a run cut short keeps what it measured
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
+                       devices=len(jax.devices()), args=vars(args), rows=rows), f, indent=1)
+
   def record(kind, name, backward, n, p, ms, base_ms, step_ms=None):
     pattern = pattern_for(name, n, args.causal)
     row = dict(kind=kind, pattern=name, causal=args.causal, pass_="fwdbwd" if backward else "fwd",
@@ -121,6 +138,7 @@ def main():
                eff_whole=base_ms / (p * ms) if base_ms else None,
                eff_steps=step_ms * p / ms if step_ms else None)
     rows.append(row)
+    save()
     pct = lambda x: "-" if x is None else f"{x:.0%}"
     print(f"{kind:6} {name:8} {row['pass_']:7} N={n:>9} P={p} {ms:10.2f} ms "
           f"{row['tflops_per_gpu']:7.1f} TFLOP/s/GPU  eff(whole)={pct(row['eff_whole'])} "
@@ -128,7 +146,7 @@ def main():
 
   for name in args.patterns.split(","):
     for backward in [p == "fwdbwd" for p in args.passes.split(",")]:
-      for t in [int(x) for x in args.per_gpu.split(",")]:
+      for t in [int(x) for x in args.per_gpu.split(",") if x]:
         single = {}
         for p in devices:
           n = p * t
@@ -141,7 +159,7 @@ def main():
           record("weak", name, backward, n, p, ms, base, step)
       n = args.strong
       base = None
-      for p in devices:
+      for p in devices if n else ():
         ms = time_case(n, p, pattern_for(name, n, args.causal), args, backward)
         base = ms if p == 1 else base
         record("strong", name, backward, n, p, ms, base)
@@ -159,13 +177,9 @@ def main():
       n *= 2
     rows.append(dict(kind="longest", pattern="longnet", p=p, heads=args.heads,
                      n=best[0] if best else None, ms=best[1] if best else None))
-  result = dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
-                devices=len(jax.devices()), args=vars(args), rows=rows)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=1)
+    save()
   if args.plot:
-    plot(result, args.plot)
+    plot(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), args.plot)
 
 
 def plot(result, path):
