@@ -63,6 +63,24 @@ def check_inputs(q, k, v, pattern) -> None:
   pattern.head_ranges(q.shape[2])  # head_groups needs H >= number of branches
 
 
+def check_segment_ids(segment_ids, q):
+  """`segment_ids` as an integer `[B, N]` array matching `q` (or None), else `ValueError`
+  naming the argument. Any integer values are valid (checked on shapes and dtypes alone, so
+  traced ids under `jit` are checked alike)."""
+  if segment_ids is None:
+    return None
+  if not (hasattr(segment_ids, "shape") and hasattr(segment_ids, "dtype")):
+    raise ValueError(f"segment_ids must be None or an integer array [B, N] (jax or NumPy), "
+                     f"got {type(segment_ids).__name__}")
+  if tuple(segment_ids.shape) != tuple(q.shape[:2]):
+    raise ValueError(f"segment_ids must have shape [B, N] = {tuple(q.shape[:2])} (q's batch "
+                     f"and sequence length), got segment_ids.shape={tuple(segment_ids.shape)}")
+  if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+    raise ValueError(f"segment_ids must have an integer dtype (a document id per token), got "
+                     f"segment_ids.dtype={segment_ids.dtype}")
+  return jnp.asarray(segment_ids)
+
+
 def check_flag(name: str, value) -> bool:
   if not isinstance(value, bool):
     raise ValueError(f"{name} must be a bool, got {name}={value!r}")
@@ -87,24 +105,24 @@ class _Dispatch:
   backward_backend: str
   config: object = None
 
-  def forward(self, q, k, v):
+  def forward(self, q, k, v, **ids):
     backend = backends.load(self.forward_backend)
     return backend.forward(q, k, v, self.pattern, self.scale, out_dtype=q.dtype,
-                           config=backends.config_for(backend, self.config))
+                           config=backends.config_for(backend, self.config), **ids)
 
-  def backward(self, q, k, v, dout, lse, delta):
+  def backward(self, q, k, v, dout, lse, delta, **ids):
     backend = backends.load(self.backward_backend)
     return backend.backward(q, k, v, dout, lse, delta, self.pattern, self.scale,
                             config=backends.config_for(backend, self.config),
-                            grad_dtype=q.dtype)
+                            grad_dtype=q.dtype, **ids)
 
 
 # Compiled as one program even when called eagerly; inlined under an outer jit.
 _attention_jit = jax.jit(backends.attention, static_argnums=3)
 
 
-def dilated_attention(q, k, v, pattern: DilatedPattern, *, scale: float | None = None,
-                      return_lse: bool = False,
+def dilated_attention(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
+                      scale: float | None = None, return_lse: bool = False,
                       implementation: str | Sequence[str] | None = None, config=None):
   """LongNet dilated attention: every branch of `pattern`, merged by softmax denominators.
 
@@ -115,6 +133,10 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, scale: float | None =
     q: `[B, N, H, D]` queries, in processing order (serialize first for a Hilbert order).
     k, v: `[B, N, Hkv, D]` with `H % Hkv == 0`; query head `h` reads `h // (H // Hkv)`.
     pattern: a `DilatedPattern`.
+    segment_ids: None, or an integer `[B, N]` array: the document of each token of rows that
+      pack several (packed sequences). Query `i` then sees key `j` only where the pattern
+      makes it visible and `segment_ids[b, i] == segment_ids[b, j]`; the pattern's segments
+      stay on global positions (docs/SPEC.md, section 3). Runs on "xla" so far.
     scale: score scale, default `D ** -0.5`.
     return_lse: also return the float32 `[B, N, H]` log of the softmax denominator
       (`-inf` where a query sees no key).
@@ -140,15 +162,21 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, scale: float | None =
     >>> p = DilatedPattern(segment_lengths=(16, 32), dilation_rates=(1, 2))
     >>> dilated_attention(q, k, v, p).shape
     (1, 64, 4, 16)
+    >>> docs = jnp.repeat(jnp.arange(4), 16)[None]  # four documents of 16 tokens in one row
+    >>> dilated_attention(q, k, v, p, segment_ids=docs).shape
+    (1, 64, 4, 16)
   """
   check_inputs(q, k, v, pattern)
   scale = check_scale(scale, q.shape[-1])
   check_flag("return_lse", return_lse)
+  segment_ids = check_segment_ids(segment_ids, q)
   names = backends.candidates(implementation)
   backends.check_config(config)
-  problem = backends.Problem.of(q, k, pattern)
+  problem = dataclasses.replace(backends.Problem.of(q, k, pattern),
+                                segment_ids=segment_ids is not None)
   forward = backends.resolve(names, problem)
   backward = backends.resolve(names, dataclasses.replace(problem, backward=True))
   kernel = _Dispatch(pattern, scale, forward, backward, config)
-  out, lse = _attention_jit(q, k, v, kernel)
+  ids = None if segment_ids is None else (segment_ids, segment_ids)
+  out, lse = _attention_jit(q, k, v, kernel, ids)
   return (out, lse) if return_lse else out

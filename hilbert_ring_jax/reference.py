@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .api import check_inputs, check_scale
+from .api import check_inputs, check_scale, check_segment_ids
 from .pattern import DilatedPattern, heads_per_kv
 
 
@@ -14,8 +14,8 @@ def visibility_counts(pattern: DilatedPattern, n: int, num_heads: int) -> np.nda
   return sum(br.visible(num_heads).astype(np.int32) for br in pattern.layout(n, num_heads))
 
 
-def dilated_attention_reference(q, k, v, pattern: DilatedPattern, *, scale=None,
-                                return_lse=False):
+def dilated_attention_reference(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
+                                scale=None, return_lse=False):
   """Dense `dilated_attention` (same arguments) with explicit multiplicity masks.
 
   Materializes `[B, H, N, N]` scores: use it to check results at small N. Inputs are
@@ -25,7 +25,10 @@ def dilated_attention_reference(q, k, v, pattern: DilatedPattern, *, scale=None,
   b, n, h, d = q.shape
   scale = check_scale(scale, d)
   acc = jnp.promote_types(q.dtype, jnp.float32)
-  counts = jnp.asarray(visibility_counts(pattern, n, h), acc)
+  counts = jnp.asarray(visibility_counts(pattern, n, h), acc)  # [H, N, N]
+  segment_ids = check_segment_ids(segment_ids, q)
+  if segment_ids is not None:  # [B, H, N, N]: only keys of the query's document
+    counts = counts * (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
   per_kv = heads_per_kv(h, k.shape[2])
   kh = jnp.repeat(k, per_kv, axis=2).astype(acc)
   vh = jnp.repeat(v, per_kv, axis=2).astype(acc)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import backends
-from .api import check_flag, check_inputs, check_scale
+from .api import check_flag, check_inputs, check_scale, check_segment_ids
 from .backends.common import transpose
 from .merge import merge
 from .pattern import Branch, DilatedPattern, heads_per_kv
@@ -130,8 +130,9 @@ class _RingBranch:
   its blocks, say) runs on the next candidate, never raises where one device would run.
   """
 
-  def __init__(self, plan, pattern, scale, names, config, q, k, branches=None):
+  def __init__(self, plan, pattern, scale, names, config, q, k, branches=None, packed=False):
     self.plan, self.scale, self.names, self.config = plan, scale, names, config
+    self.packed = packed  # steps get segment_ids
     br = plan.branch
     self.per_kv = heads_per_kv(q.shape[2], k.shape[2])
     if plan.kind == "ring" and plan.compact:
@@ -153,8 +154,8 @@ class _RingBranch:
     """The backend of a step on arrays shaped like `q`, `k` (inside shard_map `q` is the
     real, varying array: "pallas" declines it) and the module's config for it."""
     problem = backends.Problem.of(q, k, self.pattern(causal, q.shape[1]), self.branches)
-    backend = backends.load(backends.resolve(
-        self.names, dataclasses.replace(problem, backward=backward)))
+    backend = backends.load(backends.resolve(self.names, dataclasses.replace(
+        problem, backward=backward, segment_ids=self.packed)))
     return backend, backends.config_for(backend, self.config)
 
   # Layout: compaction for the "compact" ring, identity otherwise.
@@ -180,19 +181,37 @@ class _RingBranch:
     local = dataclasses.replace(self.plan.branch, n=self.plan.n, w=self.plan.n)
     return local.covered(num_heads, jnp)
 
-  def forward(self, q, k, v, causal):
+  def forward(self, q, k, v, causal, ids=None):
+    """A step's partials; `ids`: None or the step's `(q_ids, kv_ids)` in its layout
+    (`[B, n, X, 1]`, see `_ids_like`)."""
     pattern = self.pattern(causal, q.shape[1])
     backend, config = self.backend(q, k, causal)
     parts = backend.forward(q, k, v, pattern, self.scale, branches=self.branches,
-                            config=config)
+                            config=config, **_step_ids(ids))
     return backends.vary_like(parts, q, k, v)
 
-  def backward(self, q, k, v, dout, lse, delta, causal):
+  def backward(self, q, k, v, dout, lse, delta, causal, ids=None):
     pattern = self.pattern(causal, q.shape[1])
     backend, config = self.backend(q, k, causal, backward=True)
     grads = backend.backward(q, k, v, dout, lse, delta, pattern, self.scale,
-                             branches=self.branches, config=config)
+                             branches=self.branches, config=config, **_step_ids(ids))
     return backends.vary_like(grads, q, k, v)
+
+
+def _ids_like(ids, x):
+  """`[B, n]` document ids as `[B, n, X, 1]`, one per token and head of `x` `[B, n, X, D]`:
+  the step layouts (compaction, zigzag halves, transfers) then move them as they move `x`."""
+  return jnp.broadcast_to(ids[:, :, None, None], (*x.shape[:3], 1))
+
+
+def _step_ids(ids) -> dict:
+  """A backend's `segment_ids` keyword from a step's `(q_ids, kv_ids)` (`_ids_like`)."""
+  return {} if ids is None else {"segment_ids": (ids[0][..., 0], ids[1][..., 0])}
+
+
+def _pair(q_ids, kv):
+  """The step's ids: the queries' and those travelling with the keys (`kv[2]`), or None."""
+  return None if q_ids is None else (q_ids, kv[2])
 
 
 def _step_position(plan, axis_name):
@@ -267,13 +286,17 @@ def _merge2(a, b):
   return merge([a[0], b[0]], [a[1], b[1]])
 
 
-def _ring_forward(st, q, k, v, axis_name):
-  """`(o, lse)` of a ring branch on the local queries, in the step layout."""
+def _ring_forward(st, q, k, v, axis_name, ids=None):
+  """`(o, lse)` of a ring branch on the local queries, in the step layout. `ids`: None or
+  the shard's `(q_ids, kv_ids)` (`[B, n]`); the keys' travel with the keys."""
   plan = st.plan
   qs, kv = st.query(q), (st.key(k), st.key(v))
+  qi = None
+  if ids is not None:
+    qi, kv = st.query(_ids_like(ids[0], q)), kv + (st.key(_ids_like(ids[1], k)),)
   if plan.zigzag:
-    return _zigzag_forward(st, qs, kv, axis_name)
-  acc = st.forward(qs, *kv, st.causal)
+    return _zigzag_forward(st, qs, qi, kv, axis_name)
+  acc = st.forward(qs, *kv[:2], st.causal, _pair(qi, kv))
   # An empty step's result: typed like a real one (varying over every mesh axis q varies
   # over, the data axis included), as lax.cond needs.
   zeros = lambda: backends.vary_like((jnp.zeros(acc[0].shape, acc[0].dtype),
@@ -282,29 +305,33 @@ def _ring_forward(st, q, k, v, axis_name):
     # Issued before the previous step's compute is consumed, so XLA overlaps the two.
     kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step, causal_forward=st.causal))
     part = _if_visible(_visible(plan, st.causal, step, axis_name),
-                       lambda kv: st.forward(qs, *kv, False), zeros, kv)
+                       lambda kv: st.forward(qs, *kv[:2], False, _pair(qi, kv)), zeros, kv)
     acc = _merge2(acc, part)
   return acc
 
 
-def _zigzag_forward(st, qs, kv, axis_name):
-  """Causal ring in zigzag order: every step is two half-by-half blocks on every device."""
+def _zigzag_forward(st, qs, qi, kv, axis_name):
+  """Causal ring in zigzag order: every step is two half-by-half blocks on every device.
+  `qi`: the queries' ids or None; `kv`: `(k, v)`, or `(k, v, kv_ids)`."""
   plan = st.plan
-  qs = _to_zigzag(qs, plan, axis_name)
-  kv = tuple(_to_zigzag(x, plan, axis_name) for x in kv)
-  (q0, q1), (k0, k1), (v0, v1) = _halves(qs, *kv)  # 0: early chunk, 1: late chunk
-  lo = st.forward(q0, k0, v0, True)
-  hi = _merge2(st.forward(q1, k0, v0, False), st.forward(q1, k1, v1, True))
+  zig = lambda x: None if x is None else _to_zigzag(x, plan, axis_name)
+  qs, qi, kv = zig(qs), zig(qi), tuple(zig(x) for x in kv)
+  halves = lambda x: (None, None) if x is None else _halves(x)[0]
+  split = lambda kv: tuple(zip(*_halves(*kv)))  # ((k0, v0, ...), (k1, v1, ...))
+  (q0, q1), (i0, i1), (kv0, kv1) = halves(qs), halves(qi), split(kv)  # 0: early, 1: late
+  fwd = lambda q, i, kv, causal: st.forward(q, *kv[:2], causal, _pair(i, kv))
+  lo = fwd(q0, i0, kv0, True)
+  hi = _merge2(fwd(q1, i1, kv0, False), fwd(q1, i1, kv1, True))
   place, size = _step_position(plan, axis_name)
   for step in range(1, plan.span):
     kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step))
-    (k0, k1), (v0, v1) = _halves(*kv)
+    kv0, kv1 = split(kv)
     # Keys from an earlier device: both query chunks see its early chunk. From a later one
     # (wrapped): the late query chunk sees both of its chunks. Either way two blocks.
     earlier, valid = step <= place, step < size
-    common = st.forward(q1, k0, v0, False)
-    pick = lambda a, b: jnp.where(earlier, a, b)
-    other = st.forward(pick(q0, q1), pick(k0, k1), pick(v0, v1), False)
+    common = fwd(q1, i1, kv0, False)
+    pick = lambda a, b: None if a is None else jnp.where(earlier, a, b)
+    other = fwd(pick(q0, q1), pick(i0, i1), tuple(map(pick, kv0, kv1)), False)
     lo = _merge2(lo, _masked(other, earlier & valid))
     hi = _merge2(_merge2(hi, _masked(common, valid)), _masked(other, ~earlier & valid))
   o, lse = (jnp.concatenate(x, axis=1) for x in zip(lo, hi))
@@ -330,44 +357,51 @@ def _backward_steps(plan, kv, grads, step_grads, axis_name):
   return dq, dk, dv
 
 
-def _ring_backward(st, q, k, v, dout, lse, delta, axis_name):
+def _ring_backward(st, q, k, v, dout, lse, delta, axis_name, ids=None):
   """`(dq, dk, dv)` of a ring branch, in the step layout."""
   plan = st.plan
   qs, dos, lses, deltas = (st.query(x) for x in (q, dout, lse[..., None], delta[..., None]))
   rows = (qs, dos, lses[..., 0], deltas[..., 0])
   kv = (st.key(k), st.key(v))
+  qi = None
+  if ids is not None:
+    qi, kv = st.query(_ids_like(ids[0], q)), kv + (st.key(_ids_like(ids[1], k)),)
   if plan.zigzag:
-    return _zigzag_backward(st, rows, kv, axis_name)
-  grads = st.backward(rows[0], *kv, *rows[1:], st.causal)
+    return _zigzag_backward(st, rows + (() if qi is None else (qi,)), kv, axis_name)
+  grads = st.backward(rows[0], *kv[:2], *rows[1:], st.causal, _pair(qi, kv))
   zeros = lambda: backends.vary_like(tuple(jnp.zeros(x.shape, x.dtype) for x in grads),
                                      rows[0])
 
   def step_grads(kv, step):
     return _if_visible(_visible(plan, st.causal, step, axis_name),
-                       lambda kv: st.backward(rows[0], *kv, *rows[1:], False), zeros, kv)
+                       lambda kv: st.backward(rows[0], *kv[:2], *rows[1:], False,
+                                              _pair(qi, kv)), zeros, kv)
 
   return _backward_steps(plan, kv, grads, step_grads, axis_name)
 
 
 def _zigzag_backward(st, rows, kv, axis_name):
-  """The backward of `_zigzag_forward`: the same blocks; dk, dv travel home in zigzag order."""
+  """The backward of `_zigzag_forward`: the same blocks; dk, dv travel home in zigzag order.
+  `rows`: `(q, dout, lse, delta)`, then the queries' ids if any; `kv`: `(k, v[, kv_ids])`."""
   plan = st.plan
   rows = [_to_zigzag(x, plan, axis_name) for x in rows]
   kv = tuple(_to_zigzag(x, plan, axis_name) for x in kv)
   (r0, r1) = zip(*_halves(*rows))  # (q, dout, lse, delta) of the early and late query chunks
-  bwd = lambda r, k, v, causal: st.backward(r[0], k, v, *r[1:], causal)
+  bwd = lambda r, kv, causal: st.backward(r[0], *kv[:2], *r[1:4], causal,
+                                          _pair(r[4] if len(r) > 4 else None, kv))
   cat = lambda a, b: jnp.concatenate([a, b], axis=1)
-  (k0, k1), (v0, v1) = _halves(*kv)
-  a, b, c = bwd(r0, k0, v0, True), bwd(r1, k0, v0, False), bwd(r1, k1, v1, True)
+  split = lambda kv: tuple(zip(*_halves(*kv)))  # ((k0, v0, ...), (k1, v1, ...))
+  kv0, kv1 = split(kv)
+  a, b, c = bwd(r0, kv0, True), bwd(r1, kv0, False), bwd(r1, kv1, True)
   grads = cat(a[0], b[0] + c[0]), cat(a[1] + b[1], c[1]), cat(a[2] + b[2], c[2])
   place, size = _step_position(plan, axis_name)
 
   def step_grads(kv, step):
-    (k0, k1), (v0, v1) = _halves(*kv)
+    kv0, kv1 = split(kv)
     earlier, valid = step <= place, step < size  # as in _zigzag_forward
     pick = lambda a, b: jnp.where(earlier, a, b)
-    common = bwd(r1, k0, v0, False)
-    other = bwd([pick(x, y) for x, y in zip(r0, r1)], pick(k0, k1), pick(v0, v1), False)
+    common = bwd(r1, kv0, False)
+    other = bwd([pick(x, y) for x, y in zip(r0, r1)], tuple(map(pick, kv0, kv1)), False)
     keep = lambda x, c: jnp.where(c, x, 0.0)
     mine, theirs = earlier & valid, ~earlier & valid
     dq = cat(keep(other[0], mine), keep(common[0], valid) + keep(other[0], theirs))
@@ -398,14 +432,14 @@ class _Ring:
   names: tuple[str, ...]
   config: object = None
 
-  def _branches(self, q, k):
+  def _branches(self, q, k, packed):
     """`(plan, _RingBranch)` pairs, one per branch; the local branches as one pair (the
     first local plan's) where the backend each would get on its own runs them all."""
     shards = jax.lax.axis_size(self.axis_name)
     per_kv = heads_per_kv(q.shape[2], k.shape[2])
     plans = list(_plans(self.pattern, q.shape[1], shards, q.shape[2], per_kv))
     make = lambda plan, branches=None: _RingBranch(plan, self.pattern, self.scale, self.names,
-                                                   self.config, q, k, branches)
+                                                   self.config, q, k, branches, packed)
     pairs = [(plan, make(plan)) for plan in plans]
     local = [(plan, st) for plan, st in pairs if plan.kind == "local"]
     if len(local) > 1:
@@ -415,17 +449,21 @@ class _Ring:
         pairs = [(local[0][0], together)] + [(p, st) for p, st in pairs if p.kind != "local"]
     return pairs
 
-  def forward(self, q, k, v):
+  def forward(self, q, k, v, segment_ids=None):
     n, num_heads, axis_name = q.shape[1], q.shape[2], self.axis_name
     outs, lses = [], []
-    for plan, st in self._branches(q, k):
+    per_head = lambda ids, q, k: None if ids is None else (
+        _ids_like(ids[0], q), _ids_like(ids[1], k))
+    for plan, st in self._branches(q, k, segment_ids is not None):
       if plan.kind == "local":
-        o, lse = st.forward(q, k, v, st.causal)
+        o, lse = st.forward(q, k, v, st.causal, per_head(segment_ids, q, k))
       elif plan.kind == "gather":
-        o, lse = st.forward(*(_gather(x, axis_name) for x in (q, k, v)), st.causal)
+        full = [_gather(x, axis_name) for x in (q, k, v)]
+        ids = None if segment_ids is None else [_gather(x, axis_name) for x in segment_ids]
+        o, lse = st.forward(*full, st.causal, per_head(ids, full[0], full[1]))
         o, lse = _local_rows(o, axis_name, n), _local_rows(lse, axis_name, n)
       else:
-        o, lse = _ring_forward(st, q, k, v, axis_name)
+        o, lse = _ring_forward(st, q, k, v, axis_name, segment_ids)
         if plan.compact:  # a compact row sees at least itself, so its lse is finite
           o = st.unquery(o, q)
           lse = jnp.where(st.covered(num_heads),
@@ -434,25 +472,29 @@ class _Ring:
       lses.append(lse)
     return merge(outs, lses)
 
-  def backward(self, q, k, v, dout, lse, delta):
+  def backward(self, q, k, v, dout, lse, delta, segment_ids=None):
     n, axis_name = q.shape[1], self.axis_name
     acc = jnp.promote_types(q.dtype, jnp.float32)
     dq, dk, dv = (jnp.zeros(x.shape, acc) for x in (q, k, v))
-    for plan, st in self._branches(q, k):
+    per_head = lambda ids, q, k: None if ids is None else (
+        _ids_like(ids[0], q), _ids_like(ids[1], k))
+    for plan, st in self._branches(q, k, segment_ids is not None):
       if plan.kind == "local":
-        g = st.backward(q, k, v, dout, lse, delta, st.causal)
+        g = st.backward(q, k, v, dout, lse, delta, st.causal, per_head(segment_ids, q, k))
       elif plan.kind == "gather":
         full = [_gather(x, axis_name) for x in (q, k, v, dout, lse, delta)]
-        g = [_local_rows(x, axis_name, n) for x in st.backward(*full, st.causal)]
+        ids = None if segment_ids is None else [_gather(x, axis_name) for x in segment_ids]
+        g = [_local_rows(x, axis_name, n) for x in st.backward(
+            *full, st.causal, per_head(ids, full[0], full[1]))]
       else:
-        gq, gk, gv = _ring_backward(st, q, k, v, dout, lse, delta, axis_name)
+        gq, gk, gv = _ring_backward(st, q, k, v, dout, lse, delta, axis_name, segment_ids)
         g = (st.unquery(gq, q), st.unkey(gk, k), st.unkey(gv, v))
       dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
     return dq, dk, dv
 
 
-def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, scale=None,
-                           return_lse=False, implementation=None, config=None):
+def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segment_ids=None,
+                           scale=None, return_lse=False, implementation=None, config=None):
   """`dilated_attention` on sequence shards, called inside `jax.shard_map`.
 
   Each device passes its shard `[B, N / P, H, D]` of `q` and `[B, N / P, Hkv, D]` of `k`, `v`
@@ -462,7 +504,8 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, scale
   docstring); queries and outputs stay on their device, except that a causal zigzag branch
   trades half-shards once each way and the gather fallback all-gathers its inputs. Each
   branch's steps use the backend `dilated_attention` would pick for them (`implementation`
-  and `config` as there).
+  and `config` as there). `segment_ids` (packed sequences, as in `dilated_attention`): this
+  shard's `[B, N / P]` document ids; the keys' ids travel with the keys.
 
   Example:
     >>> from hilbert_ring_jax import DilatedPattern, dilated_attention
@@ -479,6 +522,7 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, scale
   check_inputs(q, k, v, pattern)
   scale = check_scale(scale, q.shape[-1])
   check_flag("return_lse", return_lse)
+  segment_ids = check_segment_ids(segment_ids, q)
   try:
     jax.lax.axis_size(axis_name)
   except NameError as e:
@@ -487,22 +531,24 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, scale
         f"jax.shard_map over a mesh with that axis, or use sharded_dilated_attention") from e
   names = backends.candidates(implementation)
   backends.check_config(config)
-  out, lse = backends.attention(q, k, v, _Ring(pattern, scale, axis_name, names, config))
+  out, lse = backends.attention(q, k, v, _Ring(pattern, scale, axis_name, names, config),
+                                None if segment_ids is None else (segment_ids, segment_ids))
   return (out, lse) if return_lse else out
 
 
 def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_name,
-                              batch_axis=None, scale=None, return_lse=False,
-                              implementation=None, config=None):
+                              batch_axis=None, segment_ids=None, scale=None,
+                              return_lse=False, implementation=None, config=None):
   """`dilated_attention` with the sequence axis sharded over `mesh.shape[axis_name]` devices.
 
   Does the `jax.shard_map` for the caller: `q`, `k`, `v` are global `[B, N, H(kv), D]` arrays
   (sharded or not); the result is sharded like `P(batch_axis, axis_name)`: with `batch_axis`
   (a mesh axis, or a tuple of them) the batch is split over it too (data x sequence
   parallelism); other mesh axes of more than one device hold replicas, with a warning that
-  says so. Compiled as one program, so an eager call is as fast as a jitted one (and inlined
-  under an outer `jit`). Works the same in one process or under
-  `jax.distributed.initialize()` with one process per GPU.
+  says so. `segment_ids` (packed sequences): global `[B, N]` document ids, sharded like `q`.
+  Compiled as one program, so an eager call is as fast as a jitted one (and inlined under an
+  outer `jit`). Works the same in one process or under `jax.distributed.initialize()` with
+  one process per GPU.
 
   Example:
     >>> from hilbert_ring_jax import DilatedPattern, dilated_attention
@@ -551,26 +597,30 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
                      f"of batch_axis={batch_axis!r}")
   scale = check_scale(scale, q.shape[-1])
   check_flag("return_lse", return_lse)
+  segment_ids = check_segment_ids(segment_ids, q)
   names = backends.candidates(implementation)
   backends.check_config(config)
-  fn = _sharded(pattern, mesh, axis_name, batch_axes or None, scale, names, config)
-  out, lse = fn(q, k, v)
+  fn = _sharded(pattern, mesh, axis_name, batch_axes or None, scale, names, config,
+                segment_ids is not None)
+  out, lse = fn(q, k, v) if segment_ids is None else fn(q, k, v, segment_ids)
   return (out, lse) if return_lse else out
 
 
 @functools.lru_cache(maxsize=64)
-def _sharded(pattern, mesh, axis_name, batch_axes, scale, names, config):
-  """The jitted shard_map of one configuration (cached: eager calls reuse its compilation)."""
+def _sharded(pattern, mesh, axis_name, batch_axes, scale, names, config, packed=False):
+  """The jitted shard_map of one configuration (cached: eager calls reuse its compilation);
+  `packed`: it takes segment ids, `(q, k, v, segment_ids)`."""
   spec = jax.P(batch_axes, axis_name)
   explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-  inner = functools.partial(ring_dilated_attention, pattern=pattern, axis_name=axis_name,
-                            scale=scale, return_lse=True, implementation=names, config=config)
-  mapped = jax.shard_map(inner, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec),
-                         check_vma=True)
+  inner = lambda q, k, v, *ids: ring_dilated_attention(
+      q, k, v, pattern, axis_name=axis_name, segment_ids=ids[0] if ids else None, scale=scale,
+      return_lse=True, implementation=names, config=config)
+  mapped = jax.shard_map(inner, mesh=mesh, in_specs=(spec,) * (4 if packed else 3),
+                         out_specs=(spec, spec), check_vma=True)
 
-  def run(q, k, v):
+  def run(*arrays):
     if explicit:
-      q, k, v = (jax.reshard(x, jax.NamedSharding(mesh, spec)) for x in (q, k, v))
-    return mapped(q, k, v)
+      arrays = [jax.reshard(x, jax.NamedSharding(mesh, spec)) for x in arrays]
+    return mapped(*arrays)
 
   return jax.jit(run)

@@ -29,19 +29,27 @@ def multiplicity(n, num_heads, segment_lengths, dilation_rates, causal=False, of
   return m
 
 
+def same_document(segment_ids):
+  """`[B, 1, N, N]`: 1 where query i and key j are of the same document (packed rows)."""
+  ids = np.asarray(segment_ids)
+  return (ids[:, None, :, None] == ids[:, None, None, :]).astype(np.float64)
+
+
 def attention(q, k, v, m, scale, dout=None, dlse=None):
   """Returns out, lse and, given cotangents, (dq, dk, dv), all in float64.
 
-  q: [B, N, H, D]; k, v: [B, N, Hkv, D]; m: [H, N, N] multiplicities.
+  q: [B, N, H, D]; k, v: [B, N, Hkv, D]; m: [H, N, N] multiplicities, or [B, H, N, N]
+  (e.g. times `same_document(segment_ids)`).
   """
+  m = m if m.ndim == 4 else m[None]
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   h, hkv = q.shape[2], k.shape[2]
   kh, vh = (np.repeat(x, h // hkv, axis=2) for x in (k, v))
   s = scale * np.einsum("bihd,bjhd->bhij", q, kh)
-  visible = m[None] > 0
+  visible = m > 0
   s_max = np.where(visible, s, -np.inf).max(-1, keepdims=True)
   s_max = np.where(np.isfinite(s_max), s_max, 0.0)
-  e = np.where(visible, m[None] * np.exp(np.where(visible, s - s_max, 0.0)), 0.0)
+  e = np.where(visible, m * np.exp(np.where(visible, s - s_max, 0.0)), 0.0)
   den = e.sum(-1)
   with np.errstate(divide="ignore"):
     lse = np.log(den) + s_max[..., 0]  # [B, H, N]

@@ -500,6 +500,31 @@ def test_ring_at_realistic_shard_sizes(name):
   _assert_ring_equals(ring, single, inputs)
 
 
+def _documents(batch, n, seed):
+  """`[B, N]` ids of documents of 1 to 3000 tokens (edges inside shards and across them)."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(1, 3000, size=(batch, n))
+  return jnp.asarray(np.stack([np.repeat(np.arange(n), row)[:n] for row in lengths]),
+                     jnp.int32)
+
+
+@pytest.mark.parametrize("name", ["longnet_causal", "gather", "partial_sub_rings_no_zigzag",
+                                  "data2_seq4_causal"])
+def test_packed_ring_at_realistic_shard_sizes(name):
+  """Packed sequences on the ring (the keys' document ids travel with them) equal one
+  device's packed call: compact and zigzag rings, gather, partial sub-rings, data x seq."""
+  case, pattern, m, config = _realistic(name)
+  inputs = helpers.random_inputs(case, jnp.float32, 24)
+  ids = _documents(case.batch, case.n, 25)
+  batch_axis = "data" if "data" in m.shape else None
+  ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
+      q, k, v, pattern, mesh=m, axis_name="seq", batch_axis=batch_axis, segment_ids=ids,
+      return_lse=True, config=config))
+  single = jax.jit(lambda q, k, v: dilated_attention(q, k, v, pattern, segment_ids=ids,
+                                                     return_lse=True))
+  _assert_ring_equals(ring, single, inputs)
+
+
 @OLD_JAX
 def test_ring_inside_user_shard_map_at_2048_keys_per_shard():
   """The inner entry in the caller's own shard_map, at a shard size users run, gradients

@@ -10,7 +10,11 @@ A backend is a module of `hilbert_ring_jax.backends` that provides (see `Backend
   `(out [B, N, H, D], lse [B, N, H])`: the attention over the keys of `branches` (indices into
   `pattern.branches`; None: all), merged. Both are float32 *partials*, ready for `merge`;
   a caller whose result is final (no merge follows) may ask for `out_dtype=q.dtype`, so no
-  float32 copy of the output is ever materialized;
+  float32 copy of the output is ever materialized. A backend whose `supports` accepts
+  problems with `segment_ids` set also takes `segment_ids=(q_ids, kv_ids)` (integer `[B, N]`
+  each, or per head `[B, N, H]` and `[B, N, Hkv]`: the document of each query and of each
+  key; a query sees a key only within its document), in `forward` and `backward` alike; it
+  is passed only when set;
 - `backward(q, k, v, dout, lse, delta, pattern, scale, *, branches=None, config=None,
   grad_dtype=None)` -> float32 `(dq, dk, dv)`: the contribution of `branches`, given the
   *global* `lse` and `delta = rowsum(dout * out) - dlse`, so that branches, launches and ring
@@ -72,6 +76,7 @@ class Problem:
       read against a KV cache of `pattern` (decode.py), and the backend's `step` runs it.
     interpret: a decoding step whose kernel config asks for interpret mode
       (`mosaic_decode.Config(interpret=True)`): the kernel runs off its platform, on a CPU.
+    segment_ids: packed sequences: the call passes `segment_ids=(q_ids, kv_ids)`.
   """
 
   q_shape: tuple[int, ...]
@@ -84,6 +89,7 @@ class Problem:
   backward: bool = False
   step: bool = False
   interpret: bool = False
+  segment_ids: bool = False
 
   @classmethod
   def of(cls, q, k, pattern, branches=None, *, like=None) -> Problem:
@@ -209,38 +215,46 @@ def _loaded(name):
 
 
 class Kernel(Protocol):
-  """The two halves `attention` differentiates: any computation following the contract."""
+  """The two halves `attention` differentiates: any computation following the contract.
+  A kernel called with `segment_ids` (`attention`'s argument) gets them as a keyword."""
 
   def forward(self, q, k, v): ...  # -> (out, lse)
 
   def backward(self, q, k, v, dout, lse, delta): ...  # -> (dq, dk, dv), float32 or q's dtype
 
 
+def _ids(segment_ids) -> dict:
+  return {} if segment_ids is None else {"segment_ids": segment_ids}
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def attention(q, k, v, kernel: Kernel):
+def attention(q, k, v, kernel: Kernel, segment_ids=None):
   """`(out, lse)` of `kernel` with the contract's exact gradient: out in q's dtype, lse float32.
 
   The one custom_vjp of the package: `dilated_attention`, the ring and the tests all go
   through it. `kernel` is a hashable object (a static argument) with `forward(q, k, v)` and
   `backward(q, k, v, dout, lse, delta)`; the backward gets `delta = rowsum(dout * out) - dlse`,
-  the one row statistic every backward needs.
+  the one row statistic every backward needs. `segment_ids` (None, or integer arrays: the
+  documents of packed sequences) go to both halves as a keyword and get no gradient.
   """
-  out, lse = kernel.forward(q, k, v)
+  out, lse = kernel.forward(q, k, v, **_ids(segment_ids))
   return out.astype(q.dtype), lse.astype(jnp.float32)
 
 
-def _attention_fwd(q, k, v, kernel):
-  out, lse = attention(q, k, v, kernel)
-  return (out, lse), (q, k, v, out, lse)
+def _attention_fwd(q, k, v, kernel, segment_ids):
+  out, lse = attention(q, k, v, kernel, segment_ids)
+  return (out, lse), (q, k, v, out, lse, segment_ids)
 
 
 def _attention_bwd(kernel, res, cotangents):
-  q, k, v, out, lse = res
+  q, k, v, out, lse, segment_ids = res
   dout, dlse = cotangents
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   delta = delta - dlse.astype(jnp.float32)
-  grads = kernel.backward(q, k, v, dout, lse, delta)
-  return tuple(_saturate(g, x.dtype) for g, x in zip(grads, (q, k, v)))
+  grads = kernel.backward(q, k, v, dout, lse, delta, **_ids(segment_ids))
+  # Integer ids get no cotangent (None: zero).
+  return (*(_saturate(g, x.dtype) for g, x in zip(grads, (q, k, v))),
+          jax.tree.map(lambda _: None, segment_ids))
 
 
 def _saturate(x, dtype):

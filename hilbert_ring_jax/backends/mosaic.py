@@ -69,6 +69,8 @@ def supports(problem: Problem) -> Support:
   `mosaic_decode.supports`."""
   if problem.step:
     return mosaic_decode.supports(problem)
+  if problem.segment_ids:
+    return no("packed sequences (segment_ids) run on the xla backend so far, not on mosaic")
   if problem.platform != "gpu" or not is_hopper():
     return no("the mosaic backend runs on Hopper GPUs (sm_90) only")
   if jax.__version_info__ < (0, 11):

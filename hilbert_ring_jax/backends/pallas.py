@@ -220,6 +220,8 @@ def _branches(pattern: DilatedPattern, n: int, num_heads: int, config: Config,
 
 def supports(problem: Problem) -> Support:
   """Float32/bfloat16/float16, head dims up to 256, outside `shard_map(check_vma=True)`."""
+  if problem.segment_ids:
+    return no("packed sequences (segment_ids) run on the xla backend so far, not on pallas")
   if problem.varying:  # pallas_call's outputs would need their varying mesh axes spelled out
     return no("the pallas backend does not run inside shard_map with check_vma=True (the "
               "ring); its steps use the next implementation")

@@ -162,6 +162,8 @@ _MAX_GRID_Y = 65535  # CUDA's limit on the grid's second axis (batch x periods)
 
 def supports(problem: Problem) -> Support:
   """CUDA GPUs; bf16, f16, f32; head dims 16..256 (powers of two); a launchable grid."""
+  if problem.segment_ids:
+    return no("packed sequences (segment_ids) run on the xla backend so far, not on triton")
   if problem.platform != "gpu":
     return no("the triton backend runs on CUDA GPUs only")
   if why := lowering_problem():

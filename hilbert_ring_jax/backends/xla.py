@@ -5,7 +5,8 @@ whole segments and reshaped to `[B, S, w/r, r, H, D]`, so a dilated segment is a
 row of `w/r` tokens: no gather. Residues become batch rows (`offsets="all"`) or are picked per
 head with static slices (`offsets="head"`). A scan over key blocks keeps a float32
 `(out, lse)` carry combined by the project's one `merge`, so scores never exceed one block
-`[rows, key_block]` and memory is linear in N whatever `w` is. Padding keys are masked.
+`[rows, key_block]` and memory is linear in N whatever `w` is. Padding keys are masked, and
+so are keys of another document than the query's (`segment_ids`, folded like the tokens).
 
 The backward follows the kernel contract: it takes the global `lse` and
 `delta = rowsum(dout * out) - dlse` and recomputes probabilities blockwise.
@@ -47,7 +48,7 @@ class Config:
 
 
 def supports(problem: Problem) -> Support:
-  """Every valid configuration, on every platform."""
+  """Every valid configuration, on every platform, packed sequences included."""
   del problem
   return YES
 
@@ -137,22 +138,37 @@ def _scan(step, carry, blocks):
   return jax.lax.scan(step, carry, blocks)
 
 
-def _key_scan(fold, k, v, valid, key_block):
-  """Key blocks to scan: `(index, k [B,Z,K,bk,D], v, valid [Z,K',bk])`, and the block size."""
+def _folded_ids(fold, segment_ids, q, k):
+  """`(q_ids [B, Z, K, T], kv_ids [B, Z, K, M])`: each folded token's document, or None.
+  The ids come as `[B, N]` (every head alike) or per head, `[B, N, H]` and `[B, N, Hkv]`."""
+  if segment_ids is None:
+    return None, None
+  q_ids, kv_ids = segment_ids
+  per_head = lambda ids, x: jnp.broadcast_to(
+      ids[..., None] if ids.ndim == 3 else ids[:, :, None, None], (*x.shape[:3], 1))
+  return fold.query(per_head(q_ids, q))[..., 0], fold.key(per_head(kv_ids, k))[..., 0]
+
+
+def _key_scan(fold, k, v, valid, key_block, kv_ids=None):
+  """Key blocks to scan: `(index, k [B,Z,K,bk,D], v, valid [Z,K',bk], kv_ids [B,Z,K,bk] or
+  None)`, and the block size."""
   rows = fold.branch.rows
   nb = -(-rows // key_block)
   bk = -(-rows // nb)  # the least padding for nb blocks
+  ids = None if kv_ids is None else _blocked(kv_ids, 3, nb, bk)
   return (jnp.arange(nb), _blocked(fold.key(k), 3, nb, bk), _blocked(fold.key(v), 3, nb, bk),
-          _blocked(valid, 2, nb, bk, fill=False)), bk
+          _blocked(valid, 2, nb, bk, fill=False), ids), bk
 
 
-def _scores(fold, qs, kb, valid, first_key):
+def _scores(fold, qs, kb, valid, first_key, q_ids=None, kv_ids=None):
   """Masked scores `[B, Z, K, T, bk]` of the folded, scaled queries `qs` (`_scaled_queries`)
-  against one key block."""
+  against one key block (and its documents `kv_ids`, given those of the queries)."""
   acc = jnp.promote_types(qs.dtype, jnp.float32)
   # s: [B, Z, K, T, bk]
   s = jnp.einsum("BZKTD,BZKJD->BZKTJ", qs, kb, preferred_element_type=acc)
   mask = valid[None, :, :, None, :]  # [1, Z, K or 1, 1, bk]
+  if q_ids is not None:
+    mask = mask & (q_ids[..., :, None] == kv_ids[..., None, :])
   if fold.branch.causal:  # the fold keeps order within a row: j <= i compares row indices
     q_idx = jnp.arange(qs.shape[3]) // fold.shared
     k_idx = first_key + jnp.arange(kb.shape[3])
@@ -170,15 +186,16 @@ def _scaled_queries(qf, scale):
   return qf.astype(jnp.promote_types(qf.dtype, jnp.float32)) * scale
 
 
-def _branch_forward(fold, q, k, v, scale, key_block):
+def _branch_forward(fold, q, k, v, scale, key_block, segment_ids=None):
   """Folded `(out [B, Z, K, T, D], lse [B, Z, K, T])` of one branch."""
   qf = _scaled_queries(fold.query(q), scale)
   acc = jnp.promote_types(q.dtype, jnp.float32)
-  blocks, bk = _key_scan(fold, k, v, fold.key_valid(k.shape[2]), key_block)
+  q_ids, kv_ids = _folded_ids(fold, segment_ids, q, k)
+  blocks, bk = _key_scan(fold, k, v, fold.key_valid(k.shape[2]), key_block, kv_ids)
 
   def step(carry, blk):
-    i, kb, vb, valid = blk
-    s = _scores(fold, qf, kb, valid, i * bk)
+    i, kb, vb, valid, ids = blk
+    s = _scores(fold, qf, kb, valid, i * bk, q_ids, ids)
     # Softmax within the block; the one merge folds it into the carry.
     mx = jnp.max(s, axis=-1)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
@@ -195,24 +212,29 @@ def _branch_forward(fold, q, k, v, scale, key_block):
 
 
 def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
-            out_dtype=None):
+            out_dtype=None, segment_ids=None):
   """`(out [B, N, H, D], lse [B, N, H])` of `branches` (default all), merged: float32 (float64
   for float64 inputs) partials, or `out` in `out_dtype` when given."""
   config = config or Config()
   h = q.shape[2]
   outs, lses = [], []
   for fold in _folds(pattern, q, k, branches):
-    o, lse = _branch_forward(fold, q, k, v, scale, config.key_block)
+    o, lse = _branch_forward(fold, q, k, v, scale, config.key_block, segment_ids)
     outs.append(transpose(fold.query, o, q))
-    # Padding rows may hold -inf; a covered row sees at least itself, so its lse is finite.
-    lse = transpose(fold.query, jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None], q[..., :1])
-    lses.append(jnp.where(fold.branch.covered(h, jnp), lse[..., 0], -jnp.inf))
+    # Padding rows may hold -inf (the transpose would make NaN of them); a covered row sees
+    # at least itself, so its lse is finite, unless queries and keys are of other documents.
+    seen = jnp.isfinite(lse)[..., None]
+    rows = fold.branch.covered(h, jnp)
+    if segment_ids is not None:
+      rows = rows & (transpose(fold.query, seen.astype(lse.dtype), q[..., :1])[..., 0] > 0)
+    lse = transpose(fold.query, jnp.where(seen[..., 0], lse, 0.0)[..., None], q[..., :1])
+    lses.append(jnp.where(rows, lse[..., 0], -jnp.inf))
   out, lse = merge(outs, lses)
   return out.astype(out_dtype or out.dtype), lse
 
 
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
-             branches=None, config=None, grad_dtype=None):
+             branches=None, config=None, grad_dtype=None, segment_ids=None):
   """float32 `(dq, dk, dv)` from the global `lse` and `delta = rowsum(dout * out) - dlse`
   (whatever `grad_dtype`)."""
   config = config or Config()
@@ -225,11 +247,12 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
     qs = _scaled_queries(qf, scale)
     lsef = fold.query(lse[..., None], fill=jnp.inf)[..., 0]
     deltaf = fold.query(delta[..., None].astype(acc))[..., 0]
-    blocks, bk = _key_scan(fold, k, v, fold.key_valid(k.shape[2]), config.key_block)
+    q_ids, kv_ids = _folded_ids(fold, segment_ids, q, k)
+    blocks, bk = _key_scan(fold, k, v, fold.key_valid(k.shape[2]), config.key_block, kv_ids)
 
     def step(dqf, blk):
-      i, kb, vb, valid = blk
-      s = _scores(fold, qs, kb, valid, i * bk)
+      i, kb, vb, valid, ids = blk
+      s = _scores(fold, qs, kb, valid, i * bk, q_ids, ids)
       # p <= 1 exactly; clipping keeps float32 rounding of huge logits (s ~ lse ~ 1e9) from
       # giving exp of a large positive error.
       p = jnp.exp(jnp.minimum(s - lsef[..., None], 0.0))

@@ -1,0 +1,149 @@
+"""Packed sequences: `segment_ids` against the float64 reference, leaks, bad ids."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import reference_np
+from hilbert_ring_jax import DilatedPattern, backends, dilated_attention
+from hilbert_ring_jax.reference import dilated_attention_reference
+
+
+def packed_ids(batch, n, median, seed):
+  """`[B, N]` int32 document ids: rows packed with documents of log-normal lengths (median
+  `median`, the last one cut at N), numbered from 0 in each row."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(batch):
+    lengths = []
+    while sum(lengths) < n:
+      lengths.append(max(1, int(rng.lognormal(np.log(median), 1.0))))
+    rows.append(np.repeat(np.arange(len(lengths)), lengths)[:n])
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def check_packed(case, causal, dtype, ids, seed=0, **kwargs):
+  """Forward, lse and gradients with `segment_ids=ids` against the float64 reference."""
+  q, k, v, dout, dlse = helpers.random_inputs(case, dtype, seed)
+  pattern = case.pattern(causal)
+  fn = jax.jit(lambda q, k, v, ids: dilated_attention(q, k, v, pattern, segment_ids=ids,
+                                                      return_lse=True, **kwargs))
+  (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, ids), q, k, v)
+  grads = vjp((dout, dlse))
+  m = reference_np.multiplicity(case.n, case.heads, case.segment_lengths, case.dilation_rates,
+                                causal, case.offsets, case.head_groups)
+  ref_out, ref_lse, ref_grads = reference_np.attention(
+      q, k, v, m[None] * reference_np.same_document(ids), case.head_dim ** -0.5, dout, dlse)
+  tol = helpers.TOL[dtype]
+  assert out.dtype == dtype and helpers.rel_err(out, ref_out) < tol
+  helpers.check_lse(lse, ref_lse, tol)
+  for g, ref in zip(grads, ref_grads):
+    assert g.dtype == dtype and helpers.rel_err(g, ref) < 2 * tol
+
+
+# (case, causal, median document length): the documents' edges fall inside segments and
+# across them, several documents in a dilated row, a document longer than a segment.
+CASES = {
+    "longnet_causal_gqa": (helpers.Case(256, 4, 2, (32, 64, 128), (1, 2, 4)), True, 24),
+    "longnet_all_offsets": (helpers.Case(192, 3, 3, (16, 48, 96), (1, 2, 4), offsets="all"),
+                            False, 40),
+    "head_groups": (helpers.Case(128, 4, 1, (32, 128), (1, 4), head_groups=True), True, 16),
+    "full_causal_batch2": (helpers.Case(160, 2, 2, (160,), (1,), batch=2), True, 30),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_packed_matches_the_reference(name):
+  case, causal, median = CASES[name]
+  ids = packed_ids(case.batch, case.n, median, seed=len(name))
+  assert len(np.unique(np.asarray(ids[0]))) > 2  # several documents a row
+  check_packed(case, causal, jnp.float32, ids)
+
+
+def test_packed_bf16_several_key_blocks():
+  """bf16, and key blocks of 32 so that a document's edge cuts blocks."""
+  case = helpers.Case(256, 2, 2, (64, 256), (1, 2))
+  check_packed(case, True, jnp.bfloat16, packed_ids(1, 256, 20, seed=3),
+               config=backends.xla.Config(key_block=32))
+
+
+def test_ids_are_compared_not_ordered():
+  """A document id may come back later in a row (equal ids see each other wherever they
+  are), and ids may be any integers, negative ones included."""
+  case = helpers.Case(64, 2, 2, (32, 64), (1, 2))
+  ids = jnp.asarray(np.tile(np.repeat([7, -3], 8), 4)[None], jnp.int32)
+  check_packed(case, False, jnp.float32, ids)
+
+
+def test_one_document_is_no_ids():
+  case = helpers.Case(128, 4, 2, (32, 64, 128), (1, 2, 4))
+  q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 0)
+  pattern = case.pattern(True)
+  plain = dilated_attention(q, k, v, pattern)
+  packed = dilated_attention(q, k, v, pattern, segment_ids=jnp.full((1, 128), 5, jnp.int32))
+  np.testing.assert_allclose(packed, plain, rtol=1e-6, atol=1e-6)
+
+
+def test_no_gradient_crosses_documents():
+  """A loss on one document's outputs gives exactly zero gradient to every other document's
+  queries, keys and values."""
+  case = helpers.Case(256, 4, 2, (64, 128, 256), (1, 2, 4))
+  q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 1)
+  ids = packed_ids(1, 256, 30, seed=4)
+  doc = int(ids[0, 100])
+  mine = (ids[0] == doc)[None, :, None, None]
+  for causal in (False, True):
+    pattern = case.pattern(causal)
+    loss = lambda q, k, v: jnp.sum(jnp.where(
+        mine, dilated_attention(q, k, v, pattern, segment_ids=ids), 0.0) ** 2)
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for g in grads:
+      g = np.asarray(g)
+      assert np.all(g[:, ~np.asarray(mine[0, :, 0, 0])] == 0.0)
+      assert np.abs(g[:, np.asarray(mine[0, :, 0, 0])]).max() > 0
+
+
+def test_packed_under_vmap_and_the_public_reference():
+  case = helpers.Case(64, 2, 1, (16, 64), (1, 2))
+  q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 2)
+  ids = packed_ids(3, 64, 12, seed=5)
+  pattern = case.pattern(True)
+  qs, ks, vs = (jnp.concatenate([x, 2 * x, -x]) for x in (q, k, v))
+  batched = jax.vmap(lambda q, k, v, ids: dilated_attention(
+      q[None], k[None], v[None], pattern, segment_ids=ids[None])[0])(qs, ks, vs, ids)
+  ref = dilated_attention_reference(qs, ks, vs, pattern, segment_ids=ids)
+  np.testing.assert_allclose(batched, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_bad_segment_ids():
+  q = jnp.ones((2, 32, 2, 8))
+  p = DilatedPattern((16,), (1,))
+  for bad, match in (([[0] * 32] * 2, "segment_ids must be None or an integer array"),
+                     (jnp.zeros((2, 16), jnp.int32), r"shape \[B, N\] = \(2, 32\)"),
+                     (jnp.zeros((32,), jnp.int32), r"segment_ids.shape=\(32,\)"),
+                     (jnp.zeros((2, 32)), "integer dtype"),
+                     (np.zeros((2, 32), bool), "integer dtype")):
+    with pytest.raises(ValueError, match=match):
+      dilated_attention(q, q, q, p, segment_ids=bad)
+    with pytest.raises(ValueError, match=match):
+      dilated_attention_reference(q, q, q, p, segment_ids=bad)
+  # Traced ids are checked on shape and dtype alike.
+  with pytest.raises(ValueError, match="integer dtype"):
+    jax.jit(lambda ids: dilated_attention(q, q, q, p, segment_ids=ids))(jnp.zeros((2, 32)))
+
+
+def test_backends_without_packing_decline_it():
+  """Every backend but xla declines packed sequences with a reason; the default dispatch
+  then runs them on xla."""
+  problem = backends.Problem((1, 256, 4, 64), (1, 256, 4, 64), jnp.dtype(jnp.bfloat16),
+                             DilatedPattern((256,), (1,)), platform="gpu", segment_ids=True)
+  for name in ("mosaic", "pallas", "triton"):
+    try:
+      support = backends.load(name).supports(problem)
+    except ImportError:
+      continue
+    assert not support and "segment_ids" in support.reason
+  assert backends.resolve(("mosaic", "triton", "pallas", "xla"), problem) in ("xla",) or \
+      not jax.devices("cpu")
