@@ -179,7 +179,8 @@ def rotate(q, k, rotary_base, positions):
   """Rotary position embedding of `q [B, N, H, D]` and `k [B, N, Hkv, D]` (None: unchanged).
 
   Feature `i < D/2` and `i + D/2` of the token at `positions[j]` (the tokens' places in the
-  caller's order: decoding offsets them by the tokens cached) turn by the angle
+  caller's order: decoding offsets them by the tokens cached; `[N]`, or `[B, N]` per row,
+  e.g. restarting at each packed document) turn by the angle
   `positions[j] * rotary_base ** (-2 i / D)`, computed in float32, so that a score depends
   on the positions only through their difference.
   """
@@ -187,8 +188,8 @@ def rotate(q, k, rotary_base, positions):
     return q, k
   half = q.shape[-1] // 2
   freq = rotary_base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle = jnp.asarray(positions, jnp.float32)[:, None] * freq  # [N, D/2]
-  cos, sin = jnp.cos(angle)[:, None], jnp.sin(angle)[:, None]  # [N, 1, D/2]
+  angle = jnp.asarray(positions, jnp.float32)[..., None] * freq  # [(B,) N, D/2]
+  cos, sin = jnp.cos(angle)[..., None, :], jnp.sin(angle)[..., None, :]  # [(B,) N, 1, D/2]
 
   def turn(x):
     a, b = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
@@ -297,6 +298,21 @@ def layer_inputs(inputs_q, inputs_k, inputs_v, in_features: int, in_kv_features=
   return batch, flat[id(inputs_q)], flat[id(inputs_k)], flat[id(inputs_v)]
 
 
+def token_ids_of(name: str, ids, batch: tuple, n: int):
+  """A layer's per-token integers (`segment_ids`, `positions`): `[batch..., N]` as `[B, N]`,
+  B the product of the batch dims (None: None); `ValueError` naming `name` otherwise."""
+  if ids is None:
+    return None
+  want = batch + (n,)
+  if not (hasattr(ids, "shape") and hasattr(ids, "dtype")) or tuple(ids.shape) != want or \
+      not jnp.issubdtype(ids.dtype, jnp.integer):
+    got = (f"{name}.shape={tuple(ids.shape)}, {name}.dtype={ids.dtype}" if hasattr(ids, "shape")
+           and hasattr(ids, "dtype") else type(ids).__name__)
+    raise ValueError(f"{name} must be an integer array of shape {want} = [batch..., N], got "
+                     f"{got}")
+  return jnp.reshape(ids, (-1, n))
+
+
 def key_mask_of(mask, batch: tuple, n_k: int):
   """Flax's `mask` (`[batch..., heads, Nq, Nk]` or broadcasting to it; True or nonzero: attend)
   as a `[B, Nk]` bool key mask, B the product of the batch dims (None: None).
@@ -367,7 +383,7 @@ def hide_keys(attention, q, k, v, key_mask, scale: float):
           jnp.where(seen, lse, -jnp.inf))
 
 
-def attend(q, k, v, pattern, *, key_mask=None, scale=None, return_lse=False,
+def attend(q, k, v, pattern, *, key_mask=None, segment_ids=None, scale=None, return_lse=False,
            implementation=None, mesh=None, seq_axis=None, batch_axis=None):
   """`dilated_attention`, or the ring version sharded over `seq_axis` (and the batch over
   `batch_axis`) of `mesh`, with hidden keys and keys of another length than the queries.
@@ -375,7 +391,7 @@ def attend(q, k, v, pattern, *, key_mask=None, scale=None, return_lse=False,
   Args:
     q, k, v: `[B, Nq, H, D]` queries, `[B, Nk, Hkv, D]` keys and values, in processing order.
     key_mask: None, or `[B, Nk]` bool: False hides that key from every query (`hide_keys`).
-    scale, return_lse, implementation: as in `dilated_attention`.
+    segment_ids, scale, return_lse, implementation: as in `dilated_attention`.
     mesh, seq_axis, batch_axis: as in `sharded_dilated_attention` (None: one device).
 
   Keys of another length (`Nk != Nq`) need a pattern that shows every key to every query
@@ -389,7 +405,8 @@ def attend(q, k, v, pattern, *, key_mask=None, scale=None, return_lse=False,
     if seq_axis is not None or batch_axis is not None:
       raise ValueError(f"seq_axis and batch_axis are only used with a mesh, got {seq_axis=}, "
                        f"{batch_axis=} and mesh=None")
-    run = functools.partial(dilated_attention, pattern=pattern, implementation=implementation)
+    run = functools.partial(dilated_attention, pattern=pattern, segment_ids=segment_ids,
+                            implementation=implementation)
   else:
     if seq_axis is None:
       raise ValueError(f"a mesh needs seq_axis, the mesh axis that shards the sequence (one of "
@@ -401,10 +418,13 @@ def attend(q, k, v, pattern, *, key_mask=None, scale=None, return_lse=False,
           f"mesh= needs hilbert_ring_jax.ring.sharded_dilated_attention, unavailable here: {e}"
       ) from e
     run = functools.partial(sharded_dilated_attention, pattern=pattern, mesh=mesh,
-                            axis_name=seq_axis, batch_axis=batch_axis,
+                            axis_name=seq_axis, batch_axis=batch_axis, segment_ids=segment_ids,
                             implementation=implementation)
   n_q, n_k = q.shape[1], k.shape[1]
   if n_q != n_k:
+    if segment_ids is not None:
+      raise ValueError("segment_ids mark the documents of one packed sequence: keys of "
+                       "another length than the queries take none")
     check_position_free(pattern, n_q, n_k)
     n = max(n_q, n_k)
     pad = lambda x: jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
@@ -419,7 +439,7 @@ def attend(q, k, v, pattern, *, key_mask=None, scale=None, return_lse=False,
   return (out, lse) if return_lse else out
 
 
-def attention_weights(q, k, lse, pattern, *, key_mask=None, scale=None):
+def attention_weights(q, k, lse, pattern, *, key_mask=None, segment_ids=None, scale=None):
   """The attention probabilities `[B, H, Nq, Nk]` behind `attend`'s `(out, lse)`:
   `m exp(s - lse)` (docs/SPEC.md, section 5), 0 where a query does not see a key (hidden keys
   included). Dense, `O(Nq Nk)` memory: what `sow_weights` records, in float32."""
@@ -430,6 +450,8 @@ def attention_weights(q, k, lse, pattern, *, key_mask=None, scale=None):
       "bihd,bjhd->bhij", q, kh, precision=jax.lax.Precision.HIGHEST,
       preferred_element_type=jnp.float32)
   seen = counts > 0 if key_mask is None else (counts > 0) & key_mask[:, None, None, :]
+  if segment_ids is not None:
+    seen = seen & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
   lse = jnp.moveaxis(jnp.where(jnp.isfinite(lse), lse, 0.0), 1, 2)[..., None]
   return jnp.where(seen, counts * jnp.exp(s - lse), 0.0)
 
@@ -454,7 +476,8 @@ def caller_weights(weights, perm, batch: tuple):
 
 
 def check_call(*, decode: bool, prefill, sow_weights, cross: bool, key_mask, rotary_base,
-               order: TokenOrder, pattern: DilatedPattern, mesh) -> None:
+               order: TokenOrder, pattern: DilatedPattern, mesh, segment_ids=None,
+               positions=None) -> None:
   """`ValueError` for a layer call's flags that do not go together."""
   check_flag("sow_weights", sow_weights)
   if check_flag("prefill", prefill) and not decode:
@@ -462,10 +485,18 @@ def check_call(*, decode: bool, prefill, sow_weights, cross: bool, key_mask, rot
   if cross and rotary_base is not None:
     raise ValueError("rotary_base turns queries and keys by their positions on one sequence: "
                      "keys of another length than the queries have none")
+  if cross and segment_ids is not None:
+    raise ValueError("segment_ids mark the documents of one packed sequence: keys of another "
+                     "length than the queries take none")
+  if positions is not None and rotary_base is None:
+    raise ValueError("positions set the rotary embedding's positions: they need rotary_base")
   if decode:
     check_decodable(order, pattern, mesh)
     for what, bad in (("keys of another length than the queries", cross),
                       ("mask (the cache hides what was not written yet)", key_mask is not None),
+                      ("segment_ids (packed sequences do not decode yet)",
+                       segment_ids is not None),
+                      ("positions (decoding counts them from the cache)", positions is not None),
                       ("sow_weights", sow_weights)):
       if bad:
         raise ValueError(f"decode takes no {what}")

@@ -15,11 +15,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from .decode import KVCache, init_kv_cache
-from .layers_common import (TokenOrder, apply_dropout, attend, attention_weights,
-                            caller_weights, check_call, check_dropout_rate, check_flag,
-                            check_heads, check_options, check_rotary_base, checked_init,
-                            decode_attend, key_mask_of, layer_inputs, permute, rotate,
-                            serialize_inputs, static_implementation)
+from .layers_common import (TokenOrder, apply_dropout, attend, attention_weights, caller_weights,
+                            check_call, check_dropout_rate, check_flag, check_heads, check_options,
+                            check_rotary_base, checked_init, decode_attend, key_mask_of,
+                            layer_inputs, permute, rotate, serialize_inputs, static_implementation,
+                            token_ids_of)
 from .pattern import DilatedPattern
 
 DEFAULT_KERNEL_INIT = nn.initializers.lecun_normal()
@@ -121,7 +121,7 @@ class DilatedMultiHeadAttention(nn.Module):
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
                deterministic: bool | None = None, sow_weights: bool = False,
-               prefill: bool = False):
+               prefill: bool = False, segment_ids=None, positions=None):
     """`[batch..., N, F]` -> `[batch..., N, out_features or F]`, in the caller's token order.
 
     The arguments are those of the NNX layer's call. With `decode`, `inputs_q` holds the next
@@ -142,12 +142,16 @@ class DilatedMultiHeadAttention(nn.Module):
                   kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
                   bias_init=self.bias_init, out_bias_init=self.out_bias_init)
     order = TokenOrder.make(self.ordering, self.grid_shape)
+    segment_ids = token_ids_of("segment_ids", segment_ids, batch, xq.shape[1])
+    positions = token_ids_of("positions", positions, batch, xq.shape[1])
     check_call(decode=check_flag("decode", self.decode), prefill=prefill,
                sow_weights=sow_weights, cross=cross, key_mask=key_mask, rotary_base=rotary_base,
-               order=order, pattern=self.pattern, mesh=self.mesh)
+               order=order, pattern=self.pattern, mesh=self.mesh, segment_ids=segment_ids,
+               positions=positions)
     perm = None if cross else order.permutation(xq.shape[1], self.pattern)
     if perm is not None:
-      xq, xk, xv, key_mask = serialize_inputs(perm, self.mesh, xq, xk, xv, key_mask)
+      xq, xk, xv, key_mask, segment_ids, positions = serialize_inputs(
+          perm, self.mesh, xq, xk, xv, key_mask, segment_ids, positions)
     dense = functools.partial(nn.DenseGeneral, dtype=self.dtype, param_dtype=self.param_dtype,
                               use_bias=self.use_bias, precision=self.precision)
     qkv = functools.partial(dense, kernel_init=checked_init("kernel_init", self.kernel_init),
@@ -161,9 +165,10 @@ class DilatedMultiHeadAttention(nn.Module):
       q, k = norm(name="query_ln")(q), norm(name="key_ln")(k)
     implementation = static_implementation(self.implementation)
     decoding = self.decode and self.has_variable("cache", "cache_index")
-    positions = jnp.arange(xq.shape[1]) if perm is None else jnp.asarray(perm)
-    if decoding and not prefill:  # the new tokens follow those cached
-      positions = positions + self.get_variable("cache", "cache_index")
+    if positions is None:
+      positions = jnp.arange(xq.shape[1]) if perm is None else jnp.asarray(perm)
+      if decoding and not prefill:  # the new tokens follow those cached
+        positions = positions + self.get_variable("cache", "cache_index")
     q, k = rotate(q, k, rotary_base, positions)
     # [B, N, H, D]
     if decoding:
@@ -182,11 +187,12 @@ class DilatedMultiHeadAttention(nn.Module):
         self.variable("cache", "cached_key", lambda: empty.k)
         self.variable("cache", "cached_value", lambda: empty.v)
         self.variable("cache", "cache_index", lambda: empty.length)
-      y, lse = attend(q, k, v, self.pattern, key_mask=key_mask, return_lse=True,
-                      implementation=implementation, mesh=self.mesh, seq_axis=self.seq_axis,
-                      batch_axis=self.batch_axis)
+      y, lse = attend(q, k, v, self.pattern, key_mask=key_mask, segment_ids=segment_ids,
+                      return_lse=True, implementation=implementation, mesh=self.mesh,
+                      seq_axis=self.seq_axis, batch_axis=self.batch_axis)
       if sow_weights:
-        weights = attention_weights(q, k, lse, self.pattern, key_mask=key_mask)
+        weights = attention_weights(q, k, lse, self.pattern, key_mask=key_mask,
+                                    segment_ids=segment_ids)
         self.sow("intermediates", "attention_weights", caller_weights(weights, perm, batch))
     if rate > 0.0:
       deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)

@@ -20,12 +20,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .decode import KVCache, init_kv_cache
-from .layers_common import (TokenOrder, apply_dropout, attend, attention_weights,
-                            caller_weights, check_call, check_decodable, check_dropout_rate,
-                            check_features, check_flag, check_heads, check_input_shape,
-                            check_options, check_rotary_base, checked_init, decode_attend,
-                            key_mask_of, layer_inputs, permute, resolve_deterministic, rotate,
-                            serialize_inputs, static_implementation)
+from .layers_common import (TokenOrder, apply_dropout, attend, attention_weights, caller_weights,
+                            check_call, check_decodable, check_dropout_rate, check_features,
+                            check_flag, check_heads, check_input_shape, check_options,
+                            check_rotary_base, checked_init, decode_attend, key_mask_of,
+                            layer_inputs, permute, resolve_deterministic, rotate, serialize_inputs,
+                            static_implementation, token_ids_of)
 from .pattern import DilatedPattern
 
 DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
@@ -318,7 +318,8 @@ class DilatedMultiHeadAttention(nnx.Module):
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
                deterministic: bool | None = None, rngs: nnx.Rngs | None = None,
-               sow_weights: bool = False, decode: bool | None = None, prefill: bool = False):
+               sow_weights: bool = False, decode: bool | None = None, prefill: bool = False,
+               segment_ids=None, positions=None):
     """`[batch..., N, in_features]` -> `[batch..., N, out_features]`, in the caller's order.
 
     Called as `nnx.MultiHeadAttention` is; `layer(x)` is self-attention.
@@ -346,6 +347,11 @@ class DilatedMultiHeadAttention(nnx.Module):
         the tokens to it.
       prefill: with `decode`, `inputs_q` is a prompt at position 0: the regular kernels run on
         it and the cache is refilled from it, whatever it held (fast for long prompts).
+      segment_ids: packed sequences: an integer `[batch..., N]` array, the document of each
+        token (in the caller's order); a query sees only keys of its document
+        (`dilated_attention`'s `segment_ids`). Self-attention only; not with `decode` yet.
+      positions: an integer `[batch..., N]` array, each token's position for `rotary_base`
+        (default: its place in the sequence), e.g. restarting at 0 at each packed document.
     """
     batch, xq, xk, xv = layer_inputs(inputs_q, inputs_k, inputs_v, self.in_features,
                                      self.in_kv_features)
@@ -354,9 +360,12 @@ class DilatedMultiHeadAttention(nnx.Module):
     if decode is None:
       decode = bool(self.decode)  # None: not decoding
     check_flag("decode", decode)
+    segment_ids = token_ids_of("segment_ids", segment_ids, batch, xq.shape[1])
+    positions = token_ids_of("positions", positions, batch, xq.shape[1])
     check_call(decode=decode, prefill=prefill, sow_weights=sow_weights, cross=cross,
                key_mask=key_mask, rotary_base=self.rotary_base, order=self.order,
-               pattern=self.pattern, mesh=self.mesh)
+               pattern=self.pattern, mesh=self.mesh, segment_ids=segment_ids,
+               positions=positions)
     self.check_parameters()
     if self.dropout_rate > 0.0:
       # As nnx.MultiHeadAttention: the flag matters (and must be given) only with dropout.
@@ -366,15 +375,17 @@ class DilatedMultiHeadAttention(nnx.Module):
     # Keys of another length see every query whatever the order: none is needed.
     perm = None if cross else self.order.permutation(xq.shape[1], self.pattern)
     if perm is not None:
-      xq, xk, xv, key_mask = serialize_inputs(perm, self.mesh, xq, xk, xv, key_mask)
+      xq, xk, xv, key_mask, segment_ids, positions = serialize_inputs(
+          perm, self.mesh, xq, xk, xv, key_mask, segment_ids, positions)
     q, k, v = self.query(xq), self.key(xk), self.value(xv)
     if self.normalize_qk:
       q, k = self.query_ln(q), self.key_ln(k)
     # [B, N, H, D]
     cache = self.kv_cache() if decode else None
-    positions = jnp.arange(xq.shape[1]) if perm is None else jnp.asarray(perm)
-    if decode and not prefill:
-      positions = positions + cache.length  # the new tokens follow those cached
+    if positions is None:
+      positions = jnp.arange(xq.shape[1]) if perm is None else jnp.asarray(perm)
+      if decode and not prefill:
+        positions = positions + cache.length  # the new tokens follow those cached
     q, k = rotate(q, k, self.rotary_base, positions)
     if decode:
       y, cache = decode_attend(q, k, v, cache, self.pattern, prefill=prefill,
@@ -383,11 +394,12 @@ class DilatedMultiHeadAttention(nnx.Module):
         var[...] = val
       self.cache_index[...] = cache.length
     else:
-      y, lse = attend(q, k, v, self.pattern, key_mask=key_mask, return_lse=True,
-                      implementation=self.implementation, mesh=self.mesh,
+      y, lse = attend(q, k, v, self.pattern, key_mask=key_mask, segment_ids=segment_ids,
+                      return_lse=True, implementation=self.implementation, mesh=self.mesh,
                       seq_axis=self.seq_axis, batch_axis=self.batch_axis)
       if sow_weights:
-        weights = attention_weights(q, k, lse, self.pattern, key_mask=key_mask)
+        weights = attention_weights(q, k, lse, self.pattern, key_mask=key_mask,
+                                    segment_ids=segment_ids)
         self.sow(nnx.Intermediate, "attention_weights", caller_weights(weights, perm, batch))
     if not deterministic:
       y = self.dropout(y, rngs)
@@ -434,7 +446,7 @@ def dilated_attention_fn(pattern: DilatedPattern, *, scale: float | None = None,
 
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                    dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
-                   precision=None, module=None, is_causal=False, **unused):
+                   precision=None, module=None, is_causal=False, segment_ids=None, **unused):
     del precision, unused
     if bias is not None:
       raise ValueError("dilated attention takes no bias: the pattern defines which keys are "
@@ -450,12 +462,14 @@ def dilated_attention_fn(pattern: DilatedPattern, *, scale: float | None = None,
     dtype = jnp.result_type(query, key, value) if dtype is None else dtype
     batch = query.shape[:-3]
     key_mask = key_mask_of(mask, batch, key.shape[-3])
+    segment_ids = token_ids_of("segment_ids", segment_ids, batch, query.shape[-3])
     # [B, N, H, D] with the batch dims flattened (none gives B = 1)
     q, k, v = (jnp.asarray(x, dtype).reshape((-1,) + x.shape[-3:]) for x in (query, key, value))
-    out, lse = attend(q, k, v, pattern, key_mask=key_mask, scale=scale, return_lse=True,
-                      implementation=implementation)
+    out, lse = attend(q, k, v, pattern, key_mask=key_mask, segment_ids=segment_ids,
+                      scale=scale, return_lse=True, implementation=implementation)
     if module is not None:
-      weights = attention_weights(q, k, lse, pattern, key_mask=key_mask, scale=scale)
+      weights = attention_weights(q, k, lse, pattern, key_mask=key_mask,
+                                  segment_ids=segment_ids, scale=scale)
       weights = weights.reshape(batch + weights.shape[1:])
       if isinstance(module, nnx.Module):
         module.sow(nnx.Intermediate, "attention_weights", weights)

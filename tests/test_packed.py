@@ -147,3 +147,95 @@ def test_backends_without_packing_decline_it():
     assert not support and "segment_ids" in support.reason
   assert backends.resolve(("mosaic", "triton", "pallas", "xla"), problem) in ("xla",) or \
       not jax.devices("cpu")
+
+
+def _documents_alone(call, x, ids):
+  """`call(x)` run on each document of `x [1, N, F]` alone, concatenated."""
+  starts = np.flatnonzero(np.diff(np.asarray(ids[0]), prepend=-1))
+  ends = list(starts[1:]) + [x.shape[1]]
+  return jnp.concatenate([call(x[:, a:b]) for a, b in zip(starts, ends)], axis=1)
+
+
+def _restarting_positions(ids):
+  """Each token's place in its document: `[B, N]`."""
+  ids = np.asarray(ids)
+  pos = np.zeros(ids.shape, np.int32)
+  for b in range(ids.shape[0]):
+    start = 0
+    for i in range(1, ids.shape[1]):
+      start = i if ids[b, i] != ids[b, i - 1] else start
+      pos[b, i] = i - start
+  return jnp.asarray(pos)
+
+
+def test_layers_packed_rows_equal_documents_alone():
+  """A causal full pattern with rotary positions restarting at each document: a packed row
+  through either layer gives what each document alone gives."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from hilbert_ring_jax import DilatedMultiHeadAttention, linen  # pylint: disable=g-import-not-at-top
+  pattern = DilatedPattern((256,), (1,), causal=True)
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((1, 256, 32)), jnp.float32)
+  ids = packed_ids(1, 256, 40, seed=7)
+  pos = _restarting_positions(ids)
+  layer = DilatedMultiHeadAttention(4, 32, num_kv_heads=2, pattern=pattern, rotary_base=1e4,
+                                    rngs=nnx.Rngs(0))
+  packed = layer(x, segment_ids=ids, positions=pos)
+  np.testing.assert_allclose(packed, _documents_alone(layer, x, ids), rtol=1e-5, atol=1e-5)
+  module = linen.DilatedMultiHeadAttention(num_heads=4, pattern=pattern, rotary_base=1e4)
+  params = module.init(jax.random.PRNGKey(0), x)
+  packed = module.apply(params, x, segment_ids=ids, positions=pos)
+  alone = _documents_alone(lambda x: module.apply(params, x), x, ids)
+  np.testing.assert_allclose(packed, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_packed_with_hilbert_order_and_mesh():
+  """With a Hilbert order and a mesh the ids follow their tokens: no gradient crosses
+  documents, and the sharded layer equals the single-device one."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from hilbert_ring_jax import DilatedMultiHeadAttention  # pylint: disable=g-import-not-at-top
+  pattern = DilatedPattern((64, 256), (1, 4))
+  rng = np.random.default_rng(8)
+  x = jnp.asarray(rng.standard_normal((2, 256, 16)), jnp.float32)
+  ids = jnp.asarray(np.repeat(np.arange(4), 64)[None] * np.ones((2, 1), int), jnp.int32)
+  mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  make = lambda **kw: DilatedMultiHeadAttention(2, 16, pattern=pattern, ordering="hilbert",
+                                                grid_shape=(16, 16), rngs=nnx.Rngs(0), **kw)
+  plain, sharded = make(), make(mesh=mesh, seq_axis="seq", batch_axis="data")
+  out = plain(x, segment_ids=ids)
+  np.testing.assert_allclose(sharded(x, segment_ids=ids), out, rtol=1e-5, atol=1e-5)
+  first = (ids == 0)[..., None]
+  dx = jax.grad(lambda x: jnp.sum(jnp.where(first, plain(x, segment_ids=ids), 0.0) ** 2))(x)
+  assert np.all(np.asarray(dx)[~np.asarray(first[..., 0])] == 0.0)
+  assert np.abs(np.asarray(dx)[np.asarray(first[..., 0])]).max() > 0
+
+
+def test_attention_fn_passes_segment_ids():
+  from hilbert_ring_jax import dilated_attention_fn  # pylint: disable=g-import-not-at-top
+  pattern = DilatedPattern((32, 64), (1, 2), causal=True)
+  case = helpers.Case(64, 2, 2, (32, 64), (1, 2))
+  q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 9)
+  ids = packed_ids(1, 64, 10, seed=10)
+  out = dilated_attention_fn(pattern)(q, k, v, segment_ids=ids)
+  ref = dilated_attention_reference(q, k, v, pattern, segment_ids=ids)
+  np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_layer_bad_segment_ids_and_positions():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from hilbert_ring_jax import DilatedMultiHeadAttention  # pylint: disable=g-import-not-at-top
+  pattern = DilatedPattern((16,), (1,), causal=True)
+  x = jnp.ones((2, 16, 8))
+  layer = DilatedMultiHeadAttention(2, 8, pattern=pattern, rngs=nnx.Rngs(0))
+  ids = jnp.zeros((2, 16), jnp.int32)
+  for kwargs, match in (({"segment_ids": ids[:1]}, r"segment_ids must be an integer array of "
+                                                   r"shape \(2, 16\)"),
+                        ({"segment_ids": ids.astype(float)}, "segment_ids.dtype=float32"),
+                        ({"positions": ids}, "positions .* need rotary_base"),
+                        ({"segment_ids": [0] * 16}, "got list")):
+    with pytest.raises(ValueError, match=match):
+      layer(x, **kwargs)
+  with pytest.raises(ValueError, match="keys of another length"):
+    layer(x, jnp.ones((2, 8, 8)), segment_ids=ids)
+  layer.init_cache((2, 16, 8))
+  with pytest.raises(ValueError, match="decode takes no segment_ids"):
+    layer(x, decode=True, segment_ids=ids)
