@@ -1,13 +1,18 @@
 """Packed sequences: `segment_ids` against the float64 reference, leaks, bad ids."""
 
+import json
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import helpers
 import reference_np
-from hilbert_ring_jax import DilatedPattern, backends, dilated_attention
+from hilbert_ring_jax import (DilatedMultiHeadAttention, DilatedPattern, backends,
+                              dilated_attention, dilated_attention_fn, linen)
 from hilbert_ring_jax.reference import dilated_attention_reference
 
 
@@ -171,8 +176,6 @@ def _restarting_positions(ids):
 def test_layers_packed_rows_equal_documents_alone():
   """A causal full pattern with rotary positions restarting at each document: a packed row
   through either layer gives what each document alone gives."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from hilbert_ring_jax import DilatedMultiHeadAttention, linen  # pylint: disable=g-import-not-at-top
   pattern = DilatedPattern((256,), (1,), causal=True)
   x = jnp.asarray(np.random.default_rng(6).standard_normal((1, 256, 32)), jnp.float32)
   ids = packed_ids(1, 256, 40, seed=7)
@@ -191,8 +194,6 @@ def test_layers_packed_rows_equal_documents_alone():
 def test_layer_packed_with_hilbert_order_and_mesh():
   """With a Hilbert order and a mesh the ids follow their tokens: no gradient crosses
   documents, and the sharded layer equals the single-device one."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from hilbert_ring_jax import DilatedMultiHeadAttention  # pylint: disable=g-import-not-at-top
   pattern = DilatedPattern((64, 256), (1, 4))
   rng = np.random.default_rng(8)
   x = jnp.asarray(rng.standard_normal((2, 256, 16)), jnp.float32)
@@ -210,7 +211,6 @@ def test_layer_packed_with_hilbert_order_and_mesh():
 
 
 def test_attention_fn_passes_segment_ids():
-  from hilbert_ring_jax import dilated_attention_fn  # pylint: disable=g-import-not-at-top
   pattern = DilatedPattern((32, 64), (1, 2), causal=True)
   case = helpers.Case(64, 2, 2, (32, 64), (1, 2))
   q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 9)
@@ -221,8 +221,6 @@ def test_attention_fn_passes_segment_ids():
 
 
 def test_layer_bad_segment_ids_and_positions():
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from hilbert_ring_jax import DilatedMultiHeadAttention  # pylint: disable=g-import-not-at-top
   pattern = DilatedPattern((16,), (1,), causal=True)
   x = jnp.ones((2, 16, 8))
   layer = DilatedMultiHeadAttention(2, 8, pattern=pattern, rngs=nnx.Rngs(0))
@@ -239,3 +237,56 @@ def test_layer_bad_segment_ids_and_positions():
   layer.init_cache((2, 16, 8))
   with pytest.raises(ValueError, match="decode takes no segment_ids"):
     layer(x, decode=True, segment_ids=ids)
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_packed_and_padded_rows(monkeypatch):
+  """examples/lm_packed.py's rows: packed rows are the documents end to end, the ids change
+  and the positions restart where a document starts, only the targets across documents are
+  masked; padded rows hold one piece of a document each, its padding masked."""
+  pytest.importorskip("optax")
+  monkeypatch.syspath_prepend(str(EXAMPLES))
+  import lm_packed  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(11)
+  docs = [rng.integers(1, 255, size, dtype=np.uint8) for size in (5, 40, 17, 3, 90, 12)]
+  packed = lm_packed.Rows(docs, "packed", 16, 2, 4, seed=1)
+  order = np.concatenate([np.random.default_rng([1, e]).permutation(6) for e in range(2)])
+  stream = np.concatenate([docs[i] for i in order])
+  starts = np.cumsum([0] + [docs[i].size for i in order])
+  for step in range(4):
+    tokens, targets, mask, ids, pos = (np.asarray(x) for x in packed(step))
+    for r in range(2):
+      a = (step * 2 + r) * 16
+      np.testing.assert_array_equal(tokens[r], stream[a:a + 16])
+      np.testing.assert_array_equal(targets[r], stream[a + 1:a + 17])
+      doc = np.searchsorted(starts, np.arange(a, a + 17), side="right") - 1
+      np.testing.assert_array_equal(mask[r], doc[1:] == doc[:-1])
+      np.testing.assert_array_equal(pos[r], np.arange(a, a + 16) - starts[doc[:-1]])
+      assert np.all((ids[r][1:] != ids[r][:-1]) == (doc[1:-1] != doc[:-2]))
+  padded = lm_packed.Rows(docs, "padded", 16, 3, 2, seed=1)
+  pieces = [docs[i][a:a + 17] for i in order for a in range(0, docs[i].size - 1, 16)]
+  for step in range(2):
+    tokens, targets, mask = (np.asarray(x) for x in padded(step))
+    for r, piece in enumerate(pieces[step * 3:step * 3 + 3]):
+      np.testing.assert_array_equal(tokens[r, :piece.size - 1], piece[:-1])
+      np.testing.assert_array_equal(targets[r, :piece.size - 1], piece[1:])
+      assert mask[r].sum() == piece.size - 1 and np.all(mask[r, :piece.size - 1] == 1)
+
+
+def test_lm_packed_runs(monkeypatch, tmp_path):
+  pytest.importorskip("optax")
+  monkeypatch.syspath_prepend(str(EXAMPLES))
+  import lm_packed  # pylint: disable=import-outside-toplevel
+  result = lm_packed.main(["--seq-len", "128", "--segments", "32,128", "--rates", "1,2",
+                           "--dim", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+                           "--batch", "4", "--steps", "6", "--eval-every", "3",
+                           "--eval-docs", "8", "--out-dir", str(tmp_path)])
+  saved = json.loads((tmp_path / "lm_packed.json").read_text())
+  assert [r["layout"] for r in saved["runs"]] == ["padded", "packed"]
+  padded, packed = saved["runs"]
+  assert packed["useful_fraction"] > padded["useful_fraction"] > 0.5
+  for r in (padded, packed):
+    assert 0 < r["heldout_bpb"] < 9 and r["useful_tokens_per_s"] > 0
+  assert result["packed_over_padded_useful_tokens_per_s"] > 0
