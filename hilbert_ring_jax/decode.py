@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .api import check_dtype, check_flag, check_inputs, check_scale, dilated_attention
+from .api import (check_dtype, check_flag, check_inputs, check_scale, check_segment_ids,
+                  dilated_attention)
 from .backends import base
 from .pattern import DilatedPattern, heads_per_kv
 
@@ -40,7 +41,7 @@ from .pattern import DilatedPattern, heads_per_kv
 MAX_LENGTH = 2 ** 31 - 1
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("length", "k", "v"),
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("length", "k", "v", "start"),
                    meta_fields=("num_heads", "pattern"))
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -52,6 +53,9 @@ class KVCache:
     num_heads: the number of query heads it was built for (static).
     pattern: the causal `DilatedPattern` whose branches it holds (static): a step under
       another pattern would read rows laid out for this one.
+    start: None, or int32 `[B]` for packed rows (a prefill with `segment_ids`): where each
+      row's last document starts. Steps continue that document and do not read cached rows
+      before it.
   """
 
   length: jnp.ndarray
@@ -59,6 +63,7 @@ class KVCache:
   v: tuple
   num_heads: int
   pattern: DilatedPattern
+  start: jnp.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +169,10 @@ def _check_cache(cache, q, k, pattern) -> tuple:
         raise ValueError(f"cache.{name}[{b}] has dtype {x.dtype}, inputs are {q.dtype}")
   if jnp.shape(cache.length) != () or not jnp.issubdtype(cache.length.dtype, jnp.integer):
     raise ValueError(f"cache.length must be an integer scalar, got {cache.length!r}")
+  if cache.start is not None and (tuple(jnp.shape(cache.start)) != (batch,) or
+                                  not jnp.issubdtype(cache.start.dtype, jnp.integer)):
+    raise ValueError(f"cache.start must be None or an integer [B] = ({batch},) array, got "
+                     f"{cache.start!r}")
   try:  # checked where it is known (outside jit); traced, it is the caller's to keep
     length = int(cache.length)
   except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
@@ -201,7 +210,9 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
   rows of `dilated_attention` over the whole sequence so far (float32 rounding). `T = 1` is
   token-by-token decoding; larger chunks may cross segment boundaries (a chunk costs
   `O(T^2)` memory per branch: for long prompts use `dilated_attention_prefill`). A token step
-  reads `rows_b = ceil(w_b / r_b)` cached rows per branch and kv head. Works under `jax.jit`
+  reads `rows_b = ceil(w_b / r_b)` cached rows per branch and kv head. After a prefill of
+  packed rows (`segment_ids`) the new tokens continue each row's last document: they see
+  only its tokens (`cache.start`). Works under `jax.jit`
   with `pattern` static; the cache can be donated.
 
   The step's backend is resolved like `dilated_attention`'s (`backends.resolve`, from a
@@ -242,23 +253,26 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
   scale = check_scale(scale, q.shape[-1])
   check_flag("return_lse", return_lse)
   _check_cache(cache, q, k, pattern)
-  backend = step_backend(q, k, pattern, implementation, config)
+  backend = step_backend(q, k, pattern, implementation, config, packed=cache.start is not None)
   return _step(q, k, v, cache, pattern, scale, bool(return_lse), backend, config)
 
 
-def step_backend(q, k, pattern: DilatedPattern, implementation=None, config=None) -> base.Name:
+def step_backend(q, k, pattern: DilatedPattern, implementation=None, config=None, *,
+                 packed: bool = False) -> base.Name:
   """The backend whose `step` runs `dilated_attention_step(q, k, ...)` with these arguments:
   `backends.resolve` over the `implementation` candidates for the step's `Problem` ("mosaic"
   for a token on Hopper, or in interpret mode when `config` asks; "xla" for chunks and for
-  every backend without a token-step kernel). `ValueError` for a bad `implementation` or
-  `config`, `NoBackendError` if no candidate runs the step."""
+  every backend without a token-step kernel; `packed`: a cache of packed rows, whose steps
+  take `start`). `ValueError` for a bad `implementation` or `config`, `NoBackendError` if no
+  candidate runs the step."""
   names = base.candidates(implementation)
   if config is not None:
     from .backends import mosaic_decode  # pylint: disable=g-import-not-at-top
     if not isinstance(config, mosaic_decode.Config):
       raise ValueError(f"config must be None or a mosaic_decode.Config, got {config=!r}")
   problem = dataclasses.replace(base.Problem.of(q, k, pattern), step=True,
-                                interpret=config is not None and config.interpret)
+                                interpret=config is not None and config.interpret,
+                                segment_ids=packed)
   return base.resolve(names, problem)
 
 
@@ -272,6 +286,8 @@ def _step(q, k, v, cache: KVCache, pattern: DilatedPattern, scale: float, return
   length = cache.length.astype(jnp.int32)
   pos = length + jnp.arange(steps)
   step = base.load(backend).step
+  if cache.start is not None:
+    step = functools.partial(step, start=cache.start)
   if steps == 1:
     # Write, then read: the cache is updated in place (reading the old buffer after an
     # in-place write would make XLA copy it). The token's row sits at position `length`.
@@ -286,14 +302,14 @@ def _step(q, k, v, cache: KVCache, pattern: DilatedPattern, scale: float, return
     new = [_write(kb, vb, k, v, pos, pos // table.w == (length + steps - 1) // table.w, table)
            for table, kb, vb in zip(tables, cache.k, cache.v)]
     new_k, new_v = (tuple(x) for x in zip(*new))
-  cache = KVCache(length + steps, new_k, new_v, num_heads, pattern)
+  cache = KVCache(length + steps, new_k, new_v, num_heads, pattern, cache.start)
   out = out.astype(q.dtype)
   return (out, lse, cache) if return_lse else (out, cache)
 
 
-def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, scale: float | None = None,
-                              cache: KVCache | None = None, return_lse: bool = False,
-                              implementation=None):
+def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
+                              scale: float | None = None, cache: KVCache | None = None,
+                              return_lse: bool = False, implementation=None):
   """Attention over a prompt at positions `0 .. T-1`, and the cache that continues from it.
 
   `out` comes from `dilated_attention` (the regular kernels); the cache then holds the last
@@ -303,6 +319,9 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, scale: float 
   Args:
     q: `[B, T, H, D]` prompt queries; k, v: `[B, T, Hkv, D]`.
     pattern: a causal `DilatedPattern`.
+    segment_ids: None, or an integer `[B, T]` array: the prompt's rows pack several
+      documents (as in `dilated_attention`); the steps that follow continue each row's last
+      document (`cache.start` records where it starts).
     scale: score scale, default `D ** -0.5`.
     cache: None (allocate one) or a `KVCache` to reuse (e.g. donated under jit).
     return_lse: also return the float32 `[B, T, H]` log-denominators.
@@ -327,9 +346,15 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, scale: float 
     cache = init_kv_cache(pattern, batch=batch, num_heads=num_heads, num_kv_heads=k.shape[2],
                           head_dim=head_dim, dtype=q.dtype)
   _check_cache(cache, q, k, pattern)
-  out, lse = dilated_attention(q, k, v, pattern, scale=scale, return_lse=True,
-                               implementation=implementation)
+  segment_ids = check_segment_ids(segment_ids, q)
+  out, lse = dilated_attention(q, k, v, pattern, segment_ids=segment_ids, scale=scale,
+                               return_lse=True, implementation=implementation)
   cache = _fill(k, v, cache, pattern, num_heads)
+  if segment_ids is not None:  # where each row's last document starts
+    first = jnp.concatenate([jnp.ones((batch, 1), bool),
+                             segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    start = jnp.max(jnp.where(first, jnp.arange(steps), 0), axis=1).astype(jnp.int32)
+    cache = dataclasses.replace(cache, start=start)
   return (out, lse, cache) if return_lse else (out, cache)
 
 

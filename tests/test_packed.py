@@ -290,3 +290,42 @@ def test_lm_packed_runs(monkeypatch, tmp_path):
   for r in (padded, packed):
     assert 0 < r["heldout_bpb"] < 9 and r["useful_tokens_per_s"] > 0
   assert result["packed_over_padded_useful_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_decoding_continues_the_last_document(chunk):
+  """A prefill of packed rows, then steps (tokens, or chunks of 3): the new tokens see only
+  their row's last document, as `dilated_attention` over the whole sequence does with the new
+  tokens in that document; rows of a batch end their documents at different places."""
+  from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
+      dilated_attention_prefill, dilated_attention_step)
+  pattern = DilatedPattern((16, 32, 64), (1, 2, 4), causal=True)
+  case = helpers.Case(64, 4, 2, (16, 32, 64), (1, 2, 4), batch=2)
+  q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 12)
+  prompt = 40
+  ids = np.zeros((2, 64), np.int32)
+  ids[0, 10:], ids[0, 33:] = 1, 2   # row 0: the last document starts at 33
+  ids[1, 25:] = 7                   # row 1: at 25
+  ids = jnp.asarray(ids)
+  out, cache = dilated_attention_prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], pattern,
+                                         segment_ids=ids[:, :prompt])
+  np.testing.assert_array_equal(cache.start, [33, 25])
+  outs = [out]
+  step = jax.jit(dilated_attention_step, static_argnums=4)
+  for t in range(prompt, 64, chunk):
+    o, cache = step(q[:, t:t + chunk], k[:, t:t + chunk], v[:, t:t + chunk], cache, pattern)
+    outs.append(o)
+  ref = dilated_attention_reference(q, k, v, pattern, segment_ids=ids)
+  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), ref, rtol=2e-5, atol=2e-5)
+  # Without the ids the steps would read the earlier documents: a different result.
+  plain = dilated_attention_reference(q, k, v, pattern)
+  assert not np.allclose(ref[:, prompt:], plain[:, prompt:], atol=1e-3)
+
+
+def test_packed_step_backend_is_xla():
+  from hilbert_ring_jax.decode import step_backend  # pylint: disable=import-outside-toplevel
+  q = jnp.ones((1, 1, 4, 64), jnp.bfloat16)
+  pattern = DilatedPattern((64,), (1,), causal=True)
+  assert step_backend(q, q, pattern, ("mosaic", "xla"), packed=True) == "xla"
+  with pytest.raises(backends.NoBackendError, match="segment_ids"):
+    step_backend(q, q, pattern, "mosaic", packed=True)

@@ -29,7 +29,9 @@ A backend is a module of `hilbert_ring_jax.backends` that provides (see `Backend
   own keys and the cached rows before `length` that they read. `ks, vs` are the cache (a
   `[B, Hkv, R_b, rows_b, D]` pair per branch, its slots laid out by `tables`: decode.py); a
   single token's own row is already written there (a kernel may read it from the cache).
-  `supports` answers for a step when `problem.step` is set.
+  `supports` answers for a step when `problem.step` is set; with `problem.segment_ids` too,
+  `step` also takes `start=` (int32 `[B]`: each row's document starts there, and cached rows
+  before it are not read).
 
 `resolve` picks the first candidate whose `supports` says yes, once per call (or per ring
 branch): forward and backward are resolved from the same facts, and when every candidate

@@ -67,10 +67,10 @@ def supports(problem: Problem) -> Support:
   for a forward whose output is final (one launch, no ring step); rows of whole blocks, or one
   segment of any length. A decoding step (`problem.step`): the token-step kernel's
   `mosaic_decode.supports`."""
-  if problem.step:
-    return mosaic_decode.supports(problem)
   if problem.segment_ids:
     return no("packed sequences (segment_ids) run on the xla backend so far, not on mosaic")
+  if problem.step:
+    return mosaic_decode.supports(problem)
   if problem.platform != "gpu" or not is_hopper():
     return no("the mosaic backend runs on Hopper GPUs (sm_90) only")
   if jax.__version_info__ < (0, 11):

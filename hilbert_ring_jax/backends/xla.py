@@ -328,14 +328,15 @@ def _cached_slots(kb, vb, c_t, table):
           jnp.take_along_axis(vb, idx, axis=2, mode="clip"))
 
 
-def _branch_step(qg, k_new, v_new, kb, vb, length, table, scale):
+def _branch_step(qg, k_new, v_new, kb, vb, length, table, scale, start=None):
   """One branch's `(o [B, Hkv, G, T, D], lse [B, Hkv, G, T])` for the new queries.
 
   Cached rows and the chunk's own keys form one key set (they are disjoint), softmaxed once.
   With `T <= R_b` new tokens (decoding: `T = 1`) each query reads only the cache slot of its
   residue, `rows_b` rows per kv head; longer chunks read all `R_b` slots once. `table`: the
   branch's slot table (decode.py: `w, r, rows, slots`, `slot [Hkv, r]`, `residue [Hkv, R_b]`,
-  `takes_part [H, r]`, `uniform`).
+  `takes_part [H, r]`, `uniform`). `start` (None or `[B]`): packed rows, whose cached rows
+  before `start` belong to earlier documents and are not read.
   """
   batch, num_kv_heads, group, steps, head_dim = qg.shape
   w, r = table.w, table.r
@@ -351,20 +352,25 @@ def _branch_step(qg, k_new, v_new, kb, vb, length, table, scale):
     kc = jnp.broadcast_to(kc, (batch, num_kv_heads, steps) + kc.shape[3:])
     vc = jnp.broadcast_to(vc, kc.shape)
     offset = rows[None, :] + c_t[:, None]               # [T, rows]
-    mask_c = (offset < w) & ((seg_t * w)[:, None] + offset < length)
+    pos = (seg_t * w)[:, None] + offset
+    mask_c = ((offset < w) & (pos < length))[None]      # [1 or B, T, rows]
+    if start is not None:
+      mask_c = mask_c & (pos[None] >= start[:, None, None])
     s_c = jnp.einsum("bhgtd,bhtkd->bhgtk", qg, kc, **f32)
-    cached = (s_c, mask_c[None, None, None] & takes_part, vc, None)
+    cached = (s_c, mask_c[:, None, None] & takes_part, vc, None)
   else:
     res = np.repeat(table.residue, table.rows, axis=1)   # [Hkv, R rows]
     offset = np.tile(rows, table.slots)[None, :] + res
     static_ok = jnp.asarray((res >= 0) & (offset < w))
     pos = (seg_t * w)[None, :, None] + jnp.asarray(offset)[:, None, :]  # [Hkv, T, R rows]
     mask_c = (static_ok[:, None, :] & (jnp.asarray(res)[:, None, :] == c_t[None, :, None])
-              & (pos < length))
+              & (pos < length))[None]                    # [1 or B, Hkv, T, R rows]
+    if start is not None:
+      mask_c = mask_c & (pos[None] >= start[:, None, None, None])
     kc = kb.reshape(batch, num_kv_heads, -1, head_dim)
     vc = vb.reshape(batch, num_kv_heads, -1, head_dim)
     s_c = jnp.einsum("bhgtd,bhkd->bhgtk", qg, kc, **f32)
-    cached = (s_c, mask_c[None, :, None] & takes_part, vc, "bhgtk,bhkd->bhgtd")
+    cached = (s_c, mask_c[:, :, None] & takes_part, vc, "bhgtk,bhkd->bhgtd")
   mask_n = ((seg_t[:, None] == seg_t[None, :]) & (c_t[:, None] == c_t[None, :])
             & (t[None, :] <= t[:, None]))                # [T, T]
   k_new, v_new = k_new.transpose(0, 2, 1, 3), v_new.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
@@ -373,12 +379,13 @@ def _branch_step(qg, k_new, v_new, kb, vb, length, table, scale):
   return _softmax_parts([cached, new], scale)
 
 
-def step(q, k, v, ks, vs, length, tables, scale: float, *, config=None):
+def step(q, k, v, ks, vs, length, tables, scale: float, *, config=None, start=None):
   """A decoding step of any T tokens (the contract of `base.py`; every backend without a
   token-step kernel decodes with it, and chunks always do): per branch, each new token
   scored against the cached rows of its residue's slot before `length` and the new tokens
   it sees, one softmax over both (`_branch_step`); branches merged. `config` is not read:
-  the portable step has no knobs."""
+  the portable step has no knobs. `start` (packed rows, `[B]`): each row's cached rows
+  before it are of earlier documents and not read."""
   del config
   batch, steps, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
@@ -387,7 +394,7 @@ def step(q, k, v, ks, vs, length, tables, scale: float, *, config=None):
   qg = qg.transpose(0, 2, 3, 1, 4)                       # [B, Hkv, G, T, D]
   outs, lses = [], []
   for table, kb, vb in zip(tables, ks, vs):
-    o, lse = _branch_step(qg, k, v, kb, vb, length, table, scale)
+    o, lse = _branch_step(qg, k, v, kb, vb, length, table, scale, start)
     outs.append(o.transpose(0, 3, 1, 2, 4).reshape(batch, steps, num_heads, head_dim))
     lses.append(lse.transpose(0, 3, 1, 2).reshape(batch, steps, num_heads))
   return merge(outs, lses)
