@@ -67,6 +67,15 @@ def test_packed_matches_the_reference(name):
   check_packed(case, causal, jnp.float32, ids)
 
 
+def test_packed_longnet_at_4096_tokens():
+  """A size users run: 4096 tokens of documents of log-normal lengths (median 200, some over
+  a thousand) under a causal LongNet pattern, GQA, several key blocks a branch."""
+  case = helpers.Case(4096, 2, 1, (512, 1024, 2048, 4096), (1, 2, 4, 8), head_dim=8)
+  ids = packed_ids(1, 4096, 200, seed=13)
+  assert len(np.unique(np.asarray(ids))) > 4
+  check_packed(case, True, jnp.float32, ids)
+
+
 def test_packed_bf16_several_key_blocks():
   """bf16, and key blocks of 32 so that a document's edge cuts blocks."""
   case = helpers.Case(256, 2, 2, (64, 256), (1, 2))
