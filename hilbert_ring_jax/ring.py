@@ -204,6 +204,20 @@ def _ids_like(ids, x):
   return jnp.broadcast_to(ids[:, :, None, None], (*x.shape[:3], 1))
 
 
+def _ids_per_head(ids, q, k):
+  """`[B, n]` `(q_ids, kv_ids)` laid out like `q` and `k` (`_ids_like`), or None."""
+  return None if ids is None else (_ids_like(ids[0], q), _ids_like(ids[1], k))
+
+
+def _with_ids(st, ids, q, k, kv):
+  """`(query ids, kv)`: the queries' ids in the step layout, and `kv` with the keys' ids
+  appended (they travel with the keys); `(None, kv)` without ids."""
+  if ids is None:
+    return None, kv
+  q_ids, kv_ids = _ids_per_head(ids, q, k)
+  return st.query(q_ids), kv + (st.key(kv_ids),)
+
+
 def _step_ids(ids) -> dict:
   """A backend's `segment_ids` keyword from a step's `(q_ids, kv_ids)` (`_ids_like`)."""
   return {} if ids is None else {"segment_ids": (ids[0][..., 0], ids[1][..., 0])}
@@ -290,10 +304,8 @@ def _ring_forward(st, q, k, v, axis_name, ids=None):
   """`(o, lse)` of a ring branch on the local queries, in the step layout. `ids`: None or
   the shard's `(q_ids, kv_ids)` (`[B, n]`); the keys' travel with the keys."""
   plan = st.plan
-  qs, kv = st.query(q), (st.key(k), st.key(v))
-  qi = None
-  if ids is not None:
-    qi, kv = st.query(_ids_like(ids[0], q)), kv + (st.key(_ids_like(ids[1], k)),)
+  qs = st.query(q)
+  qi, kv = _with_ids(st, ids, q, k, (st.key(k), st.key(v)))
   if plan.zigzag:
     return _zigzag_forward(st, qs, qi, kv, axis_name)
   acc = st.forward(qs, *kv[:2], st.causal, _pair(qi, kv))
@@ -362,10 +374,7 @@ def _ring_backward(st, q, k, v, dout, lse, delta, axis_name, ids=None):
   plan = st.plan
   qs, dos, lses, deltas = (st.query(x) for x in (q, dout, lse[..., None], delta[..., None]))
   rows = (qs, dos, lses[..., 0], deltas[..., 0])
-  kv = (st.key(k), st.key(v))
-  qi = None
-  if ids is not None:
-    qi, kv = st.query(_ids_like(ids[0], q)), kv + (st.key(_ids_like(ids[1], k)),)
+  qi, kv = _with_ids(st, ids, q, k, (st.key(k), st.key(v)))
   if plan.zigzag:
     return _zigzag_backward(st, rows + (() if qi is None else (qi,)), kv, axis_name)
   grads = st.backward(rows[0], *kv[:2], *rows[1:], st.causal, _pair(qi, kv))
@@ -452,15 +461,13 @@ class _Ring:
   def forward(self, q, k, v, segment_ids=None):
     n, num_heads, axis_name = q.shape[1], q.shape[2], self.axis_name
     outs, lses = [], []
-    per_head = lambda ids, q, k: None if ids is None else (
-        _ids_like(ids[0], q), _ids_like(ids[1], k))
     for plan, st in self._branches(q, k, segment_ids is not None):
       if plan.kind == "local":
-        o, lse = st.forward(q, k, v, st.causal, per_head(segment_ids, q, k))
+        o, lse = st.forward(q, k, v, st.causal, _ids_per_head(segment_ids, q, k))
       elif plan.kind == "gather":
         full = [_gather(x, axis_name) for x in (q, k, v)]
         ids = None if segment_ids is None else [_gather(x, axis_name) for x in segment_ids]
-        o, lse = st.forward(*full, st.causal, per_head(ids, full[0], full[1]))
+        o, lse = st.forward(*full, st.causal, _ids_per_head(ids, full[0], full[1]))
         o, lse = _local_rows(o, axis_name, n), _local_rows(lse, axis_name, n)
       else:
         o, lse = _ring_forward(st, q, k, v, axis_name, segment_ids)
@@ -476,16 +483,14 @@ class _Ring:
     n, axis_name = q.shape[1], self.axis_name
     acc = jnp.promote_types(q.dtype, jnp.float32)
     dq, dk, dv = (jnp.zeros(x.shape, acc) for x in (q, k, v))
-    per_head = lambda ids, q, k: None if ids is None else (
-        _ids_like(ids[0], q), _ids_like(ids[1], k))
     for plan, st in self._branches(q, k, segment_ids is not None):
       if plan.kind == "local":
-        g = st.backward(q, k, v, dout, lse, delta, st.causal, per_head(segment_ids, q, k))
+        g = st.backward(q, k, v, dout, lse, delta, st.causal, _ids_per_head(segment_ids, q, k))
       elif plan.kind == "gather":
         full = [_gather(x, axis_name) for x in (q, k, v, dout, lse, delta)]
         ids = None if segment_ids is None else [_gather(x, axis_name) for x in segment_ids]
         g = [_local_rows(x, axis_name, n) for x in st.backward(
-            *full, st.causal, per_head(ids, full[0], full[1]))]
+            *full, st.causal, _ids_per_head(ids, full[0], full[1]))]
       else:
         gq, gk, gv = _ring_backward(st, q, k, v, dout, lse, delta, axis_name, segment_ids)
         g = (st.unquery(gq, q), st.unkey(gk, k), st.unkey(gv, v))
