@@ -198,19 +198,50 @@ def rotate(q, k, rotary_base, positions):
   return turn(q), turn(k)
 
 
-def decode_attend(q, k, v, cache: KVCache, pattern, *, prefill: bool, implementation=None):
+def document_positions(segment_ids):
+  """`[B, N]` int32: each token's place in its document (0 where the id changes)."""
+  n = segment_ids.shape[1]
+  first = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                           segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  start = jax.lax.cummax(jnp.where(first, jnp.arange(n), 0), axis=1)
+  return (jnp.arange(n) - start).astype(jnp.int32)
+
+
+def decode_positions(cache: KVCache, steps: int, *, prefill: bool, segment_ids=None):
+  """The rotary positions of a decoding call's `steps` tokens: from 0 for a prefill, after
+  the cached tokens for a step; in a packed cache (`cache.start`) counted from each row's
+  document start (`[B, T]`), as `positions` restarting at each document number them."""
+  if cache.start is None:
+    return jnp.arange(steps) if prefill else cache.length + jnp.arange(steps)
+  if prefill:
+    return (jnp.zeros((cache.start.shape[0], steps), jnp.int32) + jnp.arange(steps)
+            if segment_ids is None else document_positions(segment_ids))
+  return cache.length - cache.start[:, None] + jnp.arange(steps)
+
+
+def decode_attend(q, k, v, cache: KVCache, pattern, *, prefill: bool, implementation=None,
+                  segment_ids=None):
   """One decoding call of a layer: `(y, cache)` for new tokens `q, k, v`.
 
   `prefill`: the tokens are a prompt at position 0 (the regular kernels, the cache refilled);
   else a step of `T >= 1` tokens after the cached ones. q, k, v are cast to the cache's dtype
-  (`init_cache`'s `dtype`); `y` comes back in q's dtype.
+  (`init_cache`'s `dtype`); `y` comes back in q's dtype. A packed cache (`cache.start`, from
+  `init_cache(..., packed=True)`) takes a prefill's `segment_ids` (none: one document a row)
+  and keeps `start` through the steps; any other cache refuses them.
   """
+  if segment_ids is not None and cache.start is None:
+    raise ValueError("segment_ids in decoding need a packed cache: init_cache(input_shape, "
+                     "packed=True) (Linen: init with segment_ids)")
   dtype = cache.k[0].dtype
   q_dtype = q.dtype
   q, k, v = (x.astype(dtype) for x in (q, k, v))
   if prefill:
+    packed = cache.start is not None
     y, cache = dilated_attention_prefill(q, k, v, pattern, cache=cache,
+                                         segment_ids=segment_ids,
                                          implementation=implementation)
+    if packed and cache.start is None:  # one document a row
+      cache = dataclasses.replace(cache, start=jnp.zeros((q.shape[0],), jnp.int32))
   else:
     y, cache = dilated_attention_step(q, k, v, cache, pattern, implementation=implementation)
   return y.astype(q_dtype), cache
@@ -494,9 +525,10 @@ def check_call(*, decode: bool, prefill, sow_weights, cross: bool, key_mask, rot
     check_decodable(order, pattern, mesh)
     for what, bad in (("keys of another length than the queries", cross),
                       ("mask (the cache hides what was not written yet)", key_mask is not None),
-                      ("segment_ids (packed sequences do not decode yet)",
-                       segment_ids is not None),
-                      ("positions (decoding counts them from the cache)", positions is not None),
+                      ("segment_ids but with prefill=True (the steps continue the last "
+                       "document of the prefill)", segment_ids is not None and not prefill),
+                      ("positions (decoding counts them from the cache, and from each "
+                       "document's start in a packed cache)", positions is not None),
                       ("sow_weights", sow_weights)):
       if bad:
         raise ValueError(f"decode takes no {what}")

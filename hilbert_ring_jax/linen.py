@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from .decode import KVCache, init_kv_cache
 from .layers_common import (TokenOrder, apply_dropout, attend, attention_weights, caller_weights,
                             check_call, check_dropout_rate, check_flag, check_heads, check_options,
-                            check_rotary_base, checked_init, decode_attend, key_mask_of,
-                            layer_inputs, permute, rotate, serialize_inputs, static_implementation,
-                            token_ids_of)
+                            check_rotary_base, checked_init, decode_attend, decode_positions,
+                            key_mask_of, layer_inputs, permute, rotate, serialize_inputs,
+                            static_implementation, token_ids_of)
 from .pattern import DilatedPattern
 
 DEFAULT_KERNEL_INIT = nn.initializers.lecun_normal()
@@ -48,7 +48,9 @@ class DilatedMultiHeadAttention(nn.Module):
   collection and `mutable=["cache"]` then takes the next `T >= 1` tokens and returns what the
   non-decoding module returns at those positions. `prefill=True` at the call takes a prompt at
   position 0 through the regular kernels and refills the cache. Needs a causal pattern,
-  `ordering=None` and no `mesh`.
+  `ordering=None` and no `mesh`. An `init` given `segment_ids` makes a packed cache (also
+  `cache_start`, as the NNX layer's `init_cache(..., packed=True)`): prefills then take
+  `segment_ids`, and the steps continue each row's last document.
 
   Attributes:
     num_heads, pattern, qkv_features, out_features, num_kv_heads, ordering, grid_shape:
@@ -144,7 +146,9 @@ class DilatedMultiHeadAttention(nn.Module):
     order = TokenOrder.make(self.ordering, self.grid_shape)
     segment_ids = token_ids_of("segment_ids", segment_ids, batch, xq.shape[1])
     positions = token_ids_of("positions", positions, batch, xq.shape[1])
-    check_call(decode=check_flag("decode", self.decode), prefill=prefill,
+    # An init call with decode makes the cache and runs as a prefill would.
+    initializing = self.decode and not self.has_variable("cache", "cache_index")
+    check_call(decode=check_flag("decode", self.decode), prefill=prefill or initializing,
                sow_weights=sow_weights, cross=cross, key_mask=key_mask, rotary_base=rotary_base,
                order=order, pattern=self.pattern, mesh=self.mesh, segment_ids=segment_ids,
                positions=positions)
@@ -165,21 +169,27 @@ class DilatedMultiHeadAttention(nn.Module):
       q, k = norm(name="query_ln")(q), norm(name="key_ln")(k)
     implementation = static_implementation(self.implementation)
     decoding = self.decode and self.has_variable("cache", "cache_index")
-    if positions is None:
-      positions = jnp.arange(xq.shape[1]) if perm is None else jnp.asarray(perm)
-      if decoding and not prefill:  # the new tokens follow those cached
-        positions = positions + self.get_variable("cache", "cache_index")
-    q, k = rotate(q, k, rotary_base, positions)
-    # [B, N, H, D]
     if decoding:
       cached_key = self.variable("cache", "cached_key")
       cached_value = self.variable("cache", "cached_value")
       cache_index = self.variable("cache", "cache_index")
+      cache_start = (self.variable("cache", "cache_start")
+                     if self.has_variable("cache", "cache_start") else None)
       cache = KVCache(cache_index.value, tuple(cached_key.value), tuple(cached_value.value),
-                      self.num_heads, self.pattern)
+                      self.num_heads, self.pattern,
+                      None if cache_start is None else cache_start.value)
+      positions = decode_positions(cache, xq.shape[1], prefill=prefill,
+                                   segment_ids=segment_ids)
+    elif positions is None:
+      positions = jnp.arange(xq.shape[1]) if perm is None else jnp.asarray(perm)
+    q, k = rotate(q, k, rotary_base, positions)
+    # [B, N, H, D]
+    if decoding:
       y, cache = decode_attend(q, k, v, cache, self.pattern, prefill=prefill,
-                               implementation=implementation)
+                               implementation=implementation, segment_ids=segment_ids)
       cached_key.value, cached_value.value, cache_index.value = cache.k, cache.v, cache.length
+      if cache_start is not None:
+        cache_start.value = cache.start
     else:
       if self.decode:  # initializing: an empty cache; the call runs as without decode
         empty = init_kv_cache(self.pattern, batch=xq.shape[0], num_heads=self.num_heads,
@@ -187,6 +197,8 @@ class DilatedMultiHeadAttention(nn.Module):
         self.variable("cache", "cached_key", lambda: empty.k)
         self.variable("cache", "cached_value", lambda: empty.v)
         self.variable("cache", "cache_index", lambda: empty.length)
+        if segment_ids is not None:  # a packed cache: where each row's last document starts
+          self.variable("cache", "cache_start", lambda: jnp.zeros((xq.shape[0],), jnp.int32))
       y, lse = attend(q, k, v, self.pattern, key_mask=key_mask, segment_ids=segment_ids,
                       return_lse=True, implementation=implementation, mesh=self.mesh,
                       seq_axis=self.seq_axis, batch_axis=self.batch_axis)

@@ -23,9 +23,9 @@ from .decode import KVCache, init_kv_cache
 from .layers_common import (TokenOrder, apply_dropout, attend, attention_weights, caller_weights,
                             check_call, check_decodable, check_dropout_rate, check_features,
                             check_flag, check_heads, check_input_shape, check_options,
-                            check_rotary_base, checked_init, decode_attend, key_mask_of,
-                            layer_inputs, permute, resolve_deterministic, rotate, serialize_inputs,
-                            static_implementation, token_ids_of)
+                            check_rotary_base, checked_init, decode_attend, decode_positions,
+                            key_mask_of, layer_inputs, permute, resolve_deterministic, rotate,
+                            serialize_inputs, static_implementation, token_ids_of)
 from .pattern import DilatedPattern
 
 DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
@@ -221,6 +221,7 @@ class DilatedMultiHeadAttention(nnx.Module):
     self.cached_key = nnx.data(None)
     self.cached_value = nnx.data(None)
     self.cache_index = nnx.data(None)
+    self.cache_start = nnx.data(None)
 
   def set_view(self, deterministic: bool | None = None, decode: bool | None = None):
     """Used by `nnx.view(model, deterministic=..., decode=...)`."""
@@ -231,14 +232,17 @@ class DilatedMultiHeadAttention(nnx.Module):
         check_decodable(self.order, self.pattern, self.mesh)
       self.decode = decode
 
-  def init_cache(self, input_shape, dtype=jnp.float32) -> None:
+  def init_cache(self, input_shape, dtype=jnp.float32, *, packed: bool = False) -> None:
     """Makes an empty decoding cache (`cache_index` 0) for inputs of `input_shape`.
 
     As in `nnx.MultiHeadAttention`, `input_shape` is that of the inputs,
     `(batch..., N, in_features)`; only the batch dims matter (flattened into one, as the calls
     flatten theirs): the cache holds each branch's current segment, whatever `N`. Keys and
     values are stored in `dtype` (q, k, v are cast to it for the attention). Calling it again
-    empties the cache.
+    empties the cache. `packed=True` makes a cache for packed rows (`cache_start`, where each
+    row's last document starts): a prefill then takes `segment_ids`, the steps continue each
+    row's last document, and rotary positions count from each document's start (the
+    portable step runs them: the token-step kernel declines packed caches for now).
 
     Example:
       >>> from flax import nnx
@@ -259,13 +263,16 @@ class DilatedMultiHeadAttention(nnx.Module):
     self.cached_key = nnx.List([nnx.Cache(x) for x in cache.k])
     self.cached_value = nnx.List([nnx.Cache(x) for x in cache.v])
     self.cache_index = nnx.Cache(cache.length)
+    check_flag("packed", packed)
+    self.cache_start = nnx.Cache(jnp.zeros((batch,), jnp.int32)) if packed else nnx.data(None)
 
   def kv_cache(self) -> KVCache:
     """The decoding state as a `KVCache` (`ValueError` before `init_cache`)."""
     if self.cache_index is None:
       raise ValueError("decoding needs a cache: call layer.init_cache(input_shape) first")
     return KVCache(self.cache_index[...], tuple(x[...] for x in self.cached_key),
-                   tuple(x[...] for x in self.cached_value), self.num_heads, self.pattern)
+                   tuple(x[...] for x in self.cached_value), self.num_heads, self.pattern,
+                   None if self.cache_start is None else self.cache_start[...])
 
   def check_parameters(self) -> None:
     """`ValueError` unless the parameters have the shapes this layer was built for.
@@ -349,9 +356,12 @@ class DilatedMultiHeadAttention(nnx.Module):
         it and the cache is refilled from it, whatever it held (fast for long prompts).
       segment_ids: packed sequences: an integer `[batch..., N]` array, the document of each
         token (in the caller's order); a query sees only keys of its document
-        (`dilated_attention`'s `segment_ids`). Self-attention only; not with `decode` yet.
+        (`dilated_attention`'s `segment_ids`). Self-attention only; when decoding, a prefill's
+        (with a cache from `init_cache(..., packed=True)`).
       positions: an integer `[batch..., N]` array, each token's position for `rotary_base`
         (default: its place in the sequence), e.g. restarting at 0 at each packed document.
+        Not when decoding: positions then follow the cache (from each document's start in a
+        packed cache).
     """
     batch, xq, xk, xv = layer_inputs(inputs_q, inputs_k, inputs_v, self.in_features,
                                      self.in_kv_features)
@@ -382,17 +392,20 @@ class DilatedMultiHeadAttention(nnx.Module):
       q, k = self.query_ln(q), self.key_ln(k)
     # [B, N, H, D]
     cache = self.kv_cache() if decode else None
-    if positions is None:
+    if decode:  # after the cached tokens (no ordering when decoding)
+      positions = decode_positions(cache, xq.shape[1], prefill=prefill,
+                                   segment_ids=segment_ids)
+    elif positions is None:
       positions = jnp.arange(xq.shape[1]) if perm is None else jnp.asarray(perm)
-      if decode and not prefill:
-        positions = positions + cache.length  # the new tokens follow those cached
     q, k = rotate(q, k, self.rotary_base, positions)
     if decode:
       y, cache = decode_attend(q, k, v, cache, self.pattern, prefill=prefill,
-                               implementation=self.implementation)
+                               implementation=self.implementation, segment_ids=segment_ids)
       for var, val in zip((*self.cached_key, *self.cached_value), (*cache.k, *cache.v)):
         var[...] = val
       self.cache_index[...] = cache.length
+      if cache.start is not None:
+        self.cache_start[...] = cache.start
     else:
       y, lse = attend(q, k, v, self.pattern, key_mask=key_mask, segment_ids=segment_ids,
                       return_lse=True, implementation=self.implementation, mesh=self.mesh,

@@ -246,6 +246,8 @@ def test_layer_bad_segment_ids_and_positions():
   layer.init_cache((2, 16, 8))
   with pytest.raises(ValueError, match="decode takes no segment_ids"):
     layer(x, decode=True, segment_ids=ids)
+  with pytest.raises(ValueError, match=r"packed cache: init_cache\(input_shape, packed=True"):
+    layer(x, decode=True, prefill=True, segment_ids=ids)
 
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -338,3 +340,41 @@ def test_packed_step_backend_is_xla():
   assert step_backend(q, q, pattern, ("mosaic", "xla"), packed=True) == "xla"
   with pytest.raises(backends.NoBackendError, match="segment_ids"):
     step_backend(q, q, pattern, "mosaic", packed=True)
+
+
+def test_layers_decode_packed_prompts():
+  """A packed prompt through the layers' decode mode (NNX: init_cache(packed=True); Linen: init
+  with segment_ids), then token steps: the same as the non-decoding layer on the whole
+  sequence with the new tokens in their row's last document and rotary positions restarting
+  at each document."""
+  pattern = DilatedPattern((16, 32), (1, 2), causal=True)
+  rng = np.random.default_rng(14)
+  x = jnp.asarray(rng.standard_normal((2, 40, 16)), jnp.float32)
+  ids = np.zeros((2, 40), np.int32)
+  ids[0, 12:], ids[1, 5:], ids[1, 21:] = 1, 1, 2
+  ids = jnp.asarray(ids)
+  pos = _restarting_positions(ids)
+  prompt = 30
+  layer = DilatedMultiHeadAttention(4, 16, num_kv_heads=2, pattern=pattern, rotary_base=1e4,
+                                    rngs=nnx.Rngs(0))
+  want = layer(x, segment_ids=ids, positions=pos)
+  layer.init_cache((2, 40, 16), packed=True)
+  ys = [layer(x[:, :prompt], decode=True, prefill=True, segment_ids=ids[:, :prompt])]
+  ys += [layer(x[:, t:t + 1], decode=True) for t in range(prompt, 40)]
+  np.testing.assert_array_equal(layer.cache_start[...], [12, 21])
+  np.testing.assert_allclose(jnp.concatenate(ys, axis=1), want, rtol=2e-5, atol=2e-5)
+  module = linen.DilatedMultiHeadAttention(num_heads=4, num_kv_heads=2, pattern=pattern,
+                                           rotary_base=1e4, decode=True)
+  variables = module.init(jax.random.PRNGKey(0), x, segment_ids=ids)
+  assert variables["cache"]["cache_start"].shape == (2,)
+  plain = linen.DilatedMultiHeadAttention(num_heads=4, num_kv_heads=2, pattern=pattern,
+                                          rotary_base=1e4)
+  want = plain.apply({"params": variables["params"]}, x, segment_ids=ids, positions=pos)
+  y, mutated = module.apply(variables, x[:, :prompt], prefill=True,
+                            segment_ids=ids[:, :prompt], mutable=["cache"])
+  ys = [y]
+  for t in range(prompt, 40):
+    y, mutated = module.apply({"params": variables["params"], **mutated}, x[:, t:t + 1],
+                              mutable=["cache"])
+    ys.append(y)
+  np.testing.assert_allclose(jnp.concatenate(ys, axis=1), want, rtol=2e-5, atol=2e-5)
