@@ -210,8 +210,10 @@ def test_blocks(backend, case, causal, dtype, options):
                      fn=backend.attention(case.pattern(causal), configs=configs))
 
 
-# Interpret-mode Pallas kernels take ~1 s each to compile on CPU: fewer random examples there.
-RANDOM_EXAMPLES = {"pallas": 6}
+# Interpret-mode Pallas kernels take ~1 s each to compile on CPU, "xla"'s forward and backward
+# 1-5 s: fewer random examples there. (CI's six, derandomized, draw 1, 2 and 3 branches, 1 and
+# 2 kv heads, head groups or not, offsets "all" or not, causal or not; CASES has each corner.)
+RANDOM_EXAMPLES = {"pallas": 6, "xla": 6}
 
 
 @pytest.mark.parametrize("backend", [
