@@ -186,9 +186,10 @@ def _restarting_positions(ids):
 def test_layers_packed_rows_equal_documents_alone():
   """A causal full pattern with rotary positions restarting at each document: a packed row
   through either layer gives what each document alone gives."""
-  pattern = DilatedPattern((256,), (1,), causal=True)
-  x = jnp.asarray(np.random.default_rng(6).standard_normal((1, 256, 32)), jnp.float32)
-  ids = packed_ids(1, 256, 40, seed=7)
+  pattern = DilatedPattern((192,), (1,), causal=True)
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((1, 192, 32)), jnp.float32)
+  # Documents of two lengths (each length compiles once when run alone).
+  ids = jnp.asarray(np.repeat(np.arange(4), [64, 32, 64, 32])[None], jnp.int32)
   pos = _restarting_positions(ids)
   layer = DilatedMultiHeadAttention(4, 32, num_kv_heads=2, pattern=pattern, rotary_base=1e4,
                                     rngs=nnx.Rngs(0))
@@ -293,12 +294,12 @@ def test_lm_packed_runs(monkeypatch, tmp_path):
   import lm_packed  # pylint: disable=import-outside-toplevel
   result = lm_packed.main(["--seq-len", "128", "--segments", "32,128", "--rates", "1,2",
                            "--dim", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
-                           "--batch", "4", "--steps", "6", "--eval-every", "3",
-                           "--eval-docs", "8", "--out-dir", str(tmp_path)])
+                           "--batch", "4", "--steps", "4", "--eval-every", "4",
+                           "--eval-docs", "4", "--out-dir", str(tmp_path)])
   saved = json.loads((tmp_path / "lm_packed.json").read_text())
   assert [r["layout"] for r in saved["runs"]] == ["padded", "packed"]
   padded, packed = saved["runs"]
-  assert packed["useful_fraction"] > padded["useful_fraction"] > 0.5
+  assert packed["useful_fraction"] >= padded["useful_fraction"] > 0.5
   for r in (padded, packed):
     assert 0 < r["heldout_bpb"] < 9 and r["useful_tokens_per_s"] > 0
   assert result["packed_over_padded_useful_tokens_per_s"] > 0
@@ -312,10 +313,10 @@ def test_decoding_continues_the_last_document(chunk):
   from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
       dilated_attention_prefill, dilated_attention_step)
   pattern = DilatedPattern((16, 32, 64), (1, 2, 4), causal=True)
-  case = helpers.Case(64, 4, 2, (16, 32, 64), (1, 2, 4), batch=2)
+  case = helpers.Case(48, 4, 2, (16, 32, 64), (1, 2, 4), batch=2)
   q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 12)
-  prompt = 40
-  ids = np.zeros((2, 64), np.int32)
+  prompt = 39
+  ids = np.zeros((2, 48), np.int32)
   ids[0, 10:], ids[0, 33:] = 1, 2   # row 0: the last document starts at 33
   ids[1, 25:] = 7                   # row 1: at 25
   ids = jnp.asarray(ids)
@@ -324,7 +325,7 @@ def test_decoding_continues_the_last_document(chunk):
   np.testing.assert_array_equal(cache.start, [33, 25])
   outs = [out]
   step = jax.jit(dilated_attention_step, static_argnums=4)
-  for t in range(prompt, 64, chunk):
+  for t in range(prompt, 48, chunk):
     o, cache = step(q[:, t:t + chunk], k[:, t:t + chunk], v[:, t:t + chunk], cache, pattern)
     outs.append(o)
   ref = dilated_attention_reference(q, k, v, pattern, segment_ids=ids)
@@ -350,18 +351,18 @@ def test_layers_decode_packed_prompts():
   at each document."""
   pattern = DilatedPattern((16, 32), (1, 2), causal=True)
   rng = np.random.default_rng(14)
-  x = jnp.asarray(rng.standard_normal((2, 40, 16)), jnp.float32)
-  ids = np.zeros((2, 40), np.int32)
+  x = jnp.asarray(rng.standard_normal((2, 36, 16)), jnp.float32)
+  ids = np.zeros((2, 36), np.int32)
   ids[0, 12:], ids[1, 5:], ids[1, 21:] = 1, 1, 2
   ids = jnp.asarray(ids)
   pos = _restarting_positions(ids)
-  prompt = 30
+  prompt = 31
   layer = DilatedMultiHeadAttention(4, 16, num_kv_heads=2, pattern=pattern, rotary_base=1e4,
                                     rngs=nnx.Rngs(0))
   want = layer(x, segment_ids=ids, positions=pos)
-  layer.init_cache((2, 40, 16), packed=True)
+  layer.init_cache((2, 36, 16), packed=True)
   ys = [layer(x[:, :prompt], decode=True, prefill=True, segment_ids=ids[:, :prompt])]
-  ys += [layer(x[:, t:t + 1], decode=True) for t in range(prompt, 40)]
+  ys += [layer(x[:, t:t + 1], decode=True) for t in range(prompt, 36)]
   np.testing.assert_array_equal(layer.cache_start[...], [12, 21])
   np.testing.assert_allclose(jnp.concatenate(ys, axis=1), want, rtol=2e-5, atol=2e-5)
   module = linen.DilatedMultiHeadAttention(num_heads=4, num_kv_heads=2, pattern=pattern,
@@ -374,7 +375,7 @@ def test_layers_decode_packed_prompts():
   y, mutated = module.apply(variables, x[:, :prompt], prefill=True,
                             segment_ids=ids[:, :prompt], mutable=["cache"])
   ys = [y]
-  for t in range(prompt, 40):
+  for t in range(prompt, 36):
     y, mutated = module.apply({"params": variables["params"], **mutated}, x[:, t:t + 1],
                               mutable=["cache"])
     ys.append(y)
