@@ -103,6 +103,15 @@ def _tables(pattern: DilatedPattern, num_heads: int, num_kv_heads: int):
   return tuple(out)
 
 
+def document_starts(segment_ids):
+  """`[B, N]` int32: where the document of each token of `segment_ids [B, N]` starts (the
+  last position at or before it where the id changes)."""
+  n = segment_ids.shape[1]
+  first = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                           segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  return jax.lax.cummax(jnp.where(first, jnp.arange(n), 0), axis=1).astype(jnp.int32)
+
+
 def _check_pattern(pattern) -> None:
   if not isinstance(pattern, DilatedPattern):
     raise ValueError(f"pattern must be a DilatedPattern, got {type(pattern).__name__}")
@@ -351,10 +360,7 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, segment_ids=N
                                return_lse=True, implementation=implementation)
   cache = _fill(k, v, cache, pattern, num_heads)
   if segment_ids is not None:  # where each row's last document starts
-    first = jnp.concatenate([jnp.ones((batch, 1), bool),
-                             segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    start = jnp.max(jnp.where(first, jnp.arange(steps), 0), axis=1).astype(jnp.int32)
-    cache = dataclasses.replace(cache, start=start)
+    cache = dataclasses.replace(cache, start=document_starts(segment_ids)[:, -1])
   return (out, lse, cache) if return_lse else (out, cache)
 
 

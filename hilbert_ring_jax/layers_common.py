@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .api import check_scale, dilated_attention
-from .decode import KVCache, dilated_attention_prefill, dilated_attention_step
+from .decode import KVCache, dilated_attention_prefill, dilated_attention_step, document_starts
 from .ordering import (check_perm, hilbert_permutation, hilbert_permutation_per_segment,
                        inverse_permutation, serialize, unserialize)
 from .pattern import DilatedPattern, heads_per_kv
-from .reference import visibility_counts
+from .reference import same_document, visibility_counts
 
 ORDERINGS = ("hilbert", "hilbert_per_segment")
 # A hidden key scores this far below its logit (`hide_keys`).
@@ -198,24 +198,16 @@ def rotate(q, k, rotary_base, positions):
   return turn(q), turn(k)
 
 
-def document_positions(segment_ids):
-  """`[B, N]` int32: each token's place in its document (0 where the id changes)."""
-  n = segment_ids.shape[1]
-  first = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
-                           segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-  start = jax.lax.cummax(jnp.where(first, jnp.arange(n), 0), axis=1)
-  return (jnp.arange(n) - start).astype(jnp.int32)
-
-
 def decode_positions(cache: KVCache, steps: int, *, prefill: bool, segment_ids=None):
-  """The rotary positions of a decoding call's `steps` tokens: from 0 for a prefill, after
-  the cached tokens for a step; in a packed cache (`cache.start`) counted from each row's
-  document start (`[B, T]`), as `positions` restarting at each document number them."""
-  if cache.start is None:
-    return jnp.arange(steps) if prefill else cache.length + jnp.arange(steps)
+  """The rotary positions of a decoding call's `steps` tokens: from 0 for a prefill (from
+  each document's start with `segment_ids`), after the cached tokens for a step; in a packed
+  cache (`cache.start`) counted from each row's document start (`[B, T]`), as `positions`
+  restarting at each document number them."""
   if prefill:
-    return (jnp.zeros((cache.start.shape[0], steps), jnp.int32) + jnp.arange(steps)
-            if segment_ids is None else document_positions(segment_ids))
+    return jnp.arange(steps) if segment_ids is None else (
+        jnp.arange(steps) - document_starts(segment_ids))
+  if cache.start is None:
+    return cache.length + jnp.arange(steps)
   return cache.length - cache.start[:, None] + jnp.arange(steps)
 
 
@@ -482,7 +474,7 @@ def attention_weights(q, k, lse, pattern, *, key_mask=None, segment_ids=None, sc
       preferred_element_type=jnp.float32)
   seen = counts > 0 if key_mask is None else (counts > 0) & key_mask[:, None, None, :]
   if segment_ids is not None:
-    seen = seen & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    seen = seen & same_document(segment_ids)
   lse = jnp.moveaxis(jnp.where(jnp.isfinite(lse), lse, 0.0), 1, 2)[..., None]
   return jnp.where(seen, counts * jnp.exp(s - lse), 0.0)
 
@@ -516,9 +508,6 @@ def check_call(*, decode: bool, prefill, sow_weights, cross: bool, key_mask, rot
   if cross and rotary_base is not None:
     raise ValueError("rotary_base turns queries and keys by their positions on one sequence: "
                      "keys of another length than the queries have none")
-  if cross and segment_ids is not None:
-    raise ValueError("segment_ids mark the documents of one packed sequence: keys of another "
-                     "length than the queries take none")
   if positions is not None and rotary_base is None:
     raise ValueError("positions set the rotary embedding's positions: they need rotary_base")
   if decode:

@@ -14,6 +14,11 @@ def visibility_counts(pattern: DilatedPattern, n: int, num_heads: int) -> np.nda
   return sum(br.visible(num_heads).astype(np.int32) for br in pattern.layout(n, num_heads))
 
 
+def same_document(segment_ids):
+  """`[B, 1, N, N]` bool: query `i` and key `j` are of one document (`segment_ids [B, N]`)."""
+  return segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+
+
 def dilated_attention_reference(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
                                 scale=None, return_lse=False):
   """Dense `dilated_attention` (same arguments) with explicit multiplicity masks.
@@ -28,7 +33,7 @@ def dilated_attention_reference(q, k, v, pattern: DilatedPattern, *, segment_ids
   counts = jnp.asarray(visibility_counts(pattern, n, h), acc)  # [H, N, N]
   segment_ids = check_segment_ids(segment_ids, q)
   if segment_ids is not None:  # [B, H, N, N]: only keys of the query's document
-    counts = counts * (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    counts = counts * same_document(segment_ids)
   per_kv = heads_per_kv(h, k.shape[2])
   kh = jnp.repeat(k, per_kv, axis=2).astype(acc)
   vh = jnp.repeat(v, per_kv, axis=2).astype(acc)
