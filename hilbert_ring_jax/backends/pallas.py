@@ -12,6 +12,11 @@ view: no gather of q, k, v or out. GQA reads the shared key/value head in the in
 In dilated coordinates causality is `key row <= query row`, so the kernels loop over the key
 blocks up to the diagonal only; the upper triangle is never loaded.
 
+Packed rows (`segment_ids`): each program also reads its queries' document ids and the key
+row's, split like the tokens. A key block whose ids' range `[min, max]` misses the query
+block's is skipped; one whose ids and the queries' are all one document runs without the id
+comparison; any other block compares ids per score.
+
 Branches combine through the project's one `merge`, inside the forward kernel: each branch
 takes the running float32 `(out, lse)` aliased to its outputs and merges its partial into the
 rows it covers. The backward follows the kernel contract (global `lse`, `delta`): a dq kernel
@@ -220,8 +225,6 @@ def _branches(pattern: DilatedPattern, n: int, num_heads: int, config: Config,
 
 def supports(problem: Problem) -> Support:
   """Float32/bfloat16/float16, head dims up to 256, outside `shard_map(check_vma=True)`."""
-  if problem.segment_ids:
-    return no("packed sequences (segment_ids) run on the xla backend so far, not on pallas")
   if problem.varying:  # pallas_call's outputs would need their varying mesh axes spelled out
     return no("the pallas backend does not run inside shard_map with check_vma=True (the "
               "ring); its steps use the next implementation")
@@ -279,8 +282,10 @@ def _coords(br: _Branch, ids, n_blocks: int):
   return blk, b, h, s, c
 
 
-def _query_specs(br: _Branch, n_blocks: int, block_q: int, dp: int, per_kv: int):
-  """BlockSpecs of a grid over query blocks: a query block, its key/value row, its stats.
+def _query_specs(br: _Branch, n_blocks: int, block_q: int, dp: int, per_kv: int,
+                 per_head_ids: bool = False):
+  """BlockSpecs of a grid over query blocks: a query block, its key/value row, its stats,
+  and the document ids of the query block and of the key row (`_split_ids`' views).
 
   Dilation is the index map: the residue `c` of the view `[B, S, M, R, H, D]`. A key/value
   head is shared by `per_kv` query heads and read in place.
@@ -293,9 +298,17 @@ def _query_specs(br: _Branch, n_blocks: int, block_q: int, dp: int, per_kv: int)
     _, b, hh, s, c = _coords(br, ids, n_blocks)
     return b, s, 0, c, hh // per_kv, 0
 
+  def ids_map(map_):
+    def index(*ids):
+      b, s, i, c, head, _ = map_(*ids)
+      return b, s, i, c, head if per_head_ids else 0
+    return index
+
   return (pl.BlockSpec((None, None, block_q, None, None, dp), q_map),
           pl.BlockSpec((None, None, br.m_pad, None, None, dp), kv_map),
-          pl.BlockSpec((None, None, block_q, None, None), lambda *ids: q_map(*ids)[:5]))
+          pl.BlockSpec((None, None, block_q, None, None), lambda *ids: q_map(*ids)[:5]),
+          (pl.BlockSpec((None, None, block_q, None, None), ids_map(q_map)),
+           pl.BlockSpec((None, None, br.m_pad, None, None), ids_map(kv_map))))
 
 
 def _kv_coords(br: _Branch, g0: int, ids):
@@ -312,11 +325,13 @@ def _grid(br: _Branch, blocks: int, heads: int, batch: int):
   return (blocks, batch, heads, br.geo.segments) + ((br.geo.r,) if br.all_residues else ())
 
 
-def _mask(br, q_rows, k_rows, n_valid):
-  """Visibility of a [rows, keys] tile in dilated coordinates (None: all visible)."""
-  mask = None
+def _mask(br, q_rows, k_rows, n_valid, ids=None):
+  """Visibility of a [rows, keys] tile in dilated coordinates (None: all visible); `ids`:
+  None or the tile's `(query ids [rows], key ids [keys])`, compared per score."""
+  mask = None if ids is None else ids[0][:, None] == ids[1][None, :]
   if br.geo.causal:
-    mask = k_rows[None, :] <= q_rows[:, None]
+    causal = k_rows[None, :] <= q_rows[:, None]
+    mask = causal if mask is None else mask & causal
   if br.padded:
     valid = (k_rows[None, :] < n_valid) & (q_rows[:, None] < n_valid)
     mask = valid if mask is None else mask & valid
@@ -352,23 +367,55 @@ def _query_ranges(br, k_block, bq, bk, n_valid):
   return [(lo, full, True), (full, n_blocks, False)]
 
 
-def _fori(ranges, body, carry):
+def _fori(ranges, body, carry, ids=None):
+  """Runs `body(masked, j, carry, pair)` over the blocks `j` of `ranges` (`[(lo, hi,
+  masked)]`). `ids`: None, or `(mine [rows], theirs(j) -> [block])`: the program's own
+  block's document ids and a function loading those of block `j`. Then a block whose ids'
+  range misses this block's is skipped, one where both are a single same document runs as
+  the range says (`pair` None), and any other compares ids per score (masked, `pair` the two
+  id vectors)."""
+  if ids is None:
+    step = lambda masked, j, carry: body(masked, j, carry, None)
+  else:
+    mine, theirs = ids
+    lo_m, hi_m = jnp.min(mine), jnp.max(mine)
+
+    def step(masked, j, carry):
+      other = theirs(j)
+      lo_o, hi_o = jnp.min(other), jnp.max(other)
+      one = (lo_m == hi_m) & (lo_o == hi_o) & (lo_m == lo_o)
+      visit = lambda c: lax.cond(one, lambda c: body(masked, j, c, None),
+                                 lambda c: body(True, j, c, (mine, other)), c)
+      return lax.cond((lo_o <= hi_m) & (hi_o >= lo_m), visit, lambda c: c, carry)
+
   for lo, hi, masked in ranges:
-    carry = lax.fori_loop(lo, hi, functools.partial(body, masked), carry)
+    carry = lax.fori_loop(lo, hi, functools.partial(step, masked), carry)
   return carry
+
+
+def _per_head(segment_ids) -> bool:
+  return segment_ids is not None and segment_ids[0].ndim == 3
+
+
+def _split_ids(br, ids):
+  """`[B, N]` or per-head `[B, N, X]` document ids -> the view `[B, S, M_pad, R, X']` of the
+  tokens (X' = 1 where every head shares them)."""
+  return br.split((ids if ids.ndim == 3 else ids[:, :, None]).astype(jnp.int32))
 
 
 # ---------------------------------------------------------------------------------------------
 # Forward.
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode):
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode, packed):
+  o_ref, lse_ref = refs[-2:]
   if mode == "merge":
-    o_prev_ref, lse_prev_ref, o_ref, lse_ref = refs
-  elif mode == "first":  # aliased, but nothing to merge with yet
-    _, _, o_ref, lse_ref = refs
-  else:
-    o_ref, lse_ref = refs
+    o_prev_ref, lse_prev_ref = refs[:2]
+  # ("first": aliased, but nothing to merge with yet)
+  ids = None
+  if packed:
+    q_ids_ref, kv_ids_ref = refs[-4:-2]
+    ids = (q_ids_ref[...], lambda j: kv_ids_ref[pl.ds(j * br.bk, br.bk)])
   bq, bk, dp = br.bq, br.bk, q_ref.shape[-1]
   i, _, _, s, c = _coords(br, _program_ids(4 + br.all_residues), br.m_pad // bq)
   n_valid = br.n_valid(s, c)
@@ -380,7 +427,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode):
   c = abs(scale) * _LOG2E or 1.0
   q_rows = i * bq + jnp.arange(bq)
 
-  def body(masked, j, carry):
+  def body(masked, j, carry, pair):
     # m: the running maximum of the unscaled products t. The exponent scales differences,
     # t - m <= 0 exactly: scaling t first, the compiler may fuse the product into the
     # subtraction (an FMA) but not into the maximum, and at |s| ~ 1e9 one ulp of difference
@@ -391,7 +438,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode):
     if scale == 0:
       t = jnp.zeros_like(t)
     if masked:
-      t = jnp.where(_mask(br, q_rows, j * bk + jnp.arange(bk), n_valid), t, -jnp.inf)
+      t = jnp.where(_mask(br, q_rows, j * bk + jnp.arange(bk), n_valid, pair), t, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(t, axis=1))
     # A row with nothing visible yet keeps m = -inf; shifting by 0 keeps exp2 from NaN.
     shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -403,7 +450,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode):
 
   init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
           jnp.zeros((bq,), jnp.float32))
-  acc, m, l = _fori(_key_ranges(br, i, bq, bk, n_valid), body, init)
+  acc, m, l = _fori(_key_ranges(br, i, bq, bk, n_valid), body, init, ids)
   seen = l > 0
   l = jnp.where(seen, l, 1.0)
   out = acc / l[:, None]
@@ -414,7 +461,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode):
   lse_ref[...] = lse
 
 
-def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, cfg):
+def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, cfg, segment_ids=None):
   """Runs one branch; returns the running `(out, lse)` in `[B, N, H, D]`, `[B, N, H]`."""
   bsz, _, h, d = q.shape
   per_kv = heads_per_kv(h, k.shape[2])
@@ -423,14 +470,19 @@ def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, cfg):
   n_blocks = br.m_pad // br.bq
   grid = _grid(br, n_blocks, br.geo.heads.stop - br.geo.heads.start, bsz)
 
-  q_spec, kv_spec, lse_spec = _query_specs(br, n_blocks, br.bq, dp, per_kv)
+  q_spec, kv_spec, lse_spec, ids_specs = _query_specs(br, n_blocks, br.bq, dp, per_kv,
+                                                     _per_head(segment_ids))
   args, in_specs, aliases = [qs, ks, vs], [q_spec, kv_spec, kv_spec], {}
   if mode != "fresh":
     args += [br.split(acc[0]), br.split(acc[1], fill=-jnp.inf)]
     in_specs += [q_spec, lse_spec]
     aliases = {3: 0, 4: 1}
+  if segment_ids is not None:
+    args += [_split_ids(br, x) for x in segment_ids]
+    in_specs += list(ids_specs)
   out, lse = pl.pallas_call(
-      functools.partial(_forward_kernel, br=br, d=d, scale=scale, mode=mode),
+      functools.partial(_forward_kernel, br=br, d=d, scale=scale, mode=mode,
+                        packed=segment_ids is not None),
       grid=grid,
       in_specs=in_specs,
       out_specs=[q_spec, lse_spec],
@@ -446,9 +498,10 @@ def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, cfg):
 
 
 def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
-            out_dtype=None):
+            out_dtype=None, segment_ids=None):
   """`(out [B, N, H, D], lse [B, N, H])` of `branches`, merged in-kernel: float32 partials,
-  or `out` in `out_dtype` when given (written directly by a single branch)."""
+  or `out` in `out_dtype` when given (written directly by a single branch). `segment_ids`:
+  None or `(q_ids, kv_ids)`, `[B, N]` or per head (the backend contract)."""
   cfg = (config or Config()).resolved(q.shape[-1], q.dtype)
   b, n, h, _ = q.shape
   branches = list(_branches(pattern, n, h, cfg, branches))
@@ -463,7 +516,7 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
     else:  # rows the first branch does not cover must read as out = 0, lse = -inf
       mode = "first"
       acc = (jnp.zeros(q.shape, acc_dtype), jnp.full((b, n, h), -jnp.inf, jnp.float32))
-    acc = _forward_branch(br, q, k, v, acc, scale, mode, acc_dtype, cfg)
+    acc = _forward_branch(br, q, k, v, acc, scale, mode, acc_dtype, cfg, segment_ids)
   return acc[0].astype(out_dtype or jnp.float32), acc[1]
 
 
@@ -471,11 +524,12 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
 # Backward.
 
 
-def _probs(br, q, kb, lse2, q_rows, k_rows, n_valid, masked, scale):
-  """`p = exp(s - lse)` of a [rows, keys] tile; lse2 is the global lse in base 2."""
+def _probs(br, q, kb, lse2, q_rows, k_rows, n_valid, masked, scale, pair=None):
+  """`p = exp(s - lse)` of a [rows, keys] tile; lse2 is the global lse in base 2; `pair`:
+  None or the tile's document ids (`_mask`)."""
   s2 = _dot(q, kb, trans_b=True) * (scale * _LOG2E)
   if masked:
-    s2 = jnp.where(_mask(br, q_rows, k_rows, n_valid), s2, -jnp.inf)
+    s2 = jnp.where(_mask(br, q_rows, k_rows, n_valid, pair), s2, -jnp.inf)
   return jnp.exp2(jnp.minimum(s2 - lse2[:, None], 0.0))  # p <= 1: clip rounding of huge s
 
 
@@ -484,9 +538,14 @@ def _global_lse2(lse):
   return jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, scale, accumulate):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, scale, accumulate,
+               packed):
   dq_ref = refs[-1]
   bq, bk, dp = br.blocks[2], br.blocks[3], q_ref.shape[-1]
+  ids = None
+  if packed:
+    q_ids_ref, kv_ids_ref = refs[-3:-1]
+    ids = (q_ids_ref[...], lambda j: kv_ids_ref[pl.ds(j * bk, bk)])
   i, _, _, s, c = _coords(br, _program_ids(4 + br.all_residues), br.m_pad // bq)
   n_valid = br.n_valid(s, c)
   dmask = _head_mask(d, dp)
@@ -494,14 +553,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, sc
   lse2, delta = _global_lse2(lse_ref[...]), delta_ref[...]
   q_rows = i * bq + jnp.arange(bq)
 
-  def body(masked, j, dq):
+  def body(masked, j, dq, pair):
     kb = _load(k_ref.at[pl.ds(j * bk, bk)], dmask)
     vb = _load(v_ref.at[pl.ds(j * bk, bk)], dmask)
-    p = _probs(br, q, kb, lse2, q_rows, j * bk + jnp.arange(bk), n_valid, masked, scale)
+    p = _probs(br, q, kb, lse2, q_rows, j * bk + jnp.arange(bk), n_valid, masked, scale, pair)
     ds = p * (_dot(do, vb, trans_b=True) - delta[:, None])  # [bq, bk]
     return dq + _dot(*ds_operands(ds, kb))
 
-  dq = _fori(_key_ranges(br, i, bq, bk, n_valid), body, jnp.zeros((bq, dp), jnp.float32))
+  dq = _fori(_key_ranges(br, i, bq, bk, n_valid), body, jnp.zeros((bq, dp), jnp.float32), ids)
   dq = dq * scale
   if accumulate:
     dq = dq + _load(refs[0], dmask)
@@ -509,8 +568,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, sc
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, scale, per_kv,
-                g0, accumulate):
+                g0, accumulate, packed):
   dk_ref, dv_ref = refs[-2:]
+  if packed:  # the query row's ids `[M_pad, X]` (X: 1 or every head), this key block's `[bk]`
+    q_ids_ref, kv_ids_ref = refs[-4:-2]
   bq, bk, dp = br.blocks[4], br.blocks[5], q_ref.shape[-1]
   j, _, g, s, c = _kv_coords(br, g0, _program_ids(4 + (br.geo.r > 1)))
   n_valid = br.n_valid(s, c)
@@ -528,18 +589,24 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, s
   def head_body(t, carry):
     h = h_lo + t * step
 
-    def body(masked, i, carry):
+    def body(masked, i, carry, pair):
       dk, dv = carry
       rows = pl.ds(i * bq, bq)
       q = _load(q_ref.at[rows, h], dmask)
       do = _load(do_ref.at[rows, h], dmask)
       lse2, delta = _global_lse2(lse_ref[rows, h]), delta_ref[rows, h]
-      p = _probs(br, q, kb, lse2, i * bq + jnp.arange(bq), k_rows, n_valid, masked, scale)
+      pair = None if pair is None else pair[::-1]  # (query ids, key ids)
+      p = _probs(br, q, kb, lse2, i * bq + jnp.arange(bq), k_rows, n_valid, masked, scale,
+                 pair)
       dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
       ds = p * (_dot(do, vb, trans_b=True) - delta[:, None])  # [bq, bk]
       return dk + _dot(*ds_operands(ds, q), trans_a=True), dv
 
-    return _fori(_query_ranges(br, j, bq, bk, n_valid), body, carry)
+    ids = None
+    if packed:  # here the program's own block is the key block, the visited ones queries
+      column = h if q_ids_ref.shape[-1] > 1 else 0
+      ids = (kv_ids_ref[...], lambda i: q_ids_ref[pl.ds(i * bq, bq), column])
+    return _fori(_query_ranges(br, j, bq, bk, n_valid), body, carry, ids)
 
   zeros = jnp.zeros((bk, dp), jnp.float32)
   dk, dv = lax.fori_loop(0, n_heads, head_body, (zeros, zeros))
@@ -551,7 +618,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, s
   _store(dv_ref, dv.astype(dv_ref.dtype), dmask)
 
 
-def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg):
+def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg, segment_ids=None):
   """Adds one branch's `(dq, dk, dv)` to `grads` (or creates them: mode "fresh")."""
   bsz, _, h, d = q.shape
   per_kv = heads_per_kv(h, k.shape[2])
@@ -566,15 +633,21 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg):
   # dq: one program per (query block, b, h, s, c), like the forward.
   n_blocks = br.m_pad // bq_dq
 
-  q_spec, kv_spec, row_spec = _query_specs(br, n_blocks, bq_dq, dp, per_kv)
+  packed, per_head = segment_ids is not None, _per_head(segment_ids)
+  id_views = [] if not packed else [_split_ids(br, x) for x in segment_ids]
+  q_spec, kv_spec, row_spec, ids_specs = _query_specs(br, n_blocks, bq_dq, dp, per_kv, per_head)
   args = [qs, ks, vs, dos, lses, deltas]
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   accumulate = dq_mode == "merge"
   if dq_mode != "fresh":
     args.append(br.split(dq))
     in_specs.append(q_spec)
+  if packed:
+    args += id_views
+    in_specs += list(ids_specs)
   dq = br.unsplit(pl.pallas_call(
-      functools.partial(_dq_kernel, br=br, d=d, scale=scale, accumulate=accumulate),
+      functools.partial(_dq_kernel, br=br, d=d, scale=scale, accumulate=accumulate,
+                        packed=packed),
       grid=_grid(br, n_blocks, br.geo.heads.stop - br.geo.heads.start, bsz),
       in_specs=in_specs,
       out_specs=q_spec,
@@ -604,10 +677,17 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg):
   if kv_mode != "fresh":
     args += [br.split(dk), br.split(dv)]
     in_specs += [k_spec, k_spec]
+  if packed:
+    args += id_views
+    in_specs += [
+        pl.BlockSpec((None, None, br.m_pad, None, h if per_head else 1),
+                     lambda *ids: q_all_map(*ids)[:5]),
+        pl.BlockSpec((None, None, bk_dkv, None, None),
+                     lambda *ids: k_map(*ids)[:4] + ((k_map(*ids)[4] if per_head else 0),))]
   residues = (br.geo.r,) if br.geo.r > 1 else ()  # every residue is a grid axis here
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, br=br, d=d, scale=scale, per_kv=per_kv, g0=g0,
-                        accumulate=kv_mode == "merge"),
+                        accumulate=kv_mode == "merge", packed=packed),
       grid=(br.m_pad // bk_dkv, bsz, g1 - g0, br.geo.segments) + residues,
       in_specs=in_specs,
       out_specs=[k_spec, k_spec],
@@ -622,7 +702,7 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg):
 
 
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
-             branches=None, config=None, grad_dtype=None):
+             branches=None, config=None, grad_dtype=None, segment_ids=None):
   """float32 `(dq, dk, dv)` from the global `lse` and `delta = rowsum(dout * out) - dlse`
   (whatever `grad_dtype`)."""
   cfg = (config or Config()).resolved(q.shape[-1], q.dtype)
@@ -640,5 +720,6 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
       # Rows or heads the first branch does not write must read as zero gradients.
       grads = tuple(jnp.zeros(x.shape, jnp.float32) if mode == "first" else None
                     for x, mode in zip((q, k, v), (modes[0], modes[1], modes[1])))
-    grads = _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg)
+    grads = _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg,
+                             segment_ids)
   return grads
