@@ -2,6 +2,7 @@
 reference (in interpret mode on CPU), the per-head ids of the backend contract, and the key
 blocks that packing lets a kernel skip."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -59,3 +60,23 @@ def test_pallas_takes_packed_problems():
                              DilatedPattern((256,), (1,)), platform="gpu", segment_ids=True)
   assert backends.load("pallas").supports(problem)
   assert backends.resolve(("pallas", "xla"), problem) == "pallas"
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_pallas_packed_lowers_to_triton(per_head):
+  """The GPU path (interpret=False) of the packed kernels lowers to Triton, forward and
+  backward: the per-block id ranges and the skip are Triton code, not only interpreted."""
+  from test_pallas import _triton_kernels  # pylint: disable=import-outside-toplevel
+  pattern = DilatedPattern((128, 256, 512), (1, 2, 4), causal=True)
+  q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+  lse = jax.ShapeDtypeStruct((1, 512, 4), jnp.float32)
+  ids = tuple(jax.ShapeDtypeStruct((1, 512) + ((x.shape[2],) if per_head else ()), jnp.int32)
+              for x in (q, kv))
+  pallas = backends.load("pallas")
+  gpu = pallas.Config(interpret=False)
+  fwd = lambda q, k, v, *ids: pallas.forward(q, k, v, pattern, 0.1, config=gpu, segment_ids=ids)
+  bwd = lambda q, k, v, do, lse, delta, *ids: pallas.backward(
+      q, k, v, do, lse, delta, pattern, 0.1, config=gpu, segment_ids=ids)
+  assert _triton_kernels(fwd, q, kv, kv, *ids) == 3
+  assert _triton_kernels(bwd, q, kv, kv, q, lse, lse, *ids) == 6
