@@ -82,8 +82,12 @@ def test_blocks_of_192_keys_where_rows_are_long():
 
 @pytest.mark.skipif(jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",
                     reason="CPU only (a GPU compiles them for real), JAX >= 0.11")
-@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, True), (128, False)])
-def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal):
+# A backward's lowering takes ~4 s: both gradient dtypes at head dim 64, one a mask at 128
+# (bf16 causal, float32 not), so each gradient dtype meets each head dim.
+@pytest.mark.parametrize("head_dim,causal,grad_dtypes", [
+    (64, True, (jnp.bfloat16, None)), (128, True, (jnp.bfloat16,)), (128, False, (None,))],
+                         ids=["64-True", "128-True", "128-False"])
+def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal, grad_dtypes):
   """Every kernel goes through Mosaic GPU's own lowering (layout inference, the Pallas to
   Mosaic GPU rules), not only the interpreter: forward, the fused and the split backward
   (bf16 and float32 gradients), for the CUDA platform, on a CPU. It caught constructs the
@@ -98,7 +102,7 @@ def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal):
   text = lower(lambda q, k, v: mosaic.forward(q, k, v, pattern, scale, out_dtype=q.dtype),
                q, k, k).as_text()
   assert text.count("mosaic_gpu") >= 2
-  for grad_dtype in (jnp.bfloat16, None):
+  for grad_dtype in grad_dtypes:
     lower(lambda q, k, v, do, lse, delta: mosaic.backward(
         q, k, v, do, lse, delta, pattern, scale, grad_dtype=grad_dtype), q, k, k, q, stat, stat)
   if head_dim == 128 and not causal:  # full attention's blocks of 192 keys fit shared memory
