@@ -168,8 +168,9 @@ SMALL_F32 = {f"{name}-causal": (CASES[name], True, F32) for name in CASES} | {
 
 # Interpreted on a CPU (~4 s a case), "pallas" runs here the causal cases that test_pallas.py's
 # padded shapes (each causal and not: short, partial and several segments, r not dividing w,
-# GQA, MQA with offsets "all") do not repeat: a batch of two, offsets "all" with GQA, head
-# groups, w beyond N, one token. Its other non-causal corners: the random configurations.
+# GQA, MQA with offsets "all") do not repeat: a batch of two, offsets "all" over two strided
+# branches, head groups (unaligned with GQA too), w beyond N, one token. Its other non-causal
+# corners: the random configurations.
 _INTERPRETED_PALLAS = jax.default_backend() != "gpu"
 _PALLAS_F32 = [f"{name}-causal" for name in ("three_partial", "offsets_all", "head_groups",
                                             "gqa_head_groups_unaligned", "w_beyond_n",
