@@ -171,6 +171,7 @@ def test_unused_mesh_axis_warns():
     out = sharded_dilated_attention(q, q, q, pattern, mesh=mesh, axis_name="seq")
   ref = jax.jit(lambda q: dilated_attention_reference(q, q, q, pattern))(q)  # one program
   np.testing.assert_allclose(out, ref, atol=1e-5)
-  with warnings.catch_warnings():
+  with warnings.catch_warnings():  # (the check is Python's, before tracing: traced only)
     warnings.simplefilter("error")
-    sharded_dilated_attention(q, q, q, pattern, mesh=mesh, axis_name="seq", batch_axis="data")
+    jax.eval_shape(lambda q: sharded_dilated_attention(q, q, q, pattern, mesh=mesh,
+                                                       axis_name="seq", batch_axis="data"), q)
