@@ -152,11 +152,12 @@ class _RingBranch:
 
   def backend(self, q, k, causal, backward=False):
     """The backend of a step on arrays shaped like `q`, `k` (inside shard_map `q` is the
-    real, varying array: "pallas" declines it) and the module's config for it."""
+    real, varying array: "pallas" declines it) and the module's config for it (a ring
+    step's, where keys travel beside it)."""
     problem = backends.Problem.of(q, k, self.pattern(causal, q.shape[1]), self.branches)
     backend = backends.load(backends.resolve(self.names, dataclasses.replace(
         problem, backward=backward, segment_ids=self.packed)))
-    return backend, backends.config_for(backend, self.config)
+    return backend, backends.config_for(backend, self.config, ring_step=self.plan.kind == "ring")
 
   # Layout: compaction for the "compact" ring, identity otherwise.
   def query(self, x):
@@ -181,20 +182,25 @@ class _RingBranch:
     local = dataclasses.replace(self.plan.branch, n=self.plan.n, w=self.plan.n)
     return local.covered(num_heads, jnp)
 
-  def forward(self, q, k, v, causal, ids=None):
+  def forward(self, q, k, v, causal, ids=None, final=False):
     """A step's partials; `ids`: None or the step's `(q_ids, kv_ids)` in its layout
-    (`[B, n, X, 1]`, see `_ids_like`)."""
+    (`[B, n, X, 1]`, see `_ids_like`). `final`: the call's whole result (no merge follows),
+    its output in q's dtype."""
     pattern = self.pattern(causal, q.shape[1])
     backend, config = self.backend(q, k, causal)
     parts = backend.forward(q, k, v, pattern, self.scale, branches=self.branches,
-                            config=config, **_step_ids(ids))
+                            config=config, out_dtype=q.dtype if final else None,
+                            **_step_ids(ids))
     return backends.vary_like(parts, q, k, v)
 
-  def backward(self, q, k, v, dout, lse, delta, causal, ids=None):
+  def backward(self, q, k, v, dout, lse, delta, causal, ids=None, final=False):
+    """A step's gradients; `final`: the call's whole gradients (nothing else adds to them),
+    which a backend may then return in q's dtype (see the backend contract's `grad_dtype`)."""
     pattern = self.pattern(causal, q.shape[1])
     backend, config = self.backend(q, k, causal, backward=True)
     grads = backend.backward(q, k, v, dout, lse, delta, pattern, self.scale,
-                             branches=self.branches, config=config, **_step_ids(ids))
+                             branches=self.branches, config=config,
+                             grad_dtype=q.dtype if final else None, **_step_ids(ids))
     return backends.vary_like(grads, q, k, v)
 
 
@@ -461,9 +467,11 @@ class _Ring:
   def forward(self, q, k, v, segment_ids=None):
     n, num_heads, axis_name = q.shape[1], q.shape[2], self.axis_name
     outs, lses = [], []
-    for plan, st in self._branches(q, k, segment_ids is not None):
-      if plan.kind == "local":
-        o, lse = st.forward(q, k, v, st.causal, _ids_per_head(segment_ids, q, k))
+    pairs = self._branches(q, k, segment_ids is not None)
+    for plan, st in pairs:
+      if plan.kind == "local":  # all branches local: the call's result, in q's dtype
+        o, lse = st.forward(q, k, v, st.causal, _ids_per_head(segment_ids, q, k),
+                            final=len(pairs) == 1)
       elif plan.kind == "gather":
         full = [_gather(x, axis_name) for x in (q, k, v)]
         ids = None if segment_ids is None else [_gather(x, axis_name) for x in segment_ids]
@@ -482,10 +490,12 @@ class _Ring:
   def backward(self, q, k, v, dout, lse, delta, segment_ids=None):
     n, axis_name = q.shape[1], self.axis_name
     acc = jnp.promote_types(q.dtype, jnp.float32)
-    dq, dk, dv = (jnp.zeros(x.shape, acc) for x in (q, k, v))
-    for plan, st in self._branches(q, k, segment_ids is not None):
-      if plan.kind == "local":
-        g = st.backward(q, k, v, dout, lse, delta, st.causal, _ids_per_head(segment_ids, q, k))
+    grads = None
+    pairs = self._branches(q, k, segment_ids is not None)
+    for plan, st in pairs:
+      if plan.kind == "local":  # all branches local: the call's gradients, in q's dtype
+        g = st.backward(q, k, v, dout, lse, delta, st.causal, _ids_per_head(segment_ids, q, k),
+                        final=len(pairs) == 1)
       elif plan.kind == "gather":
         full = [_gather(x, axis_name) for x in (q, k, v, dout, lse, delta)]
         ids = None if segment_ids is None else [_gather(x, axis_name) for x in segment_ids]
@@ -494,8 +504,8 @@ class _Ring:
       else:
         gq, gk, gv = _ring_backward(st, q, k, v, dout, lse, delta, axis_name, segment_ids)
         g = (st.unquery(gq, q), st.unkey(gk, k), st.unkey(gv, v))
-      dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
-    return dq, dk, dv
+      grads = g if grads is None else tuple(a.astype(acc) + b for a, b in zip(grads, g))
+    return grads
 
 
 def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segment_ids=None,

@@ -157,6 +157,23 @@ def test_causal_plan_balances_items():
   assert work.plan is None and not work.persistent and work.programs == work.items
 
 
+def test_ring_steps_run_a_program_per_item():
+  """A ring step's config (`ring_step_config`, which the ring asks for): programs of one work
+  item each where the caller left `persistent` unset, so that SMs free up for the transfers
+  that run beside the step; the caller's other choices, and an explicit `persistent`, kept."""
+  n, heads = 8192, 4
+  sched = schedule.build(Case(n, heads, heads, (n,), (1,)).pattern(False), n, heads, heads,
+                         (0,), False)
+  ranges = mosaic_plan.Ranges(False, n, 1, True, 128, 128)
+  for config, persistent in ((None, False), (mosaic.Config(block_k=128), False),
+                             (mosaic.Config(persistent=True), True)):
+    step = mosaic.ring_step_config(config)
+    assert step.persistent is persistent and step.block_k == (config and config.block_k)
+    work = mosaic_plan.Work.of(sched, 1, step, False, ranges)
+    assert work.persistent is persistent
+    assert work.programs == (min(work.items, hopper.sm_count()) if persistent else work.items)
+
+
 def test_declines_off_hopper_and_on_unaligned_rows():
   q = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
   pattern = Case(1024, 2, 2, (256, 512), (1, 2)).pattern(False)

@@ -217,6 +217,43 @@ def test_each_step_takes_the_first_backend_that_runs_it(monkeypatch):
         q, k, v, pattern, mesh=mesh(4), axis_name="seq", implementation="triton"), q, k, v)
 
 
+@pytest.mark.parametrize("segments,rates", [((512, 2048), (1, 2)), ((256, 512), (1, 2))])
+def test_steps_get_ring_step_config_and_final_dtypes(monkeypatch, segments, rates):
+  """Ring steps run with the backend's `ring_step_config` (the keys of the next step travel
+  beside them), local steps with the caller's config; where every branch is local, the one
+  local call is the whole result and gets `out_dtype` / `grad_dtype` = q's dtype (no
+  float32 copy of the output and gradients on the device)."""
+  from hilbert_ring_jax import backends  # pylint: disable=g-import-not-at-top
+  from hilbert_ring_jax.backends import base  # pylint: disable=g-import-not-at-top
+  seen, ring_config = [], xla.Config(key_block=256)
+
+  def record(name):
+    def run(q, *args, config=None, **kwargs):
+      dtype = kwargs.get("out_dtype" if name == "forward" else "grad_dtype")
+      seen.append((name, config is ring_config, None if dtype is None else str(dtype)))
+      return getattr(xla, name)(q, *args, config=config, **kwargs)
+    return run
+
+  stepper = types.SimpleNamespace(Config=xla.Config, supports=xla.supports,
+                                  ring_step_config=lambda config: ring_config,
+                                  forward=record("forward"), backward=record("backward"))
+  load = base.load
+  for module in (base, backends):
+    monkeypatch.setattr(module, "load", lambda name: stepper if name == "xla" else load(name))
+  # 512 tokens a shard: (512, 2048) x (1, 2) is a local branch and a ring; (256, 512) all local.
+  pattern = DilatedPattern(segments, rates)
+  case = helpers.Case(2048, 2, 1, segments, rates, head_dim=8)
+  inputs = helpers.random_inputs(case, jnp.float32, 25)
+  ring = lambda q, k, v: sharded_dilated_attention(
+      q, k, v, pattern, mesh=mesh(4), axis_name="seq", return_lse=True, implementation="xla")
+  _assert_ring_matches_reference(ring, case, False, inputs)
+  if segments[-1] > 512:
+    assert set(seen) == {("forward", False, None), ("backward", False, None),
+                         ("forward", True, None), ("backward", True, None)}, seen
+  else:
+    assert set(seen) == {("forward", False, "float32"), ("backward", False, "float32")}, seen
+
+
 def _ring_step_problems(monkeypatch, pattern, shards, q_shape, kv_shape, dtype):
   """The problems the ring's steps resolve a backend for (traced with "xla", not run)."""
   from hilbert_ring_jax import backends  # pylint: disable=g-import-not-at-top

@@ -33,6 +33,10 @@ A backend is a module of `hilbert_ring_jax.backends` that provides (see `Backend
   `step` also takes `start=` (int32 `[B]`: each row's document starts there, and cached rows
   before it are not read).
 
+A backend may also provide `ring_step_config(config) -> Config`: the config its ring steps
+run with (`config`: the caller's, or None), where other work (the next step's transfers)
+shares the device with them.
+
 `resolve` picks the first candidate whose `supports` says yes, once per call (or per ring
 branch): forward and backward are resolved from the same facts, and when every candidate
 declines, `NoBackendError` keeps each one's reason. A decoding step is resolved the same way,
@@ -197,9 +201,14 @@ def resolve(names: Sequence[Name], problem: Problem) -> Name:
   raise NoBackendError(reasons)
 
 
-def config_for(backend: ModuleType, config):
-  """`config` if it is `backend`'s kind of config, else None (that backend's defaults)."""
-  return config if isinstance(config, backend.Config) else None
+def config_for(backend: ModuleType, config, ring_step: bool = False):
+  """`config` if it is `backend`'s kind of config, else None (that backend's defaults). For a
+  ring step (`ring_step`: the keys of the next step travel while it runs), a backend with a
+  `ring_step_config(config)` fills in its defaults for running beside the transfers."""
+  config = config if isinstance(config, backend.Config) else None
+  if ring_step and hasattr(backend, "ring_step_config"):
+    return backend.ring_step_config(config)
+  return config
 
 
 def check_config(config) -> None:
