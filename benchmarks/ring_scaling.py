@@ -47,12 +47,12 @@ def inputs(n, heads, head_dim, dtype, mesh=None):
   return make(jax.random.PRNGKey(n))
 
 
-def attention_fn(pattern, mesh, impl, backward):
+def attention_fn(pattern, mesh, impl, backward, config=None):
   if mesh is None:
-    fwd = lambda q, k, v: dilated_attention(q, k, v, pattern, implementation=impl)
+    fwd = lambda q, k, v: dilated_attention(q, k, v, pattern, implementation=impl, config=config)
   else:
     fwd = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq",
-                                                    implementation=impl)
+                                                    implementation=impl, config=config)
   if not backward:
     return jax.jit(fwd)
   def fwd_bwd(q, k, v, do):
