@@ -150,10 +150,12 @@ def test_bad_segment_ids():
 
 
 def test_backends_without_packing_decline_it():
-  """The backends without packed kernels yet (mosaic, triton) decline packed sequences with
-  a reason; dispatch then runs them on the next candidate that takes them."""
+  """The kernels without packed versions yet (triton's; mosaic's backward:
+  test_packed_kernels.py) decline packed problems with a reason; dispatch then runs them on
+  the next candidate that takes them."""
   problem = backends.Problem((1, 256, 4, 64), (1, 256, 4, 64), jnp.dtype(jnp.bfloat16),
-                             DilatedPattern((256,), (1,)), platform="gpu", segment_ids=True)
+                             DilatedPattern((256,), (1,)), platform="gpu", segment_ids=True,
+                             backward=True)
   for name in ("mosaic", "triton"):
     try:
       support = backends.load(name).supports(problem)

@@ -1,7 +1,9 @@
 """Packed sequences in the kernels: each backend that takes `segment_ids` against the float64
 reference (in interpret mode on CPU), the per-head ids of the backend contract, and the key
-blocks that packing lets a kernel skip."""
+blocks that packing lets a kernel skip. pallas's cases run on CI's oldest JAX (`pallas`),
+mosaic's interpreted ones on JAX >= 0.11."""
 
+import dataclasses
 import functools
 
 import jax
@@ -12,11 +14,16 @@ import pytest
 import helpers
 from hilbert_ring_jax import backends
 from hilbert_ring_jax.pattern import DilatedPattern
+from hilbert_ring_jax.backends import mosaic
 from test_packed import CASES, check_packed, packed_ids
+import reference_np
 
-pytestmark = pytest.mark.pallas
+INTERPRET = pytest.mark.skipif(
+    jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",
+    reason="Mosaic GPU interpret mode: CPU only, JAX >= 0.11")
 
 
+@pytest.mark.pallas
 @pytest.mark.parametrize("name", ["longnet_causal_gqa", "longnet_all_offsets"])
 def test_pallas_packed_matches_the_reference(name):
   """Forward, lse and gradients: documents cut by the 16-row interpret blocks, so blocks are
@@ -26,6 +33,7 @@ def test_pallas_packed_matches_the_reference(name):
                implementation="pallas")
 
 
+@pytest.mark.pallas
 def test_pallas_ids_are_compared_not_ordered():
   """Ids that come back later in the row, negative ones, and a padded view (a segment that
   is not a whole number of blocks): a block's id range only decides what is skipped."""
@@ -34,6 +42,7 @@ def test_pallas_ids_are_compared_not_ordered():
   check_packed(case, True, jnp.float32, ids, implementation="pallas")
 
 
+@pytest.mark.pallas
 def test_pallas_per_head_ids_match_xla():
   """The contract's per-head ids (`[B, N, H]` for queries, `[B, N, Hkv]` for keys, as ring
   steps pass them): the pallas kernels agree with the xla backend, forward and backward."""
@@ -58,6 +67,7 @@ def test_pallas_per_head_ids_match_xla():
     np.testing.assert_allclose(a, ref, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.pallas
 def test_pallas_takes_packed_problems():
   """pallas's `supports` takes packed problems; dispatch picks it where it comes first."""
   problem = backends.Problem((1, 256, 4, 64), (1, 256, 4, 64), jnp.dtype(jnp.bfloat16),
@@ -66,6 +76,7 @@ def test_pallas_takes_packed_problems():
   assert backends.resolve(("pallas", "xla"), problem) == "pallas"
 
 
+@pytest.mark.pallas
 @pytest.mark.parametrize("per_head", [False, True])
 def test_pallas_packed_lowers_to_triton(per_head):
   """The GPU path (interpret=False) of the packed kernels lowers to Triton, forward and
@@ -84,3 +95,119 @@ def test_pallas_packed_lowers_to_triton(per_head):
       q, k, v, do, lse, delta, pattern, 0.1, config=gpu, segment_ids=ids)
   assert _triton_kernels(fwd, q, kv, kv, *ids) == 3
   assert _triton_kernels(bwd, q, kv, kv, q, lse, lse, *ids) == 6
+
+
+def _mosaic_forward(case, causal, ids, config=None, seed=0):
+  """The interpreted mosaic forward (bf16) through the backend contract: `(out, lse)`, and
+  the inputs."""
+  q, k, v, _, _ = helpers.random_inputs(case, jnp.bfloat16, seed)
+  config = config or mosaic.Config(interpret=True, persistent=True)
+  out, lse = jax.jit(lambda q, k, v, ids: mosaic.forward(
+      q, k, v, case.pattern(causal), case.head_dim ** -0.5, config=config,
+      out_dtype=q.dtype, segment_ids=ids))(q, k, v, ids)
+  return out, lse, (q, k, v)
+
+
+def _check_mosaic(case, causal, ids, **kwargs):
+  out, lse, (q, k, v) = _mosaic_forward(case, causal, ids, **kwargs)
+  m = reference_np.multiplicity(case.n, case.heads, case.segment_lengths, case.dilation_rates,
+                                causal, case.offsets, case.head_groups)
+  ref_out, ref_lse = reference_np.attention(
+      q, k, v, m[None] * reference_np.same_document(ids[0]), case.head_dim ** -0.5)
+  assert out.dtype == jnp.bfloat16 and helpers.rel_err(out, ref_out) < helpers.TOL[jnp.bfloat16]
+  helpers.check_lse(lse, ref_lse, helpers.TOL[jnp.bfloat16])
+
+
+@INTERPRET
+def test_mosaic_packed_forward_matches_the_reference():
+  """LongNet, causal, GQA, in rows of whole 128-blocks (two launches: unstrided and strided):
+  documents of ~120 tokens, so the kernel skips key blocks outside a tile's documents, runs
+  blocks inside one document's run unmasked and compares ids in the others; the ids are
+  shuffled, negative and reused by documents far apart (a document's tokens scattered)."""
+  case = helpers.Case(1024, 2, 1, (256, 512, 1024), (1, 2, 4), head_dim=64)
+  ids = np.asarray(packed_ids(1, case.n, 120, seed=7))  # 8 documents of 44-356 tokens
+  ids = (ids * 7919) % 5 - 2  # 5 ids for ~8 documents: some come back later in the row
+  assert len(np.unique(ids)) > 3
+  ids = jnp.asarray(ids, jnp.int32)
+  _check_mosaic(case, True, (ids, ids))
+
+
+@INTERPRET
+def test_mosaic_packed_one_segment_of_any_length():
+  """Full causal attention at N = 1000 (a partial last block, past which nothing is read),
+  a program per item (ring steps' config): windows of the padded tile rows stay empty."""
+  case = helpers.Case(1000, 2, 2, (1000,), (1,), head_dim=64)
+  ids = packed_ids(1, case.n, 200, seed=4)
+  _check_mosaic(case, True, (ids, ids),
+                config=mosaic.Config(interpret=True, persistent=False))
+
+
+@INTERPRET
+def test_mosaic_per_head_ids_match_xla():
+  """The contract's per-head ids (`[B, N, H]` and `[B, N, Hkv]`, as ring steps pass them) in
+  a strided launch: the interpreted kernel agrees with the xla backend."""
+  case = helpers.Case(1024, 2, 1, (128, 1024), (1, 8), head_dim=64)
+  rng = np.random.default_rng(6)
+  kv_ids = jnp.asarray(np.sort(rng.integers(0, 5, (1, case.n, 1)), axis=1), jnp.int32)
+  ids = (jnp.concatenate([kv_ids, kv_ids[:, ::-1] + 1], axis=2), kv_ids)  # head 1: others
+  out, lse, (q, k, v) = _mosaic_forward(case, False, ids)
+  ref_out, ref_lse = backends.load("xla").forward(q, k, v, case.pattern(False), 0.125,
+                                                  out_dtype=q.dtype, segment_ids=ids)
+  np.testing.assert_allclose(out.astype(np.float32), ref_out.astype(np.float32), atol=2e-2)
+  np.testing.assert_allclose(lse, ref_lse, atol=1e-4)
+
+
+def test_mosaic_id_windows():
+  """`mosaic.id_windows` against a direct count: each query's first and last key of its id
+  (none: u0 > u1) and the run of equal keys around its own position (where that key has the
+  query's id), with reused, negative and absent ids, and queries whose ids differ from the
+  keys' (ring steps)."""
+  rng = np.random.default_rng(7)
+  k_ids = rng.integers(-2, 3, (3, 40)).astype(np.int32)
+  q_ids = np.where(rng.random((3, 40)) < 0.7, k_ids, rng.integers(-4, 5, (3, 40))).astype(np.int32)
+  windows = np.asarray(mosaic.id_windows(jnp.asarray(q_ids), jnp.asarray(k_ids)))
+  for b in range(3):
+    for t in range(40):
+      u0, u1, r0, r1 = windows[:, b, t]
+      same = np.flatnonzero(k_ids[b] == q_ids[b, t])
+      if len(same):
+        assert (u0, u1) == (same[0], same[-1])
+      else:
+        assert u0 > u1
+      if k_ids[b, t] == q_ids[b, t]:
+        lo, hi = t, t
+        while lo > 0 and k_ids[b, lo - 1] == k_ids[b, t]:
+          lo -= 1
+        while hi < 39 and k_ids[b, hi + 1] == k_ids[b, t]:
+          hi += 1
+        assert (r0, r1) == (lo, hi)
+      else:
+        assert r0 > r1
+
+
+def test_mosaic_takes_packed_forwards_only(monkeypatch):
+  """mosaic's `supports` (on a Hopper GPU, faked) takes a packed forward and declines a
+  packed backward (dispatch gives it to the next backend)."""
+  problem = backends.Problem((1, 1024, 2, 64), (1, 1024, 1, 64), jnp.dtype(jnp.bfloat16),
+                             DilatedPattern((1024,), (1,)), platform="gpu", segment_ids=True)
+  monkeypatch.setattr(mosaic, "is_hopper", lambda: True)
+  if jax.__version_info__ >= (0, 11):
+    assert mosaic.supports(problem)
+  backward = mosaic.supports(dataclasses.replace(problem, backward=True))
+  assert not backward and "document ids" in backward.reason
+
+
+@pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="Mosaic GPU lowering: JAX >= 0.11")
+@pytest.mark.parametrize("per_head", [False, True])
+def test_mosaic_packed_lowers_for_the_gpu(per_head):
+  """The packed forward goes through Mosaic GPU's own lowering for CUDA on a CPU (not only
+  the interpreter): an unstrided and a strided launch, causal, shared or per-head ids."""
+  pattern = DilatedPattern((128, 256, 1024), (1, 1, 4), causal=True)
+  q = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 1024, 1, 128), jnp.bfloat16)
+  ids = tuple(jax.ShapeDtypeStruct((1, 1024) + ((x.shape[2],) if per_head else ()), jnp.int32)
+              for x in (q, kv))
+  text = jax.jit(lambda q, k, v, *ids: mosaic.forward(
+      q, k, v, pattern, 0.1, out_dtype=q.dtype, segment_ids=ids)).trace(
+          q, kv, kv, *ids).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 2

@@ -51,6 +51,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from ..pattern import DilatedPattern
 from . import mosaic_backward, mosaic_decode, mosaic_forward, schedule
@@ -69,10 +70,14 @@ def supports(problem: Problem) -> Support:
   for a forward whose output is final (one launch, no ring step); rows of whole blocks, or one
   segment of any length. A decoding step (`problem.step`): the token-step kernel's
   `mosaic_decode.supports`."""
-  if problem.segment_ids:
-    return no("packed sequences (segment_ids) run on the xla backend so far, not on mosaic")
   if problem.step:
+    if problem.segment_ids:
+      return no("the mosaic token step does not read document ids (segment_ids): packed "
+                "caches step on the next backend")
     return mosaic_decode.supports(problem)
+  if problem.segment_ids and problem.backward:
+    return no("the mosaic backward does not read document ids (segment_ids) yet: a packed "
+              "backward goes to the next backend")
   if problem.platform != "gpu" or not is_hopper():
     return no("the mosaic backend runs on Hopper GPUs (sm_90) only")
   if jax.__version_info__ < (0, 11):
@@ -113,18 +118,61 @@ def ring_step_config(config: Config | None) -> Config:
   return dataclasses.replace(config, persistent=False)
 
 
+def id_windows(q_ids, k_ids):
+  """Per query, from the document ids of the queries and the keys (int32 `[..., N]` each,
+  the same leading axes): `(u0, u1)`, the first and last key position holding the query's id
+  (`u0 > u1` where none does), and `(r0, r1)`, the run of equal key ids around the query's
+  own position where that key has its id (else `r0 > r1`): every key of `[r0, r1]` is in the
+  query's document, and no key outside `[u0, u1]` is. `[4, ..., N]` int32. Ids are compared,
+  never ordered, so any ids work: the windows only grow where a document's tokens are
+  scattered."""
+  lead, n = k_ids.shape[:-1], k_ids.shape[-1]
+  far = jnp.iinfo(jnp.int32).max // 2
+
+  def one(qi, ki):
+    pos = jnp.arange(n, dtype=jnp.int32)
+    order = jnp.argsort(ki, stable=True).astype(jnp.int32)
+    lo, hi = (jnp.searchsorted(ki[order], qi, side=side) for side in ("left", "right"))
+    has = hi > lo
+    u0 = jnp.where(has, order[jnp.minimum(lo, n - 1)], far)
+    u1 = jnp.where(has, order[jnp.maximum(hi - 1, 0)], -1)
+    change = ki[1:] != ki[:-1]
+    r0 = lax.cummax(jnp.where(jnp.concatenate([jnp.array([True]), change]), pos, 0))
+    r1 = lax.cummin(jnp.where(jnp.concatenate([change, jnp.array([True])]), pos, n),
+                    reverse=True)
+    mine = ki == qi
+    return jnp.stack([u0, u1, jnp.where(mine, r0, far), jnp.where(mine, r1, -1)])
+
+  flat = jax.vmap(one)(q_ids.reshape(-1, n), k_ids.reshape(-1, n))  # [M, 4, N]
+  return flat.transpose(1, 0, 2).reshape(4, *lead, n)
+
+
 def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
-            out_dtype=None):
+            out_dtype=None, segment_ids=None):
   """`(out, lse)` of `branches` (all if None): `out` in float32, or in `out_dtype` when
   given. Several launches chain: each merges the result so far (in `out_dtype`: the earlier
   launches' output rounded once more, at 16 bits about the output's own rounding) into its
   own in float32 registers, in its epilogues (measured on that 8K LongNet's two launches with
   the merge apart: 16-bit partials made the forward faster than float32 ones, the output
   tile taking the query tile's place, so the next item's queries load during this one;
-  docs/performance.md)."""
+  docs/performance.md). `segment_ids`: the backend contract's packed rows (`mosaic_forward`
+  says how the kernel reads them)."""
   config = config or Config()  # resolved per launch (`_forward`)
-  fn = lambda q, k, v: _forward(q, k, v, pattern, scale, branches, config, out_dtype)
-  return batched(fn)(q, k, v)
+  if segment_ids is None:
+    fn = lambda q, k, v: _forward(q, k, v, pattern, scale, branches, config, out_dtype)
+    return batched(fn)(q, k, v)
+  fn = lambda q, k, v, qi, ki: _forward(q, k, v, pattern, scale, branches, config, out_dtype,
+                                        _ids(qi, ki, q.shape[2] // k.shape[2]))
+  return batched(fn)(q, k, v, *segment_ids)
+
+
+def _ids(q_ids, k_ids, per_kv):
+  """The contract's ids (`[B, N]`, or per head `[B, N, H]` and `[B, N, Hkv]`) as the kernel
+  reads them: `(q_ids [B, X, N], k_ids [B, X', N], id_windows [4, B, X, N])`."""
+  heads = lambda x: (x[:, None] if x.ndim == 2 else x.transpose(0, 2, 1)).astype(jnp.int32)
+  q_ids, k_ids = heads(q_ids), heads(k_ids)
+  return q_ids, k_ids, id_windows(q_ids, jnp.repeat(k_ids, q_ids.shape[1] // k_ids.shape[1],
+                                                    axis=1))
 
 
 def _itemsize(out_dtype) -> int:
@@ -155,9 +203,10 @@ def _to_rows(arrays, rows: int, fills):
                for x, fill in zip(arrays, fills))
 
 
-def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
+def _forward(q, k, v, pattern, scale, branches, config, out_dtype, ids=None):
   batch, n, num_heads, d = q.shape
-  resolved = functools.partial(config.resolved, d, q.dtype.itemsize, _itemsize(out_dtype))
+  resolved = functools.partial(config.resolved, d, q.dtype.itemsize, _itemsize(out_dtype),
+                               packed=ids is not None)
   if why := geometry_problem(pattern, n, num_heads, k.shape[2], branches, resolved(), batch):
     raise NotImplementedError(why)
   result = None
@@ -170,7 +219,7 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
                         (0.0, -jnp.inf))
     result = mosaic_forward.launch(pad(q), pad(k), pad(v), sched.arrays(), sched, n,
                                    pattern.causal, scale, out_dtype or jnp.float32,
-                                   launch_config, result)
+                                   launch_config, result, ids)
   return result[0][:, :n], result[1][:, :n]
 
 

@@ -66,13 +66,41 @@ def _merge_prior(prior_refs, prog, rows, o_tile, lse_tile, bars, acc, m_i, l_i, 
   lse_tile[...] = jnp.where(seen, (top + jnp.log2(jnp.where(seen, den, 1.0))) * LN2, -jnp.inf)
 
 
+def _id_args(ids, n_pad: int, L: int, bq: int, tiles: int):
+  """The kernel's id inputs: the queries' ids `[B, X, L, Np/L]` (the strided view,
+  transposed: a tile's ids are contiguous), the keys' `[B, X', Np]` and `[B, X', L, Np/L]`,
+  and per tile of `bq` rows of the view (`tiles` a class, covering the outputs) its windows,
+  `[B, X, L, T, 4]` flat: the union `(min u0, max u1)` and the common run `(max r0, min
+  r1)`, empty unless every query of the tile is in the one run."""
+  q_ids, k_ids, windows = ids
+  n = q_ids.shape[2]
+  pad = lambda x, size, value=0: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)],
+                                         constant_values=value)
+  view_t = lambda x: x.reshape(*x.shape[:-1], -1, L).swapaxes(-1, -2)  # [..., L, N / L]
+  far = jnp.iinfo(jnp.int32).max // 2
+  stats = [reduce(view_t(pad(w, tiles * bq * L, fill)).reshape(*w.shape[:2], L, tiles, bq),
+                  axis=-1)
+           for w, fill, reduce in zip(windows, (far, -1, far, -1),
+                                      (jnp.min, jnp.max, jnp.max, jnp.min))]
+  table = jnp.stack(stats, axis=-1).reshape(-1)
+  return view_t(pad(q_ids, n_pad)), pad(k_ids, n_pad), view_t(pad(k_ids, n_pad)), table
+
+
 def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
-           scale: float, out_dtype, config: Config, prior=None):
+           scale: float, out_dtype, config: Config, prior=None, ids=None):
   """One launch over the padded `q, k, v [B, Np, H(kv), D]`: (out [B, No, H, D], lse
   [B, No, H]), `No >= Np` (whole periods). `prior`: the `(out, lse)` of earlier launches
   (`[B, No, H, D]` in `out_dtype`, `[B, No, H]`), merged into this launch's result in each
   item's epilogue (its tile loaded into the output's tile once the walk is done): one pass
-  over the output instead of a partial written and merged apart."""
+  over the output instead of a partial written and merged apart.
+
+  `ids` (packed rows): `(q_ids [B, X, N], k_ids [B, X', N], windows [4, B, X, N])`, the
+  queries' and keys' document ids (X = H, X' = Hkv where each head has its own, else 1)
+  and each query's `mosaic.id_windows`: the key positions `[u0, u1]` that may share its
+  document, and a run `[r0, r1]` of keys all in it. Per `block_q` query rows of the strided
+  view they are reduced to the tile's union and common run (`_window_table`). The producer
+  skips the blocks outside the item's union; a consumer's blocks inside its run run as
+  before; the others compare each score's key id with its query's."""
   batch, n_pad, num_heads, d = q.shape
   dtype = q.dtype
   L = sched.stride
@@ -94,22 +122,40 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
   out_dtype = jnp.dtype(out_dtype)
   same = out_dtype == dtype  # then the output tile reuses the query tile
   out_itemsize = out_dtype.itemsize
+  packed = ids is not None
+  per_head = packed and ids[0].shape[1] > 1
+  id_heads = ids[0].shape[1] if packed else 1
   # Query tiles per consumer: two when persistent and they fit, so that the next item's
   # queries load while this one runs.
   buffers = 2 if work.persistent and smem_bytes(
-      config, d, dtype.itemsize, out_itemsize, 2) <= SMEM_BYTES else 1
+      config, d, dtype.itemsize, out_itemsize, 2, packed) <= SMEM_BYTES else 1
+  tiles_per_row = -(-(n_out // L) // bq)  # windows' query tiles per class of the view
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref,
-             v5_ref, prior_refs, out_ref, lse_ref, smem, bars, free):
-    q_smem, k_smem, v_smem, o_smem, lse_smem = smem
-    q_bar, k_bar, v_bar, prior_bars = bars
+             v5_ref, id_refs, prior_refs, out_ref, lse_ref, smem, bars, free):
+    q_smem, k_smem, v_smem, o_smem, lse_smem, qid_smem, kid_smem = smem
+    q_bar, k_bar, v_bar, prior_bars, qid_bar, kid_bar = bars
     (k_free, v_free), turn = free
     wg = lax.axis_index("wg")
+
+    def window(prog, tile):
+      """`(u0, u1, r0, r1)` of query tile `tile` (0, 1: the consumers') of the item."""
+      x = prog.head if per_head else 0
+      row = lax.div(prog.row0 + prog.start, bq) + tile
+      at = (((prog.b * id_heads + x) * L + prog.cls) * tiles_per_row + row) * 4
+      return [id_refs[3][at + i] for i in range(4)]
+
+    def item_window(prog):  # the keys any query of the item may see: both tiles' union
+      (a0, a1, _, _), (b0, b1, _, _) = window(prog, 0), window(prog, 1)
+      return jnp.minimum(a0, b0), jnp.maximum(a1, b1)
 
     def producer():
       produce_kv(work, origin_ref, rows_ref, per_kv, (k4_ref, k5_ref, k_smem, k_bar, k_free),
                  (v4_ref, v5_ref, v_smem, v_bar, v_free),
-                 lambda prog: key_ranges(prog, pieces_ref, bias_ref), L, bk, stages)
+                 lambda prog: key_ranges(prog, pieces_ref, bias_ref, None,
+                                         item_window(prog) if packed else None),
+                 L, bk, stages,
+                 (*id_refs[1:3], kid_smem, kid_bar, per_head) if packed else None)
 
     def consumer():
       plgpu.set_max_registers(REGISTERS[1], action="increase")
@@ -130,6 +176,11 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
         pl.when(prog.busy)(lambda: plgpu.copy_gmem_to_smem(
             q_ref.at[prog.b, q_rows(prog), prog.cls, prog.head], q_smem.at[tile(i)],
             q_bar.at[tile(i)]))
+        if packed:
+          x = prog.head if per_head else 0
+          pl.when(prog.busy)(lambda: plgpu.copy_gmem_to_smem(
+              id_refs[0].at[prog.b, x, prog.cls, q_rows(prog)], qid_smem.at[tile(i)],
+              qid_bar.at[tile(i)]))
 
       if buffers == 2:
         load_q(0, prog_of(0))
@@ -146,6 +197,9 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
         pl.when(prog.busy)(lambda: plgpu.barrier_wait(q_bar.at[tile(i)]))
         q_first = prog.first + L * (prog.start + wg * bq)  # this warpgroup's first query
         q_pos = q_first + L * row_iota if causal else None  # this warpgroup's query positions
+        if packed:  # this warpgroup's queries' document ids, a row each
+          pl.when(prog.busy)(lambda: plgpu.barrier_wait(qid_bar.at[tile(i)]))
+          q_ids = plgpu.load(qid_smem.at[tile(i)], layout=row_stat)
 
         def block(carry, piece, j, masked: bool):
           """One key block: scores, online softmax (base 2; `m` includes the piece's
@@ -160,6 +214,10 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
           docs/performance.md)."""
           acc, m_i, l_i, step = carry
           slot = lax.rem(step, stages)
+          if packed:  # every block's ids arrive (the barrier's phases), masked ones read them
+            plgpu.barrier_wait(kid_bar.at[slot])
+            if masked:
+              k_ids = plgpu.load(kid_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
           plgpu.barrier_wait(k_bar.at[slot])
           s, = products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
           plgpu.barrier_arrive(k_free.at[slot])
@@ -167,8 +225,10 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
             s = jnp.zeros_like(s)
           if masked:
             limit = key_limit(piece, j * bk, q_pos, causal, L, span)
-            s = jnp.where(cols_iota <= (rows_of(limit, s.shape) if causal else limit), s,
-                          hidden)
+            keep = cols_iota <= (rows_of(limit, s.shape) if causal else limit)
+            if packed:
+              keep = keep & (lax.broadcast_in_dim(k_ids, s.shape, [1]) == rows_of(q_ids, s.shape))
+            s = jnp.where(keep, s, hidden)
           bias = piece.bias
           top = s.max(axis=1) if scale_sign > 0 else s.min(axis=1)
           m_new = jnp.maximum(m_i, top * scale_c + bias)
@@ -188,7 +248,8 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
         m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_stat)
         l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_stat)
         pl.when(prog.busy)(start_turns)  # one consumer's softmax beside the other's wgmmas
-        ranges = key_ranges(prog, pieces_ref, bias_ref, q_first)
+        ranges = key_ranges(prog, pieces_ref, bias_ref, q_first,
+                            (*item_window(prog), *window(prog, wg)[2:]) if packed else None)
         acc, m_i, l_i, step = walk(prog, ranges, block, (acc, m_i, l_i, step))
 
         @pl.when(prog.busy)
@@ -218,27 +279,30 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
 
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref, v5_ref,
             *refs):
+    id_refs, refs = (refs[:4], refs[4:]) if packed else (None, refs)
     prior_refs, (out_ref, lse_ref) = (None, refs) if prior is None else (refs[:2], refs[2:])
     tiles = swizzled(dtype)
     smem = [plgpu.SMEM((2 * buffers, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
-            plgpu.SMEM((2, bq), jnp.float32)]
-    if not same:
-      smem.append(plgpu.SMEM((2, bq, d), out_dtype, transforms=swizzled(out_dtype)))
+            plgpu.SMEM((2, bq), jnp.float32),
+            None if same else plgpu.SMEM((2, bq, d), out_dtype, transforms=swizzled(out_dtype)),
+            plgpu.SMEM((2 * buffers, bq), jnp.int32) if packed else None,
+            plgpu.SMEM((stages, bk), jnp.int32) if packed else None]
 
     def scoped(smem, bars, free):
-      q_smem, k_smem, v_smem, lse_smem = smem[:4]
-      o_smem = None if same else smem[4]
+      q_smem, k_smem, v_smem, lse_smem, o_smem, qid_smem, kid_smem = smem
       kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref, v5_ref,
-             prior_refs, out_ref, lse_ref, (q_smem, k_smem, v_smem, o_smem, lse_smem), bars,
-             free)
+             id_refs, prior_refs, out_ref, lse_ref,
+             (q_smem, k_smem, v_smem, o_smem, lse_smem, qid_smem, kid_smem), bars, free)
 
+    id_bars = ((plgpu.Barrier(num_barriers=2 * buffers), plgpu.Barrier(num_barriers=stages))
+               if packed else (None, None))
     pl.run_scoped(
         scoped, smem,
         (plgpu.Barrier(num_barriers=2 * buffers), plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=stages),
-         None if prior is None else (plgpu.Barrier(num_barriers=2),) * 2),
+         None if prior is None else (plgpu.Barrier(num_barriers=2),) * 2, *id_bars),
         ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
          plgpu.Barrier(num_arrivals=2)),
         collective_axes="wg")
@@ -248,6 +312,8 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
   rows, pieces, bias = tables
   view = functools.partial(strided_view, stride=L)
   args = (work.table(rows), pieces.reshape(-1), bias, view(q), k, view(k), v, view(v))
+  if packed:
+    args += _id_args(ids, n_pad, L, bq, tiles_per_row)
   if prior is not None:
     out_p, lse_p = prior
     args += (view(out_p), lse_p.reshape(batch, n_out // L, L, num_heads).transpose(0, 3, 2, 1))

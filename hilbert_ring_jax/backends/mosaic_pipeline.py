@@ -105,13 +105,15 @@ def produce_items(work: Work, origin_ref, rows_ref, item, frees, stages: int):
 
 
 def produce_kv(work: Work, origin_ref, rows_ref, per_kv: int, k, v, ranges, L: int,
-               bk: int, stages: int):
+               bk: int, stages: int, ids=None):
   """The producer of the forward and dq kernels: the key and value blocks of each item's
   key pieces (`ranges(prog)`), read from the key/value head of its query head. `k`, `v`:
   (the `[B, N, Hkv, D]` input, its strided view, the shared-memory ring, its full and its
-  free barriers)."""
+  free barriers). `ids` (packed rows): the keys' document ids `([B, X, N], [B, X, L, N/L],
+  ring, full barriers, per_head)`, loaded with each key block into a ring of their own
+  (`X` = Hkv ids per head, else 1) and freed with it."""
 
-  def stream(prog, src4, src5, smem, bar, free):
+  def stream(prog, src4, src5, smem, bar, free, ids=None):
     kv_head = lax.div(prog.head, per_kv)
 
     def load(piece, j, slot):
@@ -119,10 +121,17 @@ def produce_kv(work: Work, origin_ref, rows_ref, per_kv: int, k, v, ranges, L: i
               lambda rows, c: (prog.b, rows, kv_head) if c is None else
               (prog.b, rows, c, kv_head),
               lambda box: plgpu.copy_gmem_to_smem(box, smem.at[slot], bar.at[slot]))
+      if ids is not None:
+        ids1, ids_t, id_smem, id_bar, per_head = ids
+        x = kv_head if per_head else 0
+        at_rows(ids1, ids_t, prog.base + piece.first, j * bk, bk, piece.stride, L,
+                lambda rows, c: (prog.b, x, rows) if c is None else (prog.b, x, c, rows),
+                lambda box: plgpu.copy_gmem_to_smem(box, id_smem.at[slot], id_bar.at[slot]))
     return free, load
 
   def item(prog, step):
-    return produce(prog, ranges(prog), [stream(prog, *k), stream(prog, *v)], stages, step)
+    return produce(prog, ranges(prog), [stream(prog, *k, ids=ids), stream(prog, *v)], stages,
+                   step)
 
   produce_items(work, origin_ref, rows_ref, item, [k[-1], v[-1]], stages)
 

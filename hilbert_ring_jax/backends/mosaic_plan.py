@@ -111,21 +111,22 @@ class Config:
       raise ValueError(f"interpret must be a bool, got interpret={self.interpret!r}")
 
   def resolved(self, head_dim: int, itemsize: int = 2, out_itemsize: int = 2,
-               long_keys: bool = False) -> Config:
+               long_keys: bool = False, packed: bool = False) -> Config:
     """This config with the forward's tuned defaults filled in: the first of the preferred
     tiles whose buffers fit in shared memory (float32 outputs take a tile of their own).
     `long_keys` (a launch whose rows are unmasked and read unstrided, its pieces whole blocks
     of 192 keys to within 1%: `long_key_rows`) puts blocks of 192 keys first at head dim 128
     (full attention's forward measured faster than with 128; LongNet's pieces of a few blocks
     and the causal diagonal slower: docs/performance.md). `ValueError` if the chosen forward
-    tiles do not fit. (The backward's are per launch: `backward_for`.)"""
+    tiles do not fit; `packed`: with the document ids' buffers too. (The backward's are per
+    launch: `backward_for`.)"""
     preferred = [(64, 128 if head_dim <= 128 else 64, 2), (64, 64, 3), (64, 64, 2)]
     if long_keys and head_dim == 128:
       preferred.insert(0, (64, _LONG_BLOCK_K, 2))
     for bq, bk, fwd_stages in preferred:
       config = dataclasses.replace(self, block_q=self.block_q or bq, block_k=self.block_k or bk,
                                    stages=self.stages or fwd_stages)
-      if smem_bytes(config, head_dim, itemsize, out_itemsize) <= SMEM_BYTES:
+      if smem_bytes(config, head_dim, itemsize, out_itemsize, packed=packed) <= SMEM_BYTES:
         return config
     raise ValueError(
         f"block_q={config.block_q}, block_k={config.block_k}, stages={config.stages} need "
@@ -144,11 +145,14 @@ class Config:
 
 
 def smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int,
-               q_buffers: int = 1) -> int:
+               q_buffers: int = 1, packed: bool = False) -> int:
+  """The forward's shared memory; `packed`: with its document ids (a ring of key blocks'
+  ids beside the keys', and the queries' ids beside each query tile)."""
   q = 2 * q_buffers * config.block_q * head_dim * itemsize
   kv = 2 * config.stages * config.block_k * head_dim * itemsize
   out = 0 if out_itemsize == itemsize else 2 * config.block_q * head_dim * out_itemsize
-  return q + kv + out + 2 * config.block_q * 4 + _SMEM_SLACK  # + lse tiles
+  ids = 4 * (config.stages * config.block_k + 2 * q_buffers * config.block_q) if packed else 0
+  return q + kv + out + ids + 2 * config.block_q * 4 + _SMEM_SLACK  # + lse tiles
 
 
 BWD_BLOCK = 64  # queries and keys per backward block (a program: two blocks of a row)
@@ -426,11 +430,26 @@ def query_bounds(piece, query0, k_pos, causal, L, n):
   return -_div_stride(piece.first - k_pos, piece.stride, L, n) - query0, hi
 
 
-def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first=None):
+def _window_keys(piece, at, w0, w1, L, n):
+  """`[i0, i1)`: the keys `i` of `piece` (at positions `at + stride * i`) whose positions lie
+  in `[w0, w1]` (any int32 bounds; empty when `w0 > w1`)."""
+  lo, hi = jnp.clip(w0 - at, 0, n), jnp.clip(w1 - at + 1, 0, n)
+  up = lambda x: _div_stride(x + piece.stride - 1, piece.stride, L)  # ceil(x / stride)
+  return up(lo), jnp.maximum(up(lo), up(hi))
+
+
+def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first=None,
+                window=None):
   """Key pieces of a query row (forward, dq): `(piece, 0, 0, unmasked, blocks)` where
   `blocks` covers the keys any query of the program sees and the first `unmasked` blocks
   hold keys that exist and (causal) precede `q_first`, a consumer's first query; with
-  `q_first` None, `(piece, lo, hi)` for the producer."""
+  `q_first` None, `(piece, lo, hi)` for the producer.
+
+  `window` (packed rows): the positions `(u0, u1)` of the keys that may share a document
+  with a query of the program, for the producer; for a consumer also `(r0, r1)`, a run of
+  keys all in the one document of each of its queries (`r0 > r1`: none). Blocks outside
+  `[u0, u1]` are skipped, by the producer and both consumers alike; blocks inside `[r0, r1]`
+  need no document mask; every other block is masked (`walk`'s masked blocks compare ids)."""
   hi_q = prog.first + L * (jnp.minimum(prog.start + block_rows, prog.nrows) - 1)
 
   def seen(piece, pos):  # keys of the piece at or before position `pos`
@@ -443,10 +462,20 @@ def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_firs
   def ranges(p):
     piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n, L)
     blocks = ceil_div(seen(piece, hi_q), bk)
+    lo = 0
+    if window is not None:
+      at = prog.base + piece.first
+      i0, i1 = _window_keys(piece, at, window[0], window[1], L, n)
+      lo, blocks = jnp.minimum(lax.div(i0, bk), blocks), jnp.minimum(ceil_div(i1, bk), blocks)
+      blocks = jnp.maximum(lo, blocks)
     if q_first is None:
-      return piece, 0, blocks
+      return piece, lo, blocks
     unmasked = jnp.minimum(lax.div(seen(piece, q_first), bk), blocks)
-    return piece, 0, 0, unmasked, blocks
+    if window is None:
+      return piece, 0, 0, unmasked, blocks
+    i0, i1 = _window_keys(piece, at, window[2], window[3], L, n)
+    a = jnp.clip(ceil_div(i0, bk), lo, blocks)
+    return piece, lo, a, jnp.clip(jnp.minimum(lax.div(i1, bk), unmasked), a, blocks), blocks
 
   return ranges
 
@@ -491,10 +520,10 @@ class Ranges:
   block_rows: int
   block: int
 
-  def __call__(self, prog, pieces_ref, bias_ref, bound=None):
+  def __call__(self, prog, pieces_ref, bias_ref, bound=None, window=None):
     if self.keys:
       return _key_ranges(prog, pieces_ref, bias_ref, self.n, self.L, self.causal,
-                         self.block_rows, self.block, bound)
+                         self.block_rows, self.block, bound, window)
     return _query_ranges(prog, pieces_ref, bias_ref, self.n, self.L, self.causal, self.block,
                          bound)
 
