@@ -10,6 +10,7 @@ reverse, so a failure points at one pass.
 """
 
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -172,6 +173,22 @@ def test_ring_steps_run_a_program_per_item():
     work = mosaic_plan.Work.of(sched, 1, step, False, ranges)
     assert work.persistent is persistent
     assert work.programs == (min(work.items, hopper.sm_count()) if persistent else work.items)
+
+
+def test_document_windows_in_key_indices():
+  """`_window_keys`, how the kernels turn a tile's document window (positions) into the keys
+  of a piece they walk (packed rows), against a direct count: stride 1 and the launch's L,
+  windows before, across, inside and past the piece, empty ones (`w0 > w1`)."""
+  rng = np.random.default_rng(0)
+  n, L = 96, 4
+  for _ in range(300):
+    stride = int(rng.choice([1, L]))
+    piece = types.SimpleNamespace(stride=jnp.int32(stride))
+    at, w0 = int(rng.integers(0, 40)), int(rng.integers(-10, 110))
+    w1 = w0 + int(rng.integers(-5, 60))
+    i0, i1 = mosaic_plan._window_keys(piece, jnp.int32(at), jnp.int32(w0), jnp.int32(w1), L, n)
+    inside = [i for i in range(n) if stride * i < n and w0 <= at + stride * i <= w1]
+    assert (int(i0), int(i1)) == ((inside[0], inside[-1] + 1) if inside else (int(i0), int(i0)))
 
 
 def test_declines_off_hopper_and_on_unaligned_rows():

@@ -97,64 +97,105 @@ def test_pallas_packed_lowers_to_triton(per_head):
   assert _triton_kernels(bwd, q, kv, kv, q, lse, lse, *ids) == 6
 
 
-def _mosaic_forward(case, causal, ids, config=None, seed=0):
-  """The interpreted mosaic forward (bf16) through the backend contract: `(out, lse)`, and
-  the inputs."""
-  q, k, v, _, _ = helpers.random_inputs(case, jnp.bfloat16, seed)
-  config = config or mosaic.Config(interpret=True, persistent=True)
-  out, lse = jax.jit(lambda q, k, v, ids: mosaic.forward(
-      q, k, v, case.pattern(causal), case.head_dim ** -0.5, config=config,
-      out_dtype=q.dtype, segment_ids=ids))(q, k, v, ids)
-  return out, lse, (q, k, v)
+@dataclasses.dataclass(frozen=True)
+class _Kernels:
+  """A backend's passes under the kernel contract, as `dilated_attention` calls them (the
+  mosaic kernels interpreted: its `supports` declines them off a GPU)."""
+  module: object
+  pattern: DilatedPattern
+  scale: float
+  config: object = None
+
+  def forward(self, q, k, v, segment_ids):
+    return self.module.forward(q, k, v, self.pattern, self.scale, config=self.config,
+                               out_dtype=q.dtype, segment_ids=segment_ids)
+
+  def backward(self, q, k, v, dout, lse, delta, segment_ids):
+    return self.module.backward(q, k, v, dout, lse, delta, self.pattern, self.scale,
+                                config=self.config, grad_dtype=q.dtype,
+                                segment_ids=segment_ids)
+
+
+def _passes(kernel, inputs, ids):
+  """`(out, lse, grads)` of `kernel` (one program)."""
+  q, k, v, dout, dlse = inputs
+
+  @jax.jit
+  def passes(q, k, v, dout, dlse, ids):
+    (out, lse), vjp = jax.vjp(lambda q, k, v: backends.attention(q, k, v, kernel, ids), q, k, v)
+    return out, lse, vjp((dout, dlse))
+
+  return passes(q, k, v, dout, dlse, ids)
+
+
+def _mosaic_passes(case, causal, ids, config=None, seed=0):
+  """`(out, lse, grads)` of the interpreted mosaic kernels (bf16) with `segment_ids=ids`, and
+  the inputs `(q, k, v, dout, dlse)`."""
+  inputs = helpers.random_inputs(case, jnp.bfloat16, seed)
+  kernel = _Kernels(mosaic, case.pattern(causal), case.head_dim ** -0.5,
+                    config or mosaic.Config(interpret=True, persistent=True))
+  return (*_passes(kernel, inputs, ids), inputs)
 
 
 def _check_mosaic(case, causal, ids, **kwargs):
-  out, lse, (q, k, v) = _mosaic_forward(case, causal, ids, **kwargs)
+  """Forward, lse and gradients against the float64 reference."""
+  out, lse, grads, (q, k, v, dout, dlse) = _mosaic_passes(case, causal, ids, **kwargs)
   m = reference_np.multiplicity(case.n, case.heads, case.segment_lengths, case.dilation_rates,
                                 causal, case.offsets, case.head_groups)
-  ref_out, ref_lse = reference_np.attention(
-      q, k, v, m[None] * reference_np.same_document(ids[0]), case.head_dim ** -0.5)
-  assert out.dtype == jnp.bfloat16 and helpers.rel_err(out, ref_out) < helpers.TOL[jnp.bfloat16]
-  helpers.check_lse(lse, ref_lse, helpers.TOL[jnp.bfloat16])
+  ref_out, ref_lse, ref_grads = reference_np.attention(
+      q, k, v, m[None] * reference_np.same_document(ids[0]), case.head_dim ** -0.5, dout, dlse)
+  tol = helpers.TOL[jnp.bfloat16]
+  assert out.dtype == jnp.bfloat16 and helpers.rel_err(out, ref_out) < tol
+  helpers.check_lse(lse, ref_lse, tol)
+  for g, ref in zip(grads, ref_grads):
+    assert g.dtype == jnp.bfloat16 and helpers.rel_err(g, ref) < 2 * tol
 
 
 @INTERPRET
-def test_mosaic_packed_forward_matches_the_reference():
-  """LongNet, causal, GQA, in rows of whole 128-blocks (two launches: unstrided and strided):
-  documents of ~120 tokens, so the kernel skips key blocks outside a tile's documents, runs
-  blocks inside one document's run unmasked and compares ids in the others; the ids are
-  shuffled, negative and reused by documents far apart (a document's tokens scattered)."""
-  case = helpers.Case(1024, 2, 1, (256, 512, 1024), (1, 2, 4), head_dim=64)
-  ids = np.asarray(packed_ids(1, case.n, 120, seed=7))  # 8 documents of 44-356 tokens
-  ids = (ids * 7919) % 5 - 2  # 5 ids for ~8 documents: some come back later in the row
-  assert len(np.unique(ids)) > 3
+def test_mosaic_packed_matches_the_reference():
+  """LongNet, causal, GQA, in rows of whole 128-blocks (launches of an unstrided and strided
+  branches: the forward, dq and dk/dv kernels, split): documents of ~60 tokens, so the
+  kernels skip blocks outside a tile's documents, run blocks inside one document's run
+  unmasked and compare ids in the others; the ids are negative and reused by documents far
+  apart (a document's tokens scattered)."""
+  case = helpers.Case(512, 2, 1, (128, 256, 512), (1, 1, 2), head_dim=64)
+  ids = np.asarray(packed_ids(1, case.n, 60, seed=7))  # 8 documents of 22-180 tokens
+  ids = (ids * 7919) % 5 - 2  # 5 ids for 8 documents: some come back later in the row
+  assert len(np.unique(ids)) == 5 and np.count_nonzero(np.diff(ids)) == 7
   ids = jnp.asarray(ids, jnp.int32)
   _check_mosaic(case, True, (ids, ids))
 
 
 @INTERPRET
 def test_mosaic_packed_one_segment_of_any_length():
-  """Full causal attention at N = 1000 (a partial last block, past which nothing is read),
-  a program per item (ring steps' config): windows of the padded tile rows stay empty."""
-  case = helpers.Case(1000, 2, 2, (1000,), (1,), head_dim=64)
-  ids = packed_ids(1, case.n, 200, seed=4)
-  _check_mosaic(case, True, (ids, ids),
-                config=mosaic.Config(interpret=True, persistent=False))
+  """Full attention, not causal, at N = 400 (a partial last block, past which nothing is
+  read): pieces of several blocks, so each tile's document windows decide which blocks are
+  walked at both ends; a program per item (ring steps' config) and the fused backward (dq
+  added by the dk/dv kernel). Windows of the padded tile rows stay empty."""
+  case = helpers.Case(400, 2, 2, (400,), (1,), head_dim=64)
+  ids = packed_ids(1, case.n, 80, seed=4)  # documents of 41, 67 and 292 tokens
+  _check_mosaic(case, False, (ids, ids),
+                config=mosaic.Config(interpret=True, persistent=False, fused_backward=True))
 
 
 @INTERPRET
 def test_mosaic_per_head_ids_match_xla():
   """The contract's per-head ids (`[B, N, H]` and `[B, N, Hkv]`, as ring steps pass them) in
-  a strided launch: the interpreted kernel agrees with the xla backend."""
-  case = helpers.Case(1024, 2, 1, (128, 1024), (1, 8), head_dim=64)
+  a strided launch, query heads of one key/value head with different ids: the interpreted
+  kernels agree with the xla backend, forward and backward (dk/dv's windows: the union over
+  the query heads, the run they all share)."""
+  case = helpers.Case(512, 2, 1, (128, 512), (1, 4), head_dim=64)
   rng = np.random.default_rng(6)
   kv_ids = jnp.asarray(np.sort(rng.integers(0, 5, (1, case.n, 1)), axis=1), jnp.int32)
   ids = (jnp.concatenate([kv_ids, kv_ids[:, ::-1] + 1], axis=2), kv_ids)  # head 1: others
-  out, lse, (q, k, v) = _mosaic_forward(case, False, ids)
-  ref_out, ref_lse = backends.load("xla").forward(q, k, v, case.pattern(False), 0.125,
-                                                  out_dtype=q.dtype, segment_ids=ids)
-  np.testing.assert_allclose(out.astype(np.float32), ref_out.astype(np.float32), atol=2e-2)
+  out, lse, grads, inputs = _mosaic_passes(case, False, ids)
+  ref_out, ref_lse, ref_grads = _passes(
+      _Kernels(backends.load("xla"), case.pattern(False), 0.125), inputs, ids)
+  tol = helpers.TOL[jnp.bfloat16]
+  assert helpers.rel_err(out, ref_out) < tol
   np.testing.assert_allclose(lse, ref_lse, atol=1e-4)
+  for g, ref in zip(grads, ref_grads):
+    assert helpers.rel_err(g, ref) < 2 * tol
 
 
 def test_mosaic_id_windows():
@@ -185,29 +226,35 @@ def test_mosaic_id_windows():
         assert r0 > r1
 
 
-def test_mosaic_takes_packed_forwards_only(monkeypatch):
-  """mosaic's `supports` (on a Hopper GPU, faked) takes a packed forward and declines a
-  packed backward (dispatch gives it to the next backend)."""
+def test_mosaic_takes_packed_problems(monkeypatch):
+  """mosaic's `supports` (on a Hopper GPU, faked) takes packed forwards and backwards and
+  declines a packed token step (dispatch gives it to the next backend)."""
   problem = backends.Problem((1, 1024, 2, 64), (1, 1024, 1, 64), jnp.dtype(jnp.bfloat16),
                              DilatedPattern((1024,), (1,)), platform="gpu", segment_ids=True)
   monkeypatch.setattr(mosaic, "is_hopper", lambda: True)
   if jax.__version_info__ >= (0, 11):
     assert mosaic.supports(problem)
-  backward = mosaic.supports(dataclasses.replace(problem, backward=True))
-  assert not backward and "document ids" in backward.reason
+    assert mosaic.supports(dataclasses.replace(problem, backward=True))
+  step = mosaic.supports(dataclasses.replace(problem, q_shape=(1, 1, 2, 64), step=True))
+  assert not step and "segment_ids" in step.reason
 
 
 @pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="Mosaic GPU lowering: JAX >= 0.11")
 @pytest.mark.parametrize("per_head", [False, True])
 def test_mosaic_packed_lowers_for_the_gpu(per_head):
-  """The packed forward goes through Mosaic GPU's own lowering for CUDA on a CPU (not only
-  the interpreter): an unstrided and a strided launch, causal, shared or per-head ids."""
+  """The packed kernels go through Mosaic GPU's own lowering for CUDA on a CPU (not only the
+  interpreter): an unstrided and a strided launch, causal, shared or per-head ids, forward
+  and backward."""
   pattern = DilatedPattern((128, 256, 1024), (1, 1, 4), causal=True)
   q = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 1024, 1, 128), jnp.bfloat16)
   ids = tuple(jax.ShapeDtypeStruct((1, 1024) + ((x.shape[2],) if per_head else ()), jnp.int32)
               for x in (q, kv))
-  text = jax.jit(lambda q, k, v, *ids: mosaic.forward(
-      q, k, v, pattern, 0.1, out_dtype=q.dtype, segment_ids=ids)).trace(
-          q, kv, kv, *ids).lower(lowering_platforms=("cuda",)).as_text()
+  lse = jax.ShapeDtypeStruct((1, 1024, 2), jnp.float32)
+  lower = lambda f, *args: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower(lambda q, k, v, *ids: mosaic.forward(q, k, v, pattern, 0.1, out_dtype=q.dtype,
+                                                    segment_ids=ids), q, kv, kv, *ids)
   assert text.count("mosaic_gpu") >= 2
+  lower(lambda q, k, v, do, lse, delta, *ids: mosaic.backward(  # fused and split kernels
+      q, k, v, do, lse, delta, pattern, 0.1, grad_dtype=q.dtype, segment_ids=ids),
+        q, kv, kv, q, lse, lse, *ids)

@@ -40,6 +40,9 @@ does not divide is zero-padded (a copy, only then: the views' row axes must be w
 of 8). Head dim 256 does not fit the backward (its tiles exceed shared memory): `supports`
 declines that backward, and dispatch gives it to the next candidate ("triton" where it runs),
 as any backward it declines.
+Packed rows (`segment_ids`): every kernel reads its rows' and its streamed blocks' document ids
+and skips, runs unmasked or masks blocks by each tile's document windows (`id_windows`;
+`mosaic_forward` says how).
 `Config(interpret=True)` runs the kernels in Mosaic GPU interpret mode on a CPU (JAX >= 0.11),
 which is how the test suite checks them without a GPU.
 """
@@ -68,16 +71,13 @@ __all__ = ["Config", "backward", "forward", "geometry_problem", "ring_step_confi
 def supports(problem: Problem) -> Support:
   """Hopper GPUs (sm_90); bf16 and f16 (the backward bf16 only); head dims 64 and 128, and 256
   for a forward whose output is final (one launch, no ring step); rows of whole blocks, or one
-  segment of any length. A decoding step (`problem.step`): the token-step kernel's
-  `mosaic_decode.supports`."""
+  segment of any length; packed rows (`segment_ids`) in both passes. A decoding step
+  (`problem.step`): the token-step kernel's `mosaic_decode.supports` (not packed caches)."""
   if problem.step:
     if problem.segment_ids:
       return no("the mosaic token step does not read document ids (segment_ids): packed "
                 "caches step on the next backend")
     return mosaic_decode.supports(problem)
-  if problem.segment_ids and problem.backward:
-    return no("the mosaic backward does not read document ids (segment_ids) yet: a packed "
-              "backward goes to the next backend")
   if problem.platform != "gpu" or not is_hopper():
     return no("the mosaic backend runs on Hopper GPUs (sm_90) only")
   if jax.__version_info__ < (0, 11):
@@ -166,13 +166,20 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
   return batched(fn)(q, k, v, *segment_ids)
 
 
-def _ids(q_ids, k_ids, per_kv):
-  """The contract's ids (`[B, N]`, or per head `[B, N, H]` and `[B, N, Hkv]`) as the kernel
-  reads them: `(q_ids [B, X, N], k_ids [B, X', N], id_windows [4, B, X, N])`."""
+def _ids(q_ids, k_ids, per_kv, keys=False):
+  """The contract's ids (`[B, N]`, or per head `[B, N, H]` and `[B, N, Hkv]`) as the kernels
+  read them: `(q_ids [B, X, N], k_ids [B, X', N], id_windows [4, B, X, N])` for those over
+  query rows (the forward, dq); `keys`: `(k_ids, q_ids, windows [4, B, X', N])` for the
+  dk/dv kernel's key rows, each key's windows over the queries of every query head reading
+  its key/value head (their union; the run all of them share)."""
   heads = lambda x: (x[:, None] if x.ndim == 2 else x.transpose(0, 2, 1)).astype(jnp.int32)
   q_ids, k_ids = heads(q_ids), heads(k_ids)
-  return q_ids, k_ids, id_windows(q_ids, jnp.repeat(k_ids, q_ids.shape[1] // k_ids.shape[1],
-                                                    axis=1))
+  group = q_ids.shape[1] // k_ids.shape[1]  # query heads reading each key/value id head
+  if not keys:
+    return q_ids, k_ids, id_windows(q_ids, jnp.repeat(k_ids, group, axis=1))
+  w = id_windows(jnp.repeat(k_ids, group, axis=1), q_ids)  # [4, B, X, N]
+  w = w.reshape(4, w.shape[1], k_ids.shape[1], group, w.shape[-1])
+  return k_ids, q_ids, jnp.stack([w[0].min(2), w[1].max(2), w[2].max(2), w[3].min(2)])
 
 
 def _itemsize(out_dtype) -> int:
@@ -224,21 +231,30 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype, ids=None):
 
 
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
-             branches=None, config=None, grad_dtype=None):
+             branches=None, config=None, grad_dtype=None, segment_ids=None):
   """float32 `(dq, dk, dv)` of `branches` from the global `lse` and `delta`: a dk/dv kernel
   over key rows (the transposed schedule) that also adds dq (`Config.fused_backward`), or
   with a dq kernel over query rows (the forward's schedule); each launch's kernels add the
   earlier launches' gradients to their own in their epilogues (fused: dk, dv; dq added to
   the float32 accumulators' sum). With `grad_dtype` bfloat16 the separate kernels write the
   gradients in bfloat16 (no float32 copy; the earlier launches' read in bfloat16 and added
-  in float32). Head dims 64 and 128 (`supports`)."""
-  config = (config or Config()).resolved(q.shape[-1], q.dtype.itemsize)
+  in float32). Head dims 64 and 128 (`supports`). `segment_ids`: packed rows, as in
+  `forward`."""
+  config = (config or Config()).resolved(q.shape[-1], q.dtype.itemsize,
+                                         packed=segment_ids is not None)
   final = grad_dtype is not None and jnp.dtype(grad_dtype) == jnp.bfloat16
-  fn = lambda *a: _backward(*a, pattern, scale, branches, config, final)
-  return batched(fn)(q, k, v, dout, lse, delta)
+  if segment_ids is None:
+    fn = lambda *a: _backward(*a, pattern, scale, branches, config, final)
+    return batched(fn)(q, k, v, dout, lse, delta)
+  per_kv = q.shape[2] // k.shape[2]
+  fn = lambda *a: _backward(*a[:6], pattern, scale, branches, config, final,
+                            (_ids(*a[6:], per_kv), _ids(*a[6:], per_kv, keys=True)))
+  return batched(fn)(q, k, v, dout, lse, delta, *segment_ids)
 
 
-def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config, final):
+def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config, final, ids=None):
+  """`ids`: None, or the ids as the kernels over query rows and over key rows read them."""
+  q_ids, k_ids = ids or (None, None)
   batch, n, num_heads, _ = q.shape
   num_kv = k.shape[2]
   if why := geometry_problem(pattern, n, num_heads, num_kv, branches, config, batch):
@@ -258,26 +274,28 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config, final
     strided = [t.reshape(batch, num_heads, n_pad // L, L).transpose(0, 1, 3, 2) for t in flat]
     transposed = schedule.build(pattern, n, num_heads, num_kv, fused, True)
     stats = (flat[0], strided[0], flat[1], strided[1])
-    cfg = config.backward_for(L, q.shape[-1], q.dtype.itemsize)
+    cfg = config.backward_for(L, q.shape[-1], q.dtype.itemsize, packed=ids is not None)
     if grads is not None:  # in the dtype of this launch's outputs (float32 when fused)
       dtype = jnp.float32 if cfg.fused_backward else out_dtype
       grads = tuple(g.astype(dtype)
                     for g in _to_rows(grads, out_length(sched, n_pad, ROW_BLOCK), (0.0,) * 3))
     if cfg.fused_backward:
       dq, dk, dv = _fused_backward(x, stats, transposed, n, pattern.causal, scale, cfg,
-                                   grads)
+                                   grads, k_ids)
     else:
       dq = mosaic_backward.dq_launch(*x, *strided, sched.arrays(), sched, n, pattern.causal,
-                                     scale, cfg, out_dtype, None if grads is None else grads[0])
+                                     scale, cfg, out_dtype, None if grads is None else grads[0],
+                                     q_ids)
       dk, dv = mosaic_backward.dkdv_launch(*x, stats, transposed.arrays(), transposed, n,
                                            pattern.causal, scale, cfg, out_dtype=out_dtype,
-                                           prior=None if grads is None else grads[1:])
+                                           prior=None if grads is None else grads[1:],
+                                           ids=k_ids)
     grads = dq, dk, dv
   return tuple(g[:, :n] for g in grads)
 
 
 def _fused_backward(x, stats, transposed: schedule.Schedule, n, causal, scale, config,
-                    prior=None):
+                    prior=None, ids=None):
   """dq, dk, dv of one launch from the dk/dv kernel alone: dq added into zeroed float32
   accumulators (a second one in the strided view when L > 1: TMA cannot address one array
   through both; one per consumer in interpret mode), summed here; plus `prior` (float32
@@ -293,7 +311,7 @@ def _fused_backward(x, stats, transposed: schedule.Schedule, n, causal, scale, c
   accs = [jax.new_ref(jnp.zeros(shape, jnp.float32)) for shape in shapes]
   dk, dv = mosaic_backward.dkdv_launch(*x, stats, transposed.arrays(), transposed, n, causal,
                                        scale, config, dq_accs=accs,
-                                       prior=None if prior is None else prior[1:])
+                                       prior=None if prior is None else prior[1:], ids=ids)
   dq = sum(acc[...].reshape(copies, batch, n_acc, num_heads, d).sum(0) for acc in accs)
   dq = dq[:, :dk.shape[1]] * scale
   return dq if prior is None else dq + prior[0], dk, dv

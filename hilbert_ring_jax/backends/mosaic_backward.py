@@ -39,7 +39,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ..pattern import heads_per_kv
 from . import schedule
 from .hopper import LOG2E, REGISTERS, accumulate, opaque, products, run, swizzled
-from .mosaic_pipeline import add_rows, at_rows, produce, produce_items, produce_kv, walk
+from .mosaic_pipeline import (add_rows, at_rows, id_inputs, id_window, produce, produce_items,
+                              produce_kv, walk)
 from .mosaic_plan import (BWD_BLOCK, Config, Ranges, Work, key_limit, out_length, query_bounds,
                           strided_view)
 
@@ -57,10 +58,13 @@ def _add_prior(prior_refs, b, rows, cls, head, tiles, bars, wg, grads):
 
 
 def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: int,
-              causal: bool, scale: float, config: Config, out_dtype=jnp.float32, prior=None):
+              causal: bool, scale: float, config: Config, out_dtype=jnp.float32, prior=None,
+              ids=None):
   """dq of one launch over the padded `[B, Np, ...]` inputs (lse2, delta `[B, H, L, Np/L]`,
   lse2 in base 2, +inf where no key is seen): `[B, No, H, D]` in `out_dtype`, plus `prior`
-  (the earlier launches' dq, `[B, No, H, D]` in `out_dtype`), added in the epilogues."""
+  (the earlier launches' dq, `[B, No, H, D]` in `out_dtype`), added in the epilogues.
+  `ids` (packed rows): as the forward's (`mosaic_forward.launch`), the same skipping and
+  masks."""
   batch, n_pad, num_heads, d = q.shape
   dtype = q.dtype
   L = sched.stride
@@ -73,18 +77,25 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
   interpret = config.interpret
   key_ranges = Ranges(True, n, L, causal, block_rows, bk)
   work = Work.of(sched, batch, config, causal, key_ranges)
+  packed = ids is not None
+  per_head = packed and max(ids[0].shape[1], ids[1].shape[1]) > 1  # ids per head
+  tiles_per_row = -(-(n_out // L) // bq)  # windows' query tiles per class of the view
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
-             k4_ref, k5_ref, v4_ref, v5_ref, prior_ref, dq_ref, smem, bars, free):
-    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, o_smem = smem
-    row_bars, k_bar, v_bar, prior_bar = bars
+             k4_ref, k5_ref, v4_ref, v5_ref, id_refs, prior_ref, dq_ref, smem, bars, free):
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, o_smem, qid_smem, kid_smem = smem
+    row_bars, k_bar, v_bar, prior_bar, qid_bar, kid_bar = bars
     k_free, v_free = free
     wg = lax.axis_index("wg")
+    window = functools.partial(id_window, id_refs and id_refs[3], bq,
+                               packed and ids[0].shape[1], per_head, L, tiles_per_row)
 
     def producer():
       produce_kv(work, origin_ref, rows_ref, per_kv, (k4_ref, k5_ref, k_smem, k_bar, k_free),
                  (v4_ref, v5_ref, v_smem, v_bar, v_free),
-                 lambda prog: key_ranges(prog, pieces_ref, bias_ref), L, bk, stages)
+                 lambda prog: key_ranges(prog, pieces_ref, bias_ref, None,
+                                         window(prog, 0, 1) if packed else None),
+                 L, bk, stages, (*id_refs[1:3], kid_smem, kid_bar, per_head) if packed else None)
 
     def consumer():
       plgpu.set_max_registers(REGISTERS[1], action="increase")
@@ -108,6 +119,9 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
                                 (delta_ref.at[b, head, cls, q_rows], delta_smem.at[wg],
                                  row_bars[3])):
             plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
+          if packed:
+            plgpu.copy_gmem_to_smem(id_refs[0].at[b, head if per_head else 0, cls, q_rows],
+                                    qid_smem.at[wg], qid_bar.at[wg])
 
       load_rows(prog_of(0))
 
@@ -118,10 +132,11 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
 
         @pl.when(prog.busy)
         def _():
-          for bar in row_bars:
+          for bar in row_bars + ((qid_bar,) if packed else ()):
             plgpu.barrier_wait(bar.at[wg])
 
         lse2 = plgpu.load(lse_smem.at[wg], layout=row_stat)
+        q_ids = plgpu.load(qid_smem.at[wg], layout=row_stat) if packed else None
         delta_i = plgpu.load(delta_smem.at[wg], layout=row_stat)
         q_first = prog.first + L * q_start
         q_pos = q_first + L * row_iota if causal else None
@@ -131,6 +146,10 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
           ds = p (dp - delta), dq += ds k."""
           dq, step = carry
           slot = lax.rem(step, stages)
+          if packed:  # every block's ids arrive (the barrier's phases), masked ones read them
+            plgpu.barrier_wait(kid_bar.at[slot])
+            if masked:
+              k_ids = plgpu.load(kid_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
           plgpu.barrier_wait(k_bar.at[slot])
           plgpu.barrier_wait(v_bar.at[slot])
           me = opaque(wg)  # q_tile, do_tile, indexed per block (`opaque`)
@@ -140,14 +159,18 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
           p = jnp.exp2(jnp.minimum(s * qk_scale - rows_of(lse2 - piece.bias), 0.0))
           if masked:
             limit = key_limit(piece, j * bk, q_pos, causal, L, span)
-            p = jnp.where(cols_iota <= (rows_of(limit) if causal else limit), p, 0.0)
+            keep = cols_iota <= (rows_of(limit) if causal else limit)
+            if packed:
+              keep = keep & (lax.broadcast_in_dim(k_ids, (bq, bk), [1]) == rows_of(q_ids))
+            p = jnp.where(keep, p, 0.0)
           ds = p * (dp - rows_of(delta_i))
           dq, = accumulate([dq], [(ds.astype(dtype), k_smem.at[slot])], interpret)
           plgpu.barrier_arrive(k_free.at[slot])
           return dq, step + 1
 
         dq = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
-        ranges = key_ranges(prog, pieces_ref, bias_ref, q_first)
+        ranges = key_ranges(prog, pieces_ref, bias_ref, q_first,
+                            (*window(prog, 0, 1), *window(prog, wg)[2:]) if packed else None)
         dq, step = walk(prog, ranges, block, (dq, step))
         # The next item's rows load during this one's store.
         pl.when(i + 1 < count)(lambda: load_rows(prog_of(i + 1)))
@@ -171,6 +194,7 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
 
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
             k4_ref, k5_ref, v4_ref, v5_ref, *refs):
+    id_refs, refs = (refs[:4], refs[4:]) if packed else (None, refs)
     prior_ref, dq_ref = refs if prior is not None else (None, *refs)
     tiles = swizzled(dtype)
     smem = [plgpu.SMEM((2, bq, d), dtype, transforms=tiles),
@@ -178,15 +202,19 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
             plgpu.SMEM((2, bq), jnp.float32), plgpu.SMEM((2, bq), jnp.float32),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
-            plgpu.SMEM((2, bq, d), out_dtype, transforms=swizzled(out_dtype))]
+            plgpu.SMEM((2, bq, d), out_dtype, transforms=swizzled(out_dtype)),
+            plgpu.SMEM((2, bq), jnp.int32) if packed else None,
+            plgpu.SMEM((stages, bk), jnp.int32) if packed else None]
+    id_bars = ((plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages)) if packed
+               else (None, None))
     pl.run_scoped(
         lambda smem, bars, free: kernel(
             origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
-            k4_ref, k5_ref, v4_ref, v5_ref, prior_ref, dq_ref, smem, bars, free),
+            k4_ref, k5_ref, v4_ref, v5_ref, id_refs, prior_ref, dq_ref, smem, bars, free),
         smem,
         ((plgpu.Barrier(num_barriers=2),) * 4, plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=stages),
-         None if prior is None else (plgpu.Barrier(num_barriers=2),)),
+         None if prior is None else (plgpu.Barrier(num_barriers=2),), *id_bars),
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
         collective_axes="wg")
 
@@ -194,14 +222,16 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
   rows, pieces, bias = tables
   view = functools.partial(strided_view, stride=L)
   args = (work.table(rows), pieces.reshape(-1), bias, view(q), view(dout), lse2, delta,
-          k, view(k), v, view(v), *([] if prior is None else [view(prior)]))
+          k, view(k), v, view(v),
+          *(id_inputs(ids, n_pad, L, bq, tiles_per_row) if packed else ()),
+          *([] if prior is None else [view(prior)]))
   dq, = run(entry, out_type, work.grid, args, interpret)
   return dq.reshape(batch, n_out, num_heads, d)
 
 
 def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
                 causal: bool, scale: float, config: Config, dq_accs=None,
-                out_dtype=jnp.float32, prior=None):
+                out_dtype=jnp.float32, prior=None, ids=None):
   """dk, dv of one launch (the transposed schedule: key rows of each key/value head, query
   pieces of the query heads reading it) over the padded `[B, Np, ...]` inputs (`stats`:
   lse2 and delta as `[B, H, Np]` and `[B, H, L, Np/L]`): `[B, No, Hkv, D]` each, in
@@ -212,7 +242,12 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   C = 2 in interpret mode, else 1) the kernel also adds dq into them: each step both
   consumers put their ds^T in shared memory, and one of them (taking turns) computes the
   dq of the query block from both halves (dq = ds_0 k_0 + ds_1 k_1) and adds it with a TMA
-  reduce-add store."""
+  reduce-add store.
+
+  `ids` (packed rows): `(k_ids [B, X', N], q_ids [B, X, N], windows [4, B, X', N])`, the
+  forward's with the roles of queries and keys swapped: each key's windows over the queries
+  of every query head reading its key/value head (`mosaic._ids`). The producer skips query
+  blocks outside an item's union; the others are masked by comparing ids."""
   batch, n_pad, num_heads, d = q.shape
   num_kv = k.shape[2]
   dtype = q.dtype
@@ -229,15 +264,20 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   assert not fused or out_dtype == jnp.float32, "the fused kernel stages dq in float32"
   # 16-bit outputs: dk and dv in tiles of their own, in the bytes of two float32 tiles.
   two_tiles = jnp.dtype(out_dtype).itemsize == 2
+  packed = ids is not None
+  per_head = packed and max(ids[0].shape[1], ids[1].shape[1]) > 1  # ids per head
+  tiles_per_row = -(-(n_out // L) // bk)  # windows' key tiles per class of the view
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref,
-             do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dq_refs, prior_refs,
-             dk_ref, dv_ref, smem, bars, free):
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem = smem[:7]
-    row_bars, q_bar, do_bar, lse_bar, delta_bar, prior_bars = bars[:6]
-    ds_smem, ds_bars = (smem[7], bars[6]) if fused else (None, None)
+             do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, id_refs, dq_refs,
+             prior_refs, dk_ref, dv_ref, smem, bars, free):
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem, kid_smem, qid_smem = smem[:9]
+    row_bars, q_bar, do_bar, lse_bar, delta_bar, prior_bars, kid_bar, qid_bar = bars[:8]
+    ds_smem, ds_bars = (smem[9], bars[8]) if fused else (None, None)
     q_free, do_free, stat_free = free
     wg = lax.axis_index("wg")
+    window = functools.partial(id_window, id_refs and id_refs[3], bk,
+                               packed and ids[0].shape[1], per_head, L, tiles_per_row)
 
     def stream(prog, src4, src5, smem, bar, stat=False):
       b = prog.b
@@ -250,6 +290,14 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
                 lambda box: plgpu.copy_gmem_to_smem(box, smem.at[slot], bar.at[slot]))
       return load
 
+    def id_stream(prog):  # the query blocks' document ids, freed with the queries
+      def load(piece, j, slot):
+        x = piece.head if per_head else 0
+        at_rows(id_refs[1], id_refs[2], prog.base + piece.first, j * bq, bq, piece.stride, L,
+                lambda rows, c: (prog.b, x, rows) if c is None else (prog.b, x, c, rows),
+                lambda box: plgpu.copy_gmem_to_smem(box, qid_smem.at[slot], qid_bar.at[slot]))
+      return load
+
     def loads(*streams):
       def load(piece, j, slot):
         for s in streams:
@@ -258,9 +306,11 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
     def producer():
       def item(prog, step):
+        q_stream = stream(prog, q4_ref, q5_ref, q_smem, q_bar)
         return produce(
-            prog, query_ranges(prog, pieces_ref, bias_ref),
-            [(q_free, stream(prog, q4_ref, q5_ref, q_smem, q_bar)),
+            prog, query_ranges(prog, pieces_ref, bias_ref, None,
+                               window(prog, 0, 1) if packed else None),
+            [(q_free, loads(q_stream, id_stream(prog)) if packed else q_stream),
              (stat_free, loads(stream(prog, lse4_ref, lse5_ref, lse_smem, lse_bar, True),
                                stream(prog, delta4_ref, delta5_ref, delta_smem, delta_bar,
                                       True))),
@@ -325,6 +375,9 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
         def _():
           plgpu.copy_gmem_to_smem(k_ref.at[b, k_rows, cls, head], k_tile, row_bars[0].at[wg])
           plgpu.copy_gmem_to_smem(v_ref.at[b, k_rows, cls, head], v_tile, row_bars[1].at[wg])
+          if packed:
+            plgpu.copy_gmem_to_smem(id_refs[0].at[b, head if per_head else 0, cls, k_rows],
+                                    kid_smem.at[wg], kid_bar.at[wg])
 
       # Split kernel: the next item's rows load during this one's stores. (The fused one's k
       # tiles are read by the other consumer's dq products until it settles: loaded late.)
@@ -346,7 +399,11 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             load_rows(prog)
           plgpu.barrier_wait(row_bars[0].at[wg])
           plgpu.barrier_wait(row_bars[1].at[wg])
+          if packed:
+            plgpu.barrier_wait(kid_bar.at[wg])
 
+        k_ids = plgpu.load(kid_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) if packed \
+            else None
         k_pos = prog.first + L * (k_start + row_iota) if causal else None
         k_last = prog.first + L * (jnp.minimum(k_start + bk, prog.nrows) - 1)
 
@@ -356,6 +413,10 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           dk, dv, step, owed = carry
           slot = lax.rem(step, stages)
           plgpu.barrier_wait(q_bar.at[slot])
+          if packed:  # every block's ids arrive (the barrier's phases), masked ones read them
+            plgpu.barrier_wait(qid_bar.at[slot])
+            if masked:
+              q_ids = plgpu.load(qid_smem.at[slot], layout=col_stat)
           plgpu.barrier_wait(do_bar.at[slot])
           me = opaque(wg)  # k_tile, v_tile, indexed per block (`opaque`)
           s_t, dp_t = products([(k_smem.at[me], q_smem.at[slot].T),
@@ -371,6 +432,8 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             visible = cols_iota < hi
             if causal:
               visible = visible & (cols_iota >= lax.broadcast_in_dim(lo, (bk, bq), [0]))
+            if packed:
+              visible = visible & (lax.broadcast_in_dim(k_ids, (bk, bq), [0]) == cols_of(q_ids))
             p_t = jnp.where(visible, p_t, 0.0)
           ds16 = (p_t * (dp_t - cols_of(delta_j))).astype(dtype)
           if fused:
@@ -384,7 +447,8 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           return dk, dv, step + 1, (lax.rem(step, 2) != wg).astype(jnp.int32)
 
         zeros = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
-        ranges = query_ranges(prog, pieces_ref, bias_ref, k_last)
+        ranges = query_ranges(prog, pieces_ref, bias_ref, k_last,
+                              (*window(prog, 0, 1), *window(prog, wg)[2:]) if packed else None)
         owed = jnp.where(prog.busy, 0, owed)  # settled above
         dk, dv, step, owed = walk(prog, ranges, block, (zeros, zeros, step, owed))
         if early:
@@ -424,6 +488,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref, do4_ref,
             do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, *refs):
+    id_refs, refs = (refs[:4], refs[4:]) if packed else (None, refs)
     split = len(refs) - 2 - (prior is not None) * 2
     dq_refs, prior_refs, (dk_ref, dv_ref) = refs[:split], refs[split:-2], refs[-2:]
     prior_refs = prior_refs or (None, None)
@@ -436,9 +501,13 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((4 if two_tiles else 2, bk, d), out_dtype,
-                       transforms=swizzled(out_dtype))]
+                       transforms=swizzled(out_dtype)),
+            plgpu.SMEM((2, bk), jnp.int32) if packed else None,
+            plgpu.SMEM((stages, bq), jnp.int32) if packed else None]
     bars = [(plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 4,
-            (None, None) if prior is None else (plgpu.Barrier(num_barriers=2),) * 2]
+            (None, None) if prior is None else (plgpu.Barrier(num_barriers=2),) * 2,
+            plgpu.Barrier(num_barriers=2) if packed else None,
+            plgpu.Barrier(num_barriers=stages) if packed else None]
     if fused:
       smem.append(plgpu.SMEM((2, bk, bq), dtype, transforms=tiles))
       bars.append((plgpu.Barrier(num_arrivals=2, num_barriers=2),
@@ -446,8 +515,8 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
     pl.run_scoped(
         lambda smem, bars, free: kernel(
             origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref, do4_ref,
-            do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, dq_refs, prior_refs, dk_ref,
-            dv_ref, smem, bars, free),
+            do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, id_refs, dq_refs, prior_refs,
+            dk_ref, dv_ref, smem, bars, free),
         smem, bars,
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 3,
         collective_axes="wg")
@@ -456,6 +525,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   rows, pieces, bias = tables
   view = functools.partial(strided_view, stride=L)
   args = (work.table(rows), pieces.reshape(-1), bias, view(k), view(v), q, view(q), dout,
-          view(dout), *stats, *(dq_accs or ()), *map(view, prior or ()))
+          view(dout), *stats, *(id_inputs(ids, n_pad, L, bk, tiles_per_row) if packed else ()),
+          *(dq_accs or ()), *map(view, prior or ()))
   dk, dv = run(entry, out_type, work.grid, args, interpret)
   return tuple(x.reshape(batch, n_out, num_kv, d) for x in (dk, dv))

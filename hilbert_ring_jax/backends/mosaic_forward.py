@@ -38,7 +38,7 @@ from ..pattern import heads_per_kv
 from . import schedule
 from .hopper import (LN2, LOG2E, REGISTERS, SMEM_BYTES, accumulate, products, run, swizzled,
                      turns)
-from .mosaic_pipeline import produce_kv, walk
+from .mosaic_pipeline import id_inputs, id_window, produce_kv, walk
 from .mosaic_plan import Config, Ranges, Work, key_limit, out_length, smem_bytes, strided_view
 
 def _merge_prior(prior_refs, prog, rows, o_tile, lse_tile, bars, acc, m_i, l_i, rows_of,
@@ -66,26 +66,6 @@ def _merge_prior(prior_refs, prog, rows, o_tile, lse_tile, bars, acc, m_i, l_i, 
   lse_tile[...] = jnp.where(seen, (top + jnp.log2(jnp.where(seen, den, 1.0))) * LN2, -jnp.inf)
 
 
-def _id_args(ids, n_pad: int, L: int, bq: int, tiles: int):
-  """The kernel's id inputs: the queries' ids `[B, X, L, Np/L]` (the strided view,
-  transposed: a tile's ids are contiguous), the keys' `[B, X', Np]` and `[B, X', L, Np/L]`,
-  and per tile of `bq` rows of the view (`tiles` a class, covering the outputs) its windows,
-  `[B, X, L, T, 4]` flat: the union `(min u0, max u1)` and the common run `(max r0, min
-  r1)`, empty unless every query of the tile is in the one run."""
-  q_ids, k_ids, windows = ids
-  n = q_ids.shape[2]
-  pad = lambda x, size, value=0: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)],
-                                         constant_values=value)
-  view_t = lambda x: x.reshape(*x.shape[:-1], -1, L).swapaxes(-1, -2)  # [..., L, N / L]
-  far = jnp.iinfo(jnp.int32).max // 2
-  stats = [reduce(view_t(pad(w, tiles * bq * L, fill)).reshape(*w.shape[:2], L, tiles, bq),
-                  axis=-1)
-           for w, fill, reduce in zip(windows, (far, -1, far, -1),
-                                      (jnp.min, jnp.max, jnp.max, jnp.min))]
-  table = jnp.stack(stats, axis=-1).reshape(-1)
-  return view_t(pad(q_ids, n_pad)), pad(k_ids, n_pad), view_t(pad(k_ids, n_pad)), table
-
-
 def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
            scale: float, out_dtype, config: Config, prior=None, ids=None):
   """One launch over the padded `q, k, v [B, Np, H(kv), D]`: (out [B, No, H, D], lse
@@ -98,7 +78,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
   queries' and keys' document ids (X = H, X' = Hkv where each head has its own, else 1)
   and each query's `mosaic.id_windows`: the key positions `[u0, u1]` that may share its
   document, and a run `[r0, r1]` of keys all in it. Per `block_q` query rows of the strided
-  view they are reduced to the tile's union and common run (`_window_table`). The producer
+  view they are reduced to the tile's union and common run (`id_inputs`). The producer
   skips the blocks outside the item's union; a consumer's blocks inside its run run as
   before; the others compare each score's key id with its query's."""
   batch, n_pad, num_heads, d = q.shape
@@ -123,7 +103,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
   same = out_dtype == dtype  # then the output tile reuses the query tile
   out_itemsize = out_dtype.itemsize
   packed = ids is not None
-  per_head = packed and ids[0].shape[1] > 1
+  per_head = packed and max(ids[0].shape[1], ids[1].shape[1]) > 1  # ids per head
   id_heads = ids[0].shape[1] if packed else 1
   # Query tiles per consumer: two when persistent and they fit, so that the next item's
   # queries load while this one runs.
@@ -138,16 +118,9 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
     (k_free, v_free), turn = free
     wg = lax.axis_index("wg")
 
-    def window(prog, tile):
-      """`(u0, u1, r0, r1)` of query tile `tile` (0, 1: the consumers') of the item."""
-      x = prog.head if per_head else 0
-      row = lax.div(prog.row0 + prog.start, bq) + tile
-      at = (((prog.b * id_heads + x) * L + prog.cls) * tiles_per_row + row) * 4
-      return [id_refs[3][at + i] for i in range(4)]
-
-    def item_window(prog):  # the keys any query of the item may see: both tiles' union
-      (a0, a1, _, _), (b0, b1, _, _) = window(prog, 0), window(prog, 1)
-      return jnp.minimum(a0, b0), jnp.maximum(a1, b1)
+    window = functools.partial(id_window, id_refs and id_refs[3], bq, id_heads, per_head, L,
+                               tiles_per_row)
+    item_window = lambda prog: (*window(prog, 0, 1),)  # both consumers' union
 
     def producer():
       produce_kv(work, origin_ref, rows_ref, per_kv, (k4_ref, k5_ref, k_smem, k_bar, k_free),
@@ -313,7 +286,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
   view = functools.partial(strided_view, stride=L)
   args = (work.table(rows), pieces.reshape(-1), bias, view(q), k, view(k), v, view(v))
   if packed:
-    args += _id_args(ids, n_pad, L, bq, tiles_per_row)
+    args += id_inputs(ids, n_pad, L, bq, tiles_per_row)
   if prior is not None:
     out_p, lse_p = prior
     args += (view(out_p), lse_p.reshape(batch, n_out // L, L, num_heads).transpose(0, 3, 2, 1))

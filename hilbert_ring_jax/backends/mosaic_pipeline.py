@@ -148,3 +148,46 @@ def walk(prog: Program, ranges, block, carry):
     return carry
 
   return lax.fori_loop(prog.p0, prog.p1, per_piece, carry)
+
+
+def id_inputs(ids, n_pad: int, L: int, size: int, tiles: int):
+  """A kernel's document-id inputs (packed rows) from `(row_ids [B, X, N], stream_ids [B,
+  X', N], windows [4, B, X, N])`: the ids of the rows it keeps (the forward's and dq's
+  queries, dk/dv's keys) and of those it streams, and `mosaic.id_windows` of each row over
+  the streamed ones. Returns the row ids `[B, X, L, Np/L]` (the strided view, transposed: a
+  tile's ids are contiguous), the streamed ids `[B, X', Np]` and `[B, X', L, Np/L]`, and
+  per tile of `size` rows of the view (`tiles` a class, covering the outputs) its windows,
+  `[B, X, L, T, 4]` flat (`id_window`): the union `(min u0, max u1)` and the common run
+  `(max r0, min r1)`, empty unless every row of the tile is in the one run."""
+  row_ids, stream_ids, windows = ids
+  n = row_ids.shape[2]
+  pad = lambda x, length, value=0: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, length - n)],
+                                           constant_values=value)
+  view_t = lambda x: x.reshape(*x.shape[:-1], -1, L).swapaxes(-1, -2)  # [..., L, N / L]
+  far = jnp.iinfo(jnp.int32).max // 2
+  stats = [reduce(view_t(pad(w, tiles * size * L, fill)).reshape(*w.shape[:2], L, tiles,
+                                                                  size), axis=-1)
+           for w, fill, reduce in zip(windows, (far, -1, far, -1),
+                                      (jnp.min, jnp.max, jnp.max, jnp.min))]
+  return (view_t(pad(row_ids, n_pad)), pad(stream_ids, n_pad), view_t(pad(stream_ids, n_pad)),
+          jnp.stack(stats, axis=-1).reshape(-1))
+
+
+def id_window(table_ref, size: int, heads: int, per_head: bool, L: int, tiles: int, prog,
+              first: int, last: int | None = None):
+  """`(u0, u1, r0, r1)` of an item's row tile `first` (0, 1: the consumers' tiles of `size`
+  rows) from `id_inputs`' table; with `last`, the union `(u0, u1)` of tiles `first..last`."""
+
+  def read(tile):
+    x = prog.head if per_head else 0
+    row = lax.div(prog.row0 + prog.start, size) + tile
+    at = (((prog.b * heads + x) * L + prog.cls) * tiles + row) * 4
+    return [table_ref[at + i] for i in range(4)]
+
+  if last is None:
+    return read(first)
+  u0, u1, _, _ = read(first)
+  for tile in range(first + 1, last + 1):
+    a, b, _, _ = read(tile)
+    u0, u1 = jnp.minimum(u0, a), jnp.maximum(u1, b)
+  return u0, u1

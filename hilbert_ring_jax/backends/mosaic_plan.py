@@ -133,13 +133,15 @@ class Config:
         f"{smem_bytes(config, head_dim, itemsize, out_itemsize)} bytes of shared memory at "
         f"head dim {head_dim} ({SMEM_BYTES} available): choose smaller blocks or fewer stages")
 
-  def backward_for(self, stride: int, head_dim: int, itemsize: int = 2) -> Config:
+  def backward_for(self, stride: int, head_dim: int, itemsize: int = 2,
+                   packed: bool = False) -> Config:
     """The backward's choices for a launch of row stride `stride`: fused where unstrided
     (unless `fused_backward` says), with 2 stages; split with the most stages that fit (up
-    to 3). Explicit backward stages that do not fit fail when the kernel lowers."""
+    to 3; `packed`: with the document ids' buffers). Explicit backward stages that do not
+    fit fail when the kernel lowers."""
     fused = stride == 1 if self.fused_backward is None else self.fused_backward
     stages = self.backward_stages or (2 if fused else max(
-        [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize) <= SMEM_BYTES]
+        [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize, packed) <= SMEM_BYTES]
         or [2]))
     return dataclasses.replace(self, backward_stages=stages, fused_backward=fused)
 
@@ -161,14 +163,16 @@ BWD_BLOCK = 64  # queries and keys per backward block (a program: two blocks of 
 ROW_BLOCK = 2 * BWD_BLOCK
 
 
-def _backward_smem_bytes(stages: int, head_dim: int, itemsize: int) -> int:
+def _backward_smem_bytes(stages: int, head_dim: int, itemsize: int,
+                         packed: bool = False) -> int:
   """Both split backward kernels hold, per consumer, two resident tiles (q and dout, or k
   and v) and a float32 output tile, and a ring of two streamed tiles (k and v, or q and
-  dout) and two row statistics."""
+  dout) and two row statistics; `packed`: the resident rows' and the streamed blocks'
+  document ids too."""
   tile = BWD_BLOCK * head_dim
   resident = 2 * 2 * tile * itemsize + 2 * tile * 4
-  ring = stages * (2 * tile * itemsize + 2 * BWD_BLOCK * 4)
-  return resident + ring + 2 * 2 * BWD_BLOCK * 4 + _SMEM_SLACK
+  ring = stages * (2 * tile * itemsize + (2 + packed) * BWD_BLOCK * 4)
+  return resident + ring + (2 + packed) * 2 * BWD_BLOCK * 4 + _SMEM_SLACK
 
 
 def launches(pattern: DilatedPattern, n: int, num_heads: int, branches):
@@ -480,11 +484,12 @@ def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_firs
   return ranges
 
 
-def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last=None):
+def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last=None, window=None):
   """Query pieces of a key row (dk/dv): `(piece, lo, a, b, hi)` where `[lo, hi)` covers the
   queries that see any key of the program (causal: at or after its first key), `[a, b)` the
   blocks of queries that exist and see every key up to `k_last`, a consumer's last key;
-  with `k_last` None, `(piece, lo, hi)` for the producer."""
+  with `k_last` None, `(piece, lo, hi)` for the producer. `window`: as `_key_ranges`', the
+  roles of queries and keys swapped."""
   k_first = prog.first + L * prog.start
 
   def before(piece, pos):  # queries of the piece before position `pos`
@@ -498,10 +503,20 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last=None):
   def ranges(p):
     piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n, L)
     lo, hi = lax.div(before(piece, k_first), bq), ceil_div(piece.count, bq)
+    if window is not None:
+      at = prog.base + piece.first
+      i0, i1 = _window_keys(piece, at, window[0], window[1], L, n)
+      lo = jnp.maximum(lo, lax.div(i0, bq))
+      hi = jnp.maximum(lo, jnp.minimum(hi, ceil_div(i1, bq)))
     if k_last is None:
       return piece, lo, hi
     a = jnp.maximum(lo, ceil_div(before(piece, k_last), bq))
-    return piece, lo, a, jnp.maximum(a, lax.div(piece.count, bq)), hi
+    b = jnp.maximum(a, lax.div(piece.count, bq))
+    if window is None:
+      return piece, lo, a, b, hi
+    i0, i1 = _window_keys(piece, at, window[2], window[3], L, n)
+    a = jnp.clip(jnp.maximum(a, ceil_div(i0, bq)), lo, hi)
+    return piece, lo, a, jnp.clip(jnp.minimum(b, lax.div(i1, bq)), a, hi), hi
 
   return ranges
 
@@ -525,7 +540,7 @@ class Ranges:
       return _key_ranges(prog, pieces_ref, bias_ref, self.n, self.L, self.causal,
                          self.block_rows, self.block, bound, window)
     return _query_ranges(prog, pieces_ref, bias_ref, self.n, self.L, self.causal, self.block,
-                         bound)
+                         bound, window)
 
 
 def strided_view(x, stride: int):
