@@ -1,0 +1,166 @@
+"""Packed rows (`segment_ids`): our kernels against the peers a user has, in one run.
+
+Full causal attention over one row of `--seq-len` tokens packed with documents of log-normal
+lengths (median `--median`, at most `--max-doc`; the last one cut at the row's end), B = 1:
+- "ours": `dilated_attention(..., segment_ids=ids)` (the default backend: mosaic on Hopper);
+- "ours_dense": the same row without ids (causal over the whole row), the TFLOP/s yardstick;
+- "cudnn_padded": the documents padded to the longest, one a batch row, cuDNN with
+  `query_seq_lengths` / `key_value_seq_lengths` (inputs padded beforehand, as a data loader
+  would: the padding is not timed);
+- "jax_mha": JAX's Pallas-Triton `mha` with `segment_ids`;
+- "tokamax": tokamax's attention with the documents as a boolean mask (when importable).
+Forward and forward+backward medians (`timing.median_ms`), TFLOP/s counted on the pairs the
+documents leave visible, each peer's output checked against ours (relative L2). Then LongNet
+with every id equal against no ids (what packing costs where it changes nothing).
+
+  python benchmarks/bench_packed.py --seq-len 32768 --median 2048 --json out/packed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench_pallas import _tokamax, rel_l2
+from ring_scaling import pattern_for
+from timing import median_ms
+from hilbert_ring_jax import DilatedPattern, dilated_attention
+
+
+def documents(n, median, max_doc, seed):
+  """Document lengths filling `n` tokens: log-normal (sigma 1), in [1, max_doc]."""
+  rng = np.random.default_rng(seed)
+  lengths = []
+  while sum(lengths) < n:
+    lengths.append(int(np.clip(rng.lognormal(np.log(median), 1.0), 1, max_doc)))
+  lengths[-1] -= sum(lengths) - n
+  return lengths
+
+
+def peers(lengths, n, causal_pattern, scale):
+  """`name -> (prepare(q, k, v, do) -> args, fn(*args) -> out, unprepare(out) -> [1, N, ...])`."""
+  ids = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+  starts = np.cumsum([0] + lengths[:-1])
+  longest = -(-max(lengths) // 128) * 128
+  # [docs, longest] gather indices into the row (padding reads position 0, masked by lengths)
+  index = np.zeros((len(lengths), longest), np.int32)
+  for i, (s, length) in enumerate(zip(starts, lengths)):
+    index[i, :length] = np.arange(s, s + length)
+  index = jnp.asarray(index)
+  lens = jnp.asarray(lengths, jnp.int32)
+  flat = np.concatenate([np.arange(i * longest, i * longest + length)
+                         for i, length in enumerate(lengths)])
+
+  def pad(*xs):
+    return tuple(x[0][index] for x in xs)  # [docs, longest, H, D]
+
+  def unpad(out):
+    return out.reshape(-1, *out.shape[2:])[flat][None]
+
+  same = lambda x: x
+  table = {
+      "ours": (lambda *x: x, lambda q, k, v: dilated_attention(
+          q, k, v, causal_pattern, scale=scale, segment_ids=ids), same),
+      "ours_dense": (lambda *x: x, lambda q, k, v: dilated_attention(
+          q, k, v, causal_pattern, scale=scale), None),
+      "cudnn_padded": (pad, lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, scale=scale, is_causal=True, query_seq_lengths=lens,
+          key_value_seq_lengths=lens, implementation="cudnn"), unpad),
+  }
+
+  def mha(q, k, v):
+    from jax.experimental.pallas.ops.gpu import attention  # pylint: disable=g-import-not-at-top
+    return attention.mha(q, k, v, ids, sm_scale=scale, causal=True)
+
+  table["jax_mha"] = (lambda *x: x, mha, same)
+
+  def tokamax(q, k, v):
+    mask = (ids[:, None, :, None] == ids[:, None, None, :])  # [1, 1, N, N] booleans
+    return _tokamax().dot_product_attention(q, k, v, scale=scale, is_causal=True, mask=mask,
+                                            implementation="mosaic")
+
+  table["tokamax"] = (lambda *x: x, tokamax, same)
+  return ids, table
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--seq-len", type=int, default=32768)
+  ap.add_argument("--median", type=int, default=2048)
+  ap.add_argument("--max-doc", type=int, default=16384)
+  ap.add_argument("--heads", type=int, default=16)
+  ap.add_argument("--head-dim", type=int, default=128)
+  ap.add_argument("--impl", default="ours,ours_dense,cudnn_padded,jax_mha,tokamax")
+  ap.add_argument("--runs", type=int, default=5)
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--json", default=None)
+  args = ap.parse_args()
+  n, h, d = args.seq_len, args.heads, args.head_dim
+  lengths = documents(n, args.median, args.max_doc, args.seed)
+  visible = sum(length * (length + 1) // 2 for length in lengths) * h
+  pattern = DilatedPattern((n,), (1,), causal=True)
+  scale = d ** -0.5
+  ids, table = peers(lengths, n, pattern, scale)
+  keys = jax.random.split(jax.random.PRNGKey(args.seed), 4)
+  q, k, v, do = (jax.random.normal(key, (1, n, h, d), jnp.bfloat16) for key in keys)
+  result = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, args=vars(args),
+                documents=lengths, rows=[])
+  print(f"JAX {jax.__version__}, {jax.devices()[0].device_kind}; {len(lengths)} documents, "
+        f"median {int(np.median(lengths))}, longest {max(lengths)}", flush=True)
+  reference = None
+  for name in args.impl.split(","):
+    prepare, fn, unprepare = table[name]
+    row = dict(impl=name)
+    try:
+      x = prepare(q, k, v, do)
+      fwd = jax.jit(fn)
+      out = fwd(*x[:3])
+      if unprepare is not None:
+        out = unprepare(out)
+        reference = out if reference is None else reference
+        row["rel_l2_vs_ours"] = rel_l2(out, reference)
+      fb = jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))
+      row["fwd_ms"] = median_ms(fwd, x[:3], args.runs)
+      row["fwdbwd_ms"] = median_ms(fb, x, args.runs)
+      # TFLOP/s on the visible pairs (the dense row's own work is larger: n (n + 1) / 2 h).
+      flops = 4 * d * visible
+      row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+      row["fwdbwd_tflops"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
+      if name == "ours_dense":  # its own TFLOP/s, on the whole causal row
+        dense = 4 * d * n * (n + 1) // 2 * h
+        row["own_fwd_tflops"] = dense / row["fwd_ms"] / 1e9
+        row["own_fwdbwd_tflops"] = 3.5 * dense / row["fwdbwd_ms"] / 1e9
+    except Exception as e:  # a peer that is missing or fails here: reported, not fatal
+      row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    result["rows"].append(row)
+    print(json.dumps(row), flush=True)
+  rows = {r["impl"]: r for r in result["rows"] if "fwdbwd_ms" in r}
+  if "ours" in rows:
+    others = [r["fwdbwd_ms"] for name, r in rows.items() if name not in ("ours", "ours_dense")]
+    if others:
+      result["speedup_vs_best_peer_fwdbwd"] = min(others) / rows["ours"]["fwdbwd_ms"]
+    if "ours_dense" in rows:
+      result["visible_tflops_vs_dense_fwdbwd"] = (rows["ours"]["fwdbwd_tflops"]
+                                                  / rows["ours_dense"]["own_fwdbwd_tflops"])
+  # LongNet with every id equal against no ids.
+  longnet = pattern_for("longnet", n, False)  # ring_scaling's: 2048..32768 x 1..16
+  zeros = jnp.zeros((1, n), jnp.int32)
+  times = {}
+  for label, kwargs in (("no ids", {}), ("equal ids", dict(segment_ids=zeros))):
+    fn = lambda q, k, v, kwargs=kwargs: dilated_attention(q, k, v, longnet, **kwargs)
+    fb = jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(fn, q, k, v)[1](do))
+    times[label] = median_ms(fb, (q, k, v, do), args.runs)
+  result["longnet_equal_ids_over_none_fwdbwd"] = times["equal ids"] / times["no ids"]
+  print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "documents", "args")}),
+        flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
