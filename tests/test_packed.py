@@ -334,13 +334,20 @@ def test_decoding_continues_the_last_document(chunk):
   assert not np.allclose(ref[:, prompt:], plain[:, prompt:], atol=1e-3)
 
 
-def test_packed_step_backend_is_xla():
+def test_packed_step_backend():
+  """Packed caches step on the token-step kernel where it runs (here: interpret mode, as the
+  config asks), else on "xla"; chunks always on "xla"."""
+  from hilbert_ring_jax.backends import mosaic_decode  # pylint: disable=g-import-not-at-top
   from hilbert_ring_jax.decode import step_backend  # pylint: disable=import-outside-toplevel
   q = jnp.ones((1, 1, 4, 64), jnp.bfloat16)
   pattern = DilatedPattern((64,), (1,), causal=True)
-  assert step_backend(q, q, pattern, ("mosaic", "xla"), packed=True) == "xla"
-  with pytest.raises(backends.NoBackendError, match="segment_ids"):
-    step_backend(q, q, pattern, "mosaic", packed=True)
+  assert step_backend(q, q, pattern, ("mosaic", "xla"), packed=True) == (
+      "mosaic" if jax.default_backend() == "gpu" and jax.__version_info__ >= (0, 11) else "xla")
+  interpret = mosaic_decode.Config(interpret=True)
+  assert step_backend(q, q, pattern, ("mosaic", "xla"), interpret, packed=True) == (
+      "mosaic" if jax.__version_info__ >= (0, 11) else "xla")
+  chunk = jnp.ones((1, 3, 4, 64), jnp.bfloat16)
+  assert step_backend(chunk, chunk, pattern, ("mosaic", "xla"), interpret, packed=True) == "xla"
 
 
 def test_layers_decode_packed_prompts():

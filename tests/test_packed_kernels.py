@@ -229,7 +229,8 @@ def test_mosaic_takes_packed_problems(monkeypatch):
 def test_mosaic_packed_lowers_for_the_gpu():
   """The packed kernels go through Mosaic GPU's own lowering for CUDA on a CPU (not only the
   interpreter): an unstrided and a strided launch, causal, per-head ids (shared ones take
-  the same code, reading head 0), forward and backward."""
+  the same code, reading head 0), forward and backward, and the token step of a packed
+  cache."""
   per_head = True
   pattern = DilatedPattern((128, 256, 1024), (1, 1, 4), causal=True)
   q = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
@@ -244,3 +245,45 @@ def test_mosaic_packed_lowers_for_the_gpu():
   lower(lambda q, k, v, do, lse, delta, *ids: mosaic.backward(  # fused and split kernels
       q, k, v, do, lse, delta, pattern, 0.1, grad_dtype=q.dtype, segment_ids=ids),
         q, kv, kv, q, lse, lse, *ids)
+  # The token step of a packed cache (reading each row from its `start`).
+  from hilbert_ring_jax import decode  # pylint: disable=import-outside-toplevel
+  from hilbert_ring_jax.backends import mosaic_decode  # pylint: disable=g-import-not-at-top
+  cache = jax.eval_shape(lambda q, k, ids: decode.dilated_attention_prefill(
+      q, k, k, pattern, segment_ids=ids)[1], q, kv, jax.ShapeDtypeStruct((1, 1024), jnp.int32))
+  tables = decode._tables(pattern, 2, 1)  # pylint: disable=protected-access
+  text = lower(lambda q, ks, vs, length, start: mosaic_decode.step(
+      q, ks, vs, length, tables, 0.1, None, start), jax.ShapeDtypeStruct((1, 2, 128),
+      jnp.bfloat16), cache.k, cache.v, cache.length, cache.start)
+  assert "mosaic_gpu" in text
+
+
+@INTERPRET
+def test_mosaic_token_steps_continue_the_last_document():
+  """Packed caches on the token-step kernel: after a packed prefill, each new token reads
+  only its row's last document. Row 0's starts past the current segments' first blocks in
+  both branches (those blocks skipped, the next masked), row 1's before one segment and
+  inside the other's first block; against the float64 reference."""
+  from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
+      dilated_attention_prefill, dilated_attention_step)
+  from hilbert_ring_jax.backends import mosaic_decode  # pylint: disable=g-import-not-at-top
+  case = helpers.Case(236, 2, 1, (128, 256), (1, 2), head_dim=64, batch=2)
+  pattern, prompt = case.pattern(True), 233
+  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 13)
+  ids = np.zeros((2, case.n), np.int32)
+  ids[0, 90:], ids[0, 200:] = 1, 2  # row 0: the last document starts at 200
+  ids[1, 20:] = 5                    # row 1: at 20
+  ids = jnp.asarray(ids)
+  _, cache = dilated_attention_prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], pattern,
+                                       segment_ids=ids[:, :prompt])
+  config = mosaic_decode.Config(interpret=True, block_k=64, splits=2)
+  outs = []
+  for t in range(prompt, case.n):
+    out, cache = dilated_attention_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache,
+                                        pattern, implementation="mosaic", config=config)
+    outs.append(out)
+  m = reference_np.multiplicity(case.n, case.heads, case.segment_lengths, case.dilation_rates,
+                                True)
+  ref = reference_np.attention(q, k, v, m[None] * reference_np.same_document(ids),
+                               case.head_dim ** -0.5)[0]
+  assert helpers.rel_err(jnp.concatenate(outs, axis=1), ref[:, prompt:]) < \
+      helpers.TOL[jnp.bfloat16]

@@ -72,11 +72,8 @@ def supports(problem: Problem) -> Support:
   """Hopper GPUs (sm_90); bf16 and f16 (the backward bf16 only); head dims 64 and 128, and 256
   for a forward whose output is final (one launch, no ring step); rows of whole blocks, or one
   segment of any length; packed rows (`segment_ids`) in both passes. A decoding step
-  (`problem.step`): the token-step kernel's `mosaic_decode.supports` (not packed caches)."""
+  (`problem.step`): the token-step kernel's `mosaic_decode.supports` (packed caches too)."""
   if problem.step:
-    if problem.segment_ids:
-      return no("the mosaic token step does not read document ids (segment_ids): packed "
-                "caches step on the next backend")
     return mosaic_decode.supports(problem)
   if problem.platform != "gpu" or not is_hopper():
     return no("the mosaic backend runs on Hopper GPUs (sm_90) only")
@@ -317,10 +314,11 @@ def _fused_backward(x, stats, transposed: schedule.Schedule, n, causal, scale, c
   return dq if prior is None else dq + prior[0], dk, dv
 
 
-def step(q, k, v, ks, vs, length, tables, scale: float, *, config=None):
+def step(q, k, v, ks, vs, length, tables, scale: float, *, config=None, start=None):
   """A decoding token step (the contract of `base.py`, one token): one launch of
   `mosaic_decode.step` over every branch's slot, which reads the token's own row from the
-  caches (`k`, `v` are not read). `config`: a `mosaic_decode.Config`, or None."""
+  caches (`k`, `v` are not read). `config`: a `mosaic_decode.Config`, or None. `start`
+  (packed caches, `[B]`): each row's cached rows before it are not read."""
   del k, v
-  out, lse = mosaic_decode.step(q[:, 0], ks, vs, length, tables, scale, config)
+  out, lse = mosaic_decode.step(q[:, 0], ks, vs, length, tables, scale, config, start)
   return out[:, None], lse[:, None]

@@ -116,12 +116,15 @@ def _splits(config: Config, blocks: int, programs: int) -> tuple[int, int]:
   return -(-blocks // per), per
 
 
-def step(q, ks, vs, length, branches, scale: float, config: Config | None = None):
+def step(q, ks, vs, length, branches, scale: float, config: Config | None = None,
+         start=None):
   """`(out [B, H, D], lse [B, H])`, float32, of the token at position `length` (whose row is
   already in the caches `ks, vs`: one `[B, Hkv, R_b, rows_b, D]` pair per branch) with query
   `q [B, H, D]`: its attention over every cached row it reads in every branch. `branches`:
   the cache's slot tables (`decode._tables`: `w, r, rows`, `slot [Hkv, r]`, the slot of (kv
-  head, residue) or -1, and `takes_part [H, r]`, which query heads read which residue)."""
+  head, residue) or -1, and `takes_part [H, r]`, which query heads read which residue).
+  `start` (packed rows, int32 `[B]`): each row's cached rows before position `start` are of
+  earlier documents: a program skips their blocks and masks the rest of them."""
   batch, num_heads, d = q.shape
   num_kv = ks[0].shape[1]
   group = num_heads // num_kv
@@ -148,11 +151,18 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
     reads = jnp.pad(reads, ((0, 0), (0, _ROWS - group)))               # [Hkv, 64]
     bias.append(jnp.where(reads, 0.0, -jnp.inf))
   meta = jnp.stack(meta).astype(jnp.int32).reshape(-1)                  # [nb * Hkv * 2]
+  # Packed rows: per branch and row, the first cached row at or after `start` (the rows
+  # read are at positions seg_start + j r + c).
+  packed = start is not None
+  first_row = () if not packed else (jnp.stack([
+      jnp.maximum(-((t // br.w * br.w + (t % br.w) % br.r - start) // br.r), 0)
+      for br in branches]).astype(jnp.int32).reshape(-1),)             # [nb * B]
   bias = jnp.stack(bias, axis=1).astype(jnp.float32)                    # [Hkv, nb, 64]
   qp = q.reshape(batch, num_kv, group, d)
   qp = jnp.pad(qp, ((0, 0), (0, 0), (0, _ROWS - group), (0, 0)))
 
-  def kernel(origin_ref, meta_ref, bias_ref, q_ref, *refs):
+  def kernel(origin_ref, meta_ref, first_ref, bias_ref, q_ref, *refs):
+    """`first_ref`: None, or packed rows' first cached row read, per branch and row."""
     k_refs, v_refs = refs[:nb], refs[nb:2 * nb]
     o_ref, lse_ref, smem, bars, free = refs[2 * nb:]
     q_smem, k_smem, v_smem, o_smem, lse_smem, bias_smem = smem
@@ -165,13 +175,17 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
     lo_all = split * per
 
     def ranges(i):
-      """Branch i's slot, rows read, and this program's blocks `[lo, hi)` of it."""
+      """Branch i's slot, rows read `[row0, count)`, and this program's blocks `[lo, hi)`
+      of it."""
       at = (i * num_kv + g) * 2
       slot, count = meta_ref[at], meta_ref[at + 1]
+      row0 = first_ref[i * batch + b] if packed else None
       lo = jnp.clip(lo_all - int(first[i]), 0, blocks[i])
       hi = jnp.clip(lo_all + per - int(first[i]), 0, blocks[i])
       hi = jnp.minimum(hi, ceil_div(count, bk))
-      return slot, count, jnp.minimum(lo, hi), hi
+      if packed:
+        lo = jnp.maximum(lo, lax.div(row0, bk))
+      return slot, (row0, count), jnp.minimum(lo, hi), hi
 
     def producer():
       plgpu.set_max_registers(REGISTERS[0], action="decrease")
@@ -225,7 +239,11 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
           plgpu.barrier_wait(k_bar.at[buf])
           s, = products([(q_smem, k_smem.at[buf].T)], (_ROWS, bk))
           plgpu.barrier_arrive(k_free.at[buf])
-          s = jnp.where(j * bk + cols < count, s * qk_scale, -jnp.inf)
+          row0, count = count
+          read = j * bk + cols < count
+          if packed:
+            read = read & (j * bk + cols >= row0)
+          s = jnp.where(read, s * qk_scale, -jnp.inf)
           s = s + rows_of(row_bias, s.shape)
           m_new = jnp.maximum(m_i, s.max(axis=1))
           m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet
@@ -253,6 +271,7 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
     pl.when(wg == 1)(producer)
 
   def entry(origin_ref, meta_ref, bias_ref, q_ref, *refs):
+    first_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
     tiles = swizzled(dtype)
     smem = [plgpu.SMEM((_ROWS, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
@@ -261,8 +280,8 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
             plgpu.SMEM((_ROWS,), jnp.float32),
             plgpu.SMEM((nb, _ROWS), jnp.float32)]
     pl.run_scoped(
-        lambda smem, bars, free: kernel(origin_ref, meta_ref, bias_ref, q_ref, *refs, smem,
-                                        bars, free),
+        lambda smem, bars, free: kernel(origin_ref, meta_ref, first_ref, bias_ref, q_ref,
+                                        *refs, smem, bars, free),
         smem,
         (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=stages)),
@@ -272,7 +291,7 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
   out_type = (jax.ShapeDtypeStruct((splits, batch * num_kv, rows_g, d), jnp.float32),
               jax.ShapeDtypeStruct((splits, batch * num_kv, rows_g), jnp.float32))
   o, lse = run(entry, out_type, (splits, batch * num_kv),
-                (meta, bias, qp, *ks, *vs), config.interpret, num_threads=2)
+                (meta, bias, qp, *first_row, *ks, *vs), config.interpret, num_threads=2)
   o, lse = merge(list(o), list(lse))
   o = o.reshape(batch, num_kv, rows_g, d)[:, :, :group].reshape(batch, num_heads, d)
   lse = lse.reshape(batch, num_kv, rows_g)[:, :, :group].reshape(batch, num_heads)
