@@ -213,16 +213,15 @@ def test_mosaic_id_windows():
 
 
 def test_mosaic_takes_packed_problems(monkeypatch):
-  """mosaic's `supports` (on a Hopper GPU, faked) takes packed forwards and backwards and
-  declines a packed token step (dispatch gives it to the next backend)."""
+  """mosaic's `supports` (on a Hopper GPU, faked) takes packed forwards, backwards and token
+  steps (these in interpret mode here, as the step's config asks)."""
   problem = backends.Problem((1, 1024, 2, 64), (1, 1024, 1, 64), jnp.dtype(jnp.bfloat16),
                              DilatedPattern((1024,), (1,)), platform="gpu", segment_ids=True)
   monkeypatch.setattr(mosaic, "is_hopper", lambda: True)
-  if jax.__version_info__ >= (0, 11):
-    assert mosaic.supports(problem)
-    assert mosaic.supports(dataclasses.replace(problem, backward=True))
-  step = mosaic.supports(dataclasses.replace(problem, q_shape=(1, 1, 2, 64), step=True))
-  assert not step and "segment_ids" in step.reason
+  step = dataclasses.replace(problem, q_shape=(1, 1, 2, 64), step=True, interpret=True)
+  for p in (problem, dataclasses.replace(problem, backward=True), step):
+    support = mosaic.supports(p)
+    assert bool(support) == (jax.__version_info__ >= (0, 11)), support
 
 
 @pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="Mosaic GPU lowering: JAX >= 0.11")
@@ -287,3 +286,18 @@ def test_mosaic_token_steps_continue_the_last_document():
                                case.head_dim ** -0.5)[0]
   assert helpers.rel_err(jnp.concatenate(outs, axis=1), ref[:, prompt:]) < \
       helpers.TOL[jnp.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("segments,rates,causal", [((4000,), (1,), True),
+                                                   ((1024, 2048, 4096), (1, 2, 4), False)])
+def test_mosaic_packed_on_a_gpu(segments, rates, causal):
+  """On Hopper the mosaic kernels themselves (not a fallback: `implementation="mosaic"`) run
+  packed rows, bf16, D = 128, against the float64 reference: full causal attention at N =
+  4000 (a partial last block) and LongNet, forward, lse and gradients."""
+  if not mosaic.is_hopper():
+    pytest.skip("the mosaic kernels run on Hopper GPUs")
+  n = segments[0] if len(segments) == 1 else segments[-1]
+  case = helpers.Case(n, 4, 2, segments, rates, head_dim=128)
+  check_packed(case, causal, jnp.bfloat16, packed_ids(1, n, 300, seed=18),
+               implementation="mosaic")
