@@ -9,6 +9,26 @@ import numpy as np
 import reference_np
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+  """A backend's forward and backward as `backends.attention` differentiates them, the way
+  `dilated_attention` calls them (final output and gradients in the input dtype; packed rows'
+  `segment_ids` passed through)."""
+
+  backend: object
+  pattern: DilatedPattern
+  scale: float
+  config: object
+
+  def forward(self, q, k, v, **ids):
+    return self.backend.forward(q, k, v, self.pattern, self.scale, config=self.config,
+                                out_dtype=q.dtype, **ids)
+
+  def backward(self, q, k, v, dout, lse, delta, **ids):
+    return self.backend.backward(q, k, v, dout, lse, delta, self.pattern, self.scale,
+                                 config=self.config, grad_dtype=q.dtype, **ids)
+
+
 # Relative L2 error allowed against the float64 reference, by input dtype.
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 6e-3}
 

@@ -29,25 +29,6 @@ from hilbert_ring_jax.backends import pallas, xla
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 
 
-@dataclasses.dataclass(frozen=True)
-class _Kernels:
-  """A backend's forward and backward as `backends.attention` differentiates them, the way
-  `dilated_attention` calls them (final output and gradients in the input dtype)."""
-
-  backend: object
-  pattern: DilatedPattern
-  scale: float
-  config: object
-
-  def forward(self, q, k, v):
-    return self.backend.forward(q, k, v, self.pattern, self.scale, config=self.config,
-                                out_dtype=q.dtype)
-
-  def backward(self, q, k, v, dout, lse, delta):
-    return self.backend.backward(q, k, v, dout, lse, delta, self.pattern, self.scale,
-                                 config=self.config, grad_dtype=q.dtype)
-
-
 def _interpreted(case, dtype):
   """What the mosaic kernels run, as its `supports` says on a Hopper GPU (docs/backends.md):
   16-bit inputs, head dims 64 and 128 (both passes), rows of whole blocks of 128 positions
@@ -105,7 +86,7 @@ class Backend:
                                                implementation=self.name, config=config)
 
     def fn(q, k, v):
-      kernels = _Kernels(self.module(), pattern,
+      kernels = helpers.Kernels(self.module(), pattern,
                          q.shape[-1] ** -0.5 if scale is None else scale, config)
       return backends.attention(q, k, v, kernels)
 

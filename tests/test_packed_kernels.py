@@ -97,29 +97,12 @@ def test_pallas_packed_lowers_to_triton(per_head):
   assert _triton_kernels(bwd, q, kv, kv, q, lse, lse, *ids) == 6
 
 
-@dataclasses.dataclass(frozen=True)
-class _Mosaic:
-  """The mosaic kernels (interpreted) under the kernel contract, as `dilated_attention` calls
-  a backend (its `supports` declines them off a GPU)."""
-  pattern: DilatedPattern
-  scale: float
-  config: mosaic.Config
-
-  def forward(self, q, k, v, segment_ids):
-    return mosaic.forward(q, k, v, self.pattern, self.scale, config=self.config,
-                          out_dtype=q.dtype, segment_ids=segment_ids)
-
-  def backward(self, q, k, v, dout, lse, delta, segment_ids):
-    return mosaic.backward(q, k, v, dout, lse, delta, self.pattern, self.scale,
-                           config=self.config, grad_dtype=q.dtype, segment_ids=segment_ids)
-
-
 def _mosaic_passes(case, causal, ids, config=None, seed=0):
   """`(out, lse, grads)` of the interpreted mosaic kernels (bf16) with `segment_ids=ids` (one
   program), and the inputs `(q, k, v, dout, dlse)`."""
   inputs = helpers.random_inputs(case, jnp.bfloat16, seed)
-  kernel = _Mosaic(case.pattern(causal), case.head_dim ** -0.5,
-                   config or mosaic.Config(interpret=True, persistent=True))
+  kernel = helpers.Kernels(mosaic, case.pattern(causal), case.head_dim ** -0.5,
+                           config or mosaic.Config(interpret=True, persistent=True))
 
   @jax.jit
   def passes(q, k, v, dout, dlse, ids):

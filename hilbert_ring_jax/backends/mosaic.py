@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..pattern import DilatedPattern
-from . import mosaic_backward, mosaic_decode, mosaic_forward, schedule
+from . import mosaic_backward, mosaic_decode, mosaic_forward, mosaic_pipeline, schedule
 from .base import YES, Problem, Support, no
 from .common import batched
 from .hopper import LOG2E, is_hopper
@@ -124,7 +124,7 @@ def id_windows(q_ids, k_ids):
   never ordered, so any ids work: the windows only grow where a document's tokens are
   scattered."""
   lead, n = k_ids.shape[:-1], k_ids.shape[-1]
-  far = jnp.iinfo(jnp.int32).max // 2
+  far = mosaic_pipeline.FAR
 
   def one(qi, ki):
     pos = jnp.arange(n, dtype=jnp.int32)

@@ -39,8 +39,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ..pattern import heads_per_kv
 from . import schedule
 from .hopper import LOG2E, REGISTERS, accumulate, opaque, products, run, swizzled
-from .mosaic_pipeline import (add_rows, at_rows, id_inputs, id_window, produce, produce_items,
-                              produce_kv, walk)
+from .mosaic_pipeline import (IdTiles, add_rows, at_rows, produce, produce_items, produce_kv,
+                              walk)
 from .mosaic_plan import (BWD_BLOCK, Config, Ranges, Work, key_limit, out_length, query_bounds,
                           strided_view)
 
@@ -77,9 +77,8 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
   interpret = config.interpret
   key_ranges = Ranges(True, n, L, causal, block_rows, bk)
   work = Work.of(sched, batch, config, causal, key_ranges)
-  packed = ids is not None
-  per_head = packed and max(ids[0].shape[1], ids[1].shape[1]) > 1  # ids per head
-  tiles_per_row = -(-(n_out // L) // bq)  # windows' query tiles per class of the view
+  id_tiles = IdTiles.of(ids, n_out, L, bq)
+  packed = id_tiles is not None
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, do_ref, lse_ref, delta_ref,
              k4_ref, k5_ref, v4_ref, v5_ref, id_refs, prior_ref, dq_ref, smem, bars, free):
@@ -87,15 +86,14 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
     row_bars, k_bar, v_bar, prior_bar, qid_bar, kid_bar = bars
     k_free, v_free = free
     wg = lax.axis_index("wg")
-    window = functools.partial(id_window, id_refs and id_refs[3], bq,
-                               packed and ids[0].shape[1], per_head, L, tiles_per_row)
+    window = packed and functools.partial(id_tiles.window, id_refs[3])
 
     def producer():
       produce_kv(work, origin_ref, rows_ref, per_kv, (k4_ref, k5_ref, k_smem, k_bar, k_free),
                  (v4_ref, v5_ref, v_smem, v_bar, v_free),
                  lambda prog: key_ranges(prog, pieces_ref, bias_ref, None,
                                          window(prog, 0, 1) if packed else None),
-                 L, bk, stages, (*id_refs[1:3], kid_smem, kid_bar, per_head) if packed else None)
+                 L, bk, stages, (*id_refs[1:3], kid_smem, kid_bar, id_tiles) if packed else None)
 
     def consumer():
       plgpu.set_max_registers(REGISTERS[1], action="increase")
@@ -120,7 +118,7 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
                                  row_bars[3])):
             plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
           if packed:
-            plgpu.copy_gmem_to_smem(id_refs[0].at[b, head if per_head else 0, cls, q_rows],
+            plgpu.copy_gmem_to_smem(id_refs[0].at[b, id_tiles.head(head), cls, q_rows],
                                     qid_smem.at[wg], qid_bar.at[wg])
 
       load_rows(prog_of(0))
@@ -223,7 +221,7 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
   view = functools.partial(strided_view, stride=L)
   args = (work.table(rows), pieces.reshape(-1), bias, view(q), view(dout), lse2, delta,
           k, view(k), v, view(v),
-          *(id_inputs(ids, n_pad, L, bq, tiles_per_row) if packed else ()),
+          *(id_tiles.inputs(ids, n_pad) if packed else ()),
           *([] if prior is None else [view(prior)]))
   dq, = run(entry, out_type, work.grid, args, interpret)
   return dq.reshape(batch, n_out, num_heads, d)
@@ -264,9 +262,8 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   assert not fused or out_dtype == jnp.float32, "the fused kernel stages dq in float32"
   # 16-bit outputs: dk and dv in tiles of their own, in the bytes of two float32 tiles.
   two_tiles = jnp.dtype(out_dtype).itemsize == 2
-  packed = ids is not None
-  per_head = packed and max(ids[0].shape[1], ids[1].shape[1]) > 1  # ids per head
-  tiles_per_row = -(-(n_out // L) // bk)  # windows' key tiles per class of the view
+  id_tiles = IdTiles.of(ids, n_out, L, bk)
+  packed = id_tiles is not None
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref,
              do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, id_refs, dq_refs,
@@ -276,8 +273,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
     ds_smem, ds_bars = (smem[9], bars[8]) if fused else (None, None)
     q_free, do_free, stat_free = free
     wg = lax.axis_index("wg")
-    window = functools.partial(id_window, id_refs and id_refs[3], bk,
-                               packed and ids[0].shape[1], per_head, L, tiles_per_row)
+    window = packed and functools.partial(id_tiles.window, id_refs[3])
 
     def stream(prog, src4, src5, smem, bar, stat=False):
       b = prog.b
@@ -292,7 +288,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
     def id_stream(prog):  # the query blocks' document ids, freed with the queries
       def load(piece, j, slot):
-        x = piece.head if per_head else 0
+        x = id_tiles.head(piece.head)
         at_rows(id_refs[1], id_refs[2], prog.base + piece.first, j * bq, bq, piece.stride, L,
                 lambda rows, c: (prog.b, x, rows) if c is None else (prog.b, x, c, rows),
                 lambda box: plgpu.copy_gmem_to_smem(box, qid_smem.at[slot], qid_bar.at[slot]))
@@ -376,7 +372,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           plgpu.copy_gmem_to_smem(k_ref.at[b, k_rows, cls, head], k_tile, row_bars[0].at[wg])
           plgpu.copy_gmem_to_smem(v_ref.at[b, k_rows, cls, head], v_tile, row_bars[1].at[wg])
           if packed:
-            plgpu.copy_gmem_to_smem(id_refs[0].at[b, head if per_head else 0, cls, k_rows],
+            plgpu.copy_gmem_to_smem(id_refs[0].at[b, id_tiles.head(head), cls, k_rows],
                                     kid_smem.at[wg], kid_bar.at[wg])
 
       # Split kernel: the next item's rows load during this one's stores. (The fused one's k
@@ -525,7 +521,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   rows, pieces, bias = tables
   view = functools.partial(strided_view, stride=L)
   args = (work.table(rows), pieces.reshape(-1), bias, view(k), view(v), q, view(q), dout,
-          view(dout), *stats, *(id_inputs(ids, n_pad, L, bk, tiles_per_row) if packed else ()),
+          view(dout), *stats, *(id_tiles.inputs(ids, n_pad) if packed else ()),
           *(dq_accs or ()), *map(view, prior or ()))
   dk, dv = run(entry, out_type, work.grid, args, interpret)
   return tuple(x.reshape(batch, n_out, num_kv, d) for x in (dk, dv))

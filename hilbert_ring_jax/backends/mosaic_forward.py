@@ -38,7 +38,7 @@ from ..pattern import heads_per_kv
 from . import schedule
 from .hopper import (LN2, LOG2E, REGISTERS, SMEM_BYTES, accumulate, products, run, swizzled,
                      turns)
-from .mosaic_pipeline import id_inputs, id_window, produce_kv, walk
+from .mosaic_pipeline import IdTiles, produce_kv, walk
 from .mosaic_plan import Config, Ranges, Work, key_limit, out_length, smem_bytes, strided_view
 
 def _merge_prior(prior_refs, prog, rows, o_tile, lse_tile, bars, acc, m_i, l_i, rows_of,
@@ -78,7 +78,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
   queries' and keys' document ids (X = H, X' = Hkv where each head has its own, else 1)
   and each query's `mosaic.id_windows`: the key positions `[u0, u1]` that may share its
   document, and a run `[r0, r1]` of keys all in it. Per `block_q` query rows of the strided
-  view they are reduced to the tile's union and common run (`id_inputs`). The producer
+  view they are reduced to the tile's union and common run (`IdTiles`). The producer
   skips the blocks outside the item's union; a consumer's blocks inside its run run as
   before; the others compare each score's key id with its query's."""
   batch, n_pad, num_heads, d = q.shape
@@ -102,14 +102,12 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
   out_dtype = jnp.dtype(out_dtype)
   same = out_dtype == dtype  # then the output tile reuses the query tile
   out_itemsize = out_dtype.itemsize
-  packed = ids is not None
-  per_head = packed and max(ids[0].shape[1], ids[1].shape[1]) > 1  # ids per head
-  id_heads = ids[0].shape[1] if packed else 1
+  id_tiles = IdTiles.of(ids, n_out, L, bq)
+  packed = id_tiles is not None
   # Query tiles per consumer: two when persistent and they fit, so that the next item's
   # queries load while this one runs.
   buffers = 2 if work.persistent and smem_bytes(
       config, d, dtype.itemsize, out_itemsize, 2, packed) <= SMEM_BYTES else 1
-  tiles_per_row = -(-(n_out // L) // bq)  # windows' query tiles per class of the view
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref,
              v5_ref, id_refs, prior_refs, out_ref, lse_ref, smem, bars, free):
@@ -118,8 +116,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
     (k_free, v_free), turn = free
     wg = lax.axis_index("wg")
 
-    window = functools.partial(id_window, id_refs and id_refs[3], bq, id_heads, per_head, L,
-                               tiles_per_row)
+    window = packed and functools.partial(id_tiles.window, id_refs[3])
     item_window = lambda prog: (*window(prog, 0, 1),)  # both consumers' union
 
     def producer():
@@ -128,7 +125,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
                  lambda prog: key_ranges(prog, pieces_ref, bias_ref, None,
                                          item_window(prog) if packed else None),
                  L, bk, stages,
-                 (*id_refs[1:3], kid_smem, kid_bar, per_head) if packed else None)
+                 (*id_refs[1:3], kid_smem, kid_bar, id_tiles) if packed else None)
 
     def consumer():
       plgpu.set_max_registers(REGISTERS[1], action="increase")
@@ -150,7 +147,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
             q_ref.at[prog.b, q_rows(prog), prog.cls, prog.head], q_smem.at[tile(i)],
             q_bar.at[tile(i)]))
         if packed:
-          x = prog.head if per_head else 0
+          x = id_tiles.head(prog.head)
           pl.when(prog.busy)(lambda: plgpu.copy_gmem_to_smem(
               id_refs[0].at[prog.b, x, prog.cls, q_rows(prog)], qid_smem.at[tile(i)],
               qid_bar.at[tile(i)]))
@@ -286,7 +283,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
   view = functools.partial(strided_view, stride=L)
   args = (work.table(rows), pieces.reshape(-1), bias, view(q), k, view(k), v, view(v))
   if packed:
-    args += id_inputs(ids, n_pad, L, bq, tiles_per_row)
+    args += id_tiles.inputs(ids, n_pad)
   if prior is not None:
     out_p, lse_p = prior
     args += (view(out_p), lse_p.reshape(batch, n_out // L, L, num_heads).transpose(0, 3, 2, 1))

@@ -11,9 +11,11 @@ stores into them: `add_rows`). The blocks themselves are `mosaic_plan.Ranges`'.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -110,7 +112,7 @@ def produce_kv(work: Work, origin_ref, rows_ref, per_kv: int, k, v, ranges, L: i
   key pieces (`ranges(prog)`), read from the key/value head of its query head. `k`, `v`:
   (the `[B, N, Hkv, D]` input, its strided view, the shared-memory ring, its full and its
   free barriers). `ids` (packed rows): the keys' document ids `([B, X, N], [B, X, L, N/L],
-  ring, full barriers, per_head)`, loaded with each key block into a ring of their own
+  ring, full barriers, IdTiles)`, loaded with each key block into a ring of their own
   (`X` = Hkv ids per head, else 1) and freed with it."""
 
   def stream(prog, src4, src5, smem, bar, free, ids=None):
@@ -122,8 +124,8 @@ def produce_kv(work: Work, origin_ref, rows_ref, per_kv: int, k, v, ranges, L: i
               (prog.b, rows, c, kv_head),
               lambda box: plgpu.copy_gmem_to_smem(box, smem.at[slot], bar.at[slot]))
       if ids is not None:
-        ids1, ids_t, id_smem, id_bar, per_head = ids
-        x = kv_head if per_head else 0
+        ids1, ids_t, id_smem, id_bar, tiles = ids
+        x = tiles.head(kv_head)
         at_rows(ids1, ids_t, prog.base + piece.first, j * bk, bk, piece.stride, L,
                 lambda rows, c: (prog.b, x, rows) if c is None else (prog.b, x, c, rows),
                 lambda box: plgpu.copy_gmem_to_smem(box, id_smem.at[slot], id_bar.at[slot]))
@@ -150,44 +152,67 @@ def walk(prog: Program, ranges, block, carry):
   return lax.fori_loop(prog.p0, prog.p1, per_piece, carry)
 
 
-def id_inputs(ids, n_pad: int, L: int, size: int, tiles: int):
-  """A kernel's document-id inputs (packed rows) from `(row_ids [B, X, N], stream_ids [B,
-  X', N], windows [4, B, X, N])`: the ids of the rows it keeps (the forward's and dq's
-  queries, dk/dv's keys) and of those it streams, and `mosaic.id_windows` of each row over
-  the streamed ones. Returns the row ids `[B, X, L, Np/L]` (the strided view, transposed: a
-  tile's ids are contiguous), the streamed ids `[B, X', Np]` and `[B, X', L, Np/L]`, and
-  per tile of `size` rows of the view (`tiles` a class, covering the outputs) its windows,
-  `[B, X, L, T, 4]` flat (`id_window`): the union `(min u0, max u1)` and the common run
+# A window's bound past every position: `u0` (or `r0`) of a row that no key can share a
+# document with, and the padding of the windows past the rows.
+FAR = int(np.iinfo(np.int32).max // 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class IdTiles:
+  """A launch's packed rows as its kernel reads them: the ids of the rows it keeps (the
+  forward's and dq's queries, dk/dv's keys) and of those it streams, `heads` of row ids
+  (`per_head`: ids per head, read at the head's index; else at 0), and per tile of `size`
+  rows of the strided view (`tiles` a class, covering the outputs: `n_out`) the windows of
+  `mosaic.id_windows` reduced to the tile's union `(min u0, max u1)` and common run
   `(max r0, min r1)`, empty unless every row of the tile is in the one run."""
-  row_ids, stream_ids, windows = ids
-  n = row_ids.shape[2]
-  pad = lambda x, length, value=0: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, length - n)],
-                                           constant_values=value)
-  view_t = lambda x: x.reshape(*x.shape[:-1], -1, L).swapaxes(-1, -2)  # [..., L, N / L]
-  far = jnp.iinfo(jnp.int32).max // 2
-  stats = [reduce(view_t(pad(w, tiles * size * L, fill)).reshape(*w.shape[:2], L, tiles,
-                                                                  size), axis=-1)
-           for w, fill, reduce in zip(windows, (far, -1, far, -1),
-                                      (jnp.min, jnp.max, jnp.max, jnp.min))]
-  return (view_t(pad(row_ids, n_pad)), pad(stream_ids, n_pad), view_t(pad(stream_ids, n_pad)),
-          jnp.stack(stats, axis=-1).reshape(-1))
+  heads: int
+  per_head: bool
+  L: int
+  size: int
+  tiles: int
 
+  @classmethod
+  def of(cls, ids, n_out: int, L: int, size: int) -> IdTiles | None:
+    """`ids`: None, or `(row_ids [B, X, N], stream_ids [B, X', N], windows [4, B, X, N])`."""
+    if ids is None:
+      return None
+    heads = ids[0].shape[1]
+    return cls(heads, max(heads, ids[1].shape[1]) > 1, L, size, -(-(n_out // L) // size))
 
-def id_window(table_ref, size: int, heads: int, per_head: bool, L: int, tiles: int, prog,
-              first: int, last: int | None = None):
-  """`(u0, u1, r0, r1)` of an item's row tile `first` (0, 1: the consumers' tiles of `size`
-  rows) from `id_inputs`' table; with `last`, the union `(u0, u1)` of tiles `first..last`."""
+  def head(self, h):
+    """The ids' head index of head `h` (of the rows or of the streamed blocks)."""
+    return h if self.per_head else 0
 
-  def read(tile):
-    x = prog.head if per_head else 0
-    row = lax.div(prog.row0 + prog.start, size) + tile
-    at = (((prog.b * heads + x) * L + prog.cls) * tiles + row) * 4
-    return [table_ref[at + i] for i in range(4)]
+  def inputs(self, ids, n_pad: int):
+    """The kernel's id inputs: the row ids `[B, X, L, Np/L]` (the strided view, transposed:
+    a tile's ids are contiguous), the streamed ids `[B, X', Np]` and `[B, X', L, Np/L]`, and
+    the tiles' windows `[B, X, L, T, 4]` flat (`window`)."""
+    row_ids, stream_ids, windows = ids
+    n, L = row_ids.shape[2], self.L
+    pad = lambda x, length, value=0: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, length - n)],
+                                             constant_values=value)
+    view_t = lambda x: x.reshape(*x.shape[:-1], -1, L).swapaxes(-1, -2)  # [..., L, N / L]
+    stats = [reduce(view_t(pad(w, self.tiles * self.size * L, fill)).reshape(
+        *w.shape[:2], L, self.tiles, self.size), axis=-1)
+             for w, fill, reduce in zip(windows, (FAR, -1, FAR, -1),
+                                        (jnp.min, jnp.max, jnp.max, jnp.min))]
+    return (view_t(pad(row_ids, n_pad)), pad(stream_ids, n_pad),
+            view_t(pad(stream_ids, n_pad)), jnp.stack(stats, axis=-1).reshape(-1))
 
-  if last is None:
-    return read(first)
-  u0, u1, _, _ = read(first)
-  for tile in range(first + 1, last + 1):
-    a, b, _, _ = read(tile)
-    u0, u1 = jnp.minimum(u0, a), jnp.maximum(u1, b)
-  return u0, u1
+  def window(self, table_ref, prog, first: int, last: int | None = None):
+    """`(u0, u1, r0, r1)` of an item's row tile `first` (0, 1: the consumers' tiles) from
+    the `inputs` table; with `last`, the union `(u0, u1)` of tiles `first..last`."""
+
+    def read(tile):
+      row = lax.div(prog.row0 + prog.start, self.size) + tile
+      at = (((prog.b * self.heads + self.head(prog.head)) * self.L + prog.cls) * self.tiles
+            + row) * 4
+      return [table_ref[at + i] for i in range(4)]
+
+    if last is None:
+      return read(first)
+    u0, u1, _, _ = read(first)
+    for tile in range(first + 1, last + 1):
+      a, b, _, _ = read(tile)
+      u0, u1 = jnp.minimum(u0, a), jnp.maximum(u1, b)
+    return u0, u1

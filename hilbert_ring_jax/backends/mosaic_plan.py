@@ -130,8 +130,9 @@ class Config:
         return config
     raise ValueError(
         f"block_q={config.block_q}, block_k={config.block_k}, stages={config.stages} need "
-        f"{smem_bytes(config, head_dim, itemsize, out_itemsize)} bytes of shared memory at "
-        f"head dim {head_dim} ({SMEM_BYTES} available): choose smaller blocks or fewer stages")
+        f"{smem_bytes(config, head_dim, itemsize, out_itemsize, packed=packed)} bytes of "
+        f"shared memory at head dim {head_dim} ({SMEM_BYTES} available): choose smaller "
+        f"blocks or fewer stages")
 
   def backward_for(self, stride: int, head_dim: int, itemsize: int = 2,
                    packed: bool = False) -> Config:
