@@ -185,13 +185,13 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
       hi = jnp.minimum(hi, ceil_div(count, bk))
       if packed:
         lo = jnp.maximum(lo, lax.div(row0, bk))
-      return slot, (row0, count), jnp.minimum(lo, hi), hi
+      return slot, row0, count, jnp.minimum(lo, hi), hi
 
     def producer():
       plgpu.set_max_registers(REGISTERS[0], action="decrease")
       n = jnp.int32(0)
       for i in range(nb):
-        slot, _, lo, hi = ranges(i)
+        slot, _, _, lo, hi = ranges(i)
 
         def load(j, n, i=i, slot=slot):
           buf = lax.rem(n, stages)
@@ -230,16 +230,15 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
       l_i = plgpu.layout_cast(jnp.zeros((_ROWS,), jnp.float32), row_stat)
       carry = (acc, m_i, l_i, jnp.int32(0))
       for i in range(nb):
-        _, count, lo, hi = ranges(i)
+        _, row0, count, lo, hi = ranges(i)
         row_bias = plgpu.load(bias_smem.at[i], layout=row_stat)
 
-        def score(j, carry, count=count, row_bias=row_bias):
+        def score(j, carry, row0=row0, count=count, row_bias=row_bias):
           acc, m_i, l_i, n = carry
           buf = lax.rem(n, stages)
           plgpu.barrier_wait(k_bar.at[buf])
           s, = products([(q_smem, k_smem.at[buf].T)], (_ROWS, bk))
           plgpu.barrier_arrive(k_free.at[buf])
-          row0, count = count
           read = j * bk + cols < count
           if packed:
             read = read & (j * bk + cols >= row0)
