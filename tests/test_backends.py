@@ -486,3 +486,37 @@ def test_pallas_declines_inside_shard_map():
   assert inside.varying and not backends.Problem.of(x, x, pattern).varying
   support = pallas.supports(inside)
   assert not support and "shard_map" in support.reason
+
+
+@pytest.mark.parametrize("replicated", ["kv_and_ids", "q"])
+def test_inside_shard_map_with_replicated_operands(replicated):
+  """In a user's `shard_map`, operands may vary over different mesh axes (the batch split
+  over "data", some operands replicated): forward and gradients equal the unsharded call's,
+  the replicated operands' gradients summed over the axis."""
+  mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:4])
+  pattern = DilatedPattern((16, 32), (1, 2), causal=True)
+  rng = np.random.default_rng(3)
+  shape = lambda b, h: (b, 32, h, 8)
+  q_rows, kv_rows = (1, 4) if replicated == "q" else (4, 1)
+  q = jnp.asarray(rng.standard_normal(shape(q_rows, 4)), F32)
+  k, v = (jnp.asarray(rng.standard_normal(shape(kv_rows, 2)), F32) for _ in range(2))
+  ids = jnp.asarray([[0] * 12 + [1] * 20], jnp.int32)
+  split, whole = jax.P("data"), jax.P()
+  specs = (split, whole, whole, whole) if replicated != "q" else (whole, split, split, whole)
+  sharded = jax.shard_map(lambda q, k, v, ids: dilated_attention(q, k, v, pattern,
+                                                                 segment_ids=ids),
+                          mesh=mesh, in_specs=specs, out_specs=split)
+
+  def unsharded(q, k, v, ids):
+    b = max(q.shape[0], k.shape[0])
+    expand = lambda x: jnp.broadcast_to(x, (b, *x.shape[1:]))
+    return dilated_attention(expand(q), expand(k), expand(v), pattern, segment_ids=expand(ids))
+
+  cot = jnp.asarray(rng.standard_normal(shape(4, 4)), F32)
+  for fn in (sharded, unsharded):
+    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, ids), q, k, v)
+    got = [out, *vjp(cot)] if fn is sharded else got
+    want = [out, *vjp(cot)]
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 
 from ..pattern import DilatedPattern
+from .common import cotangent_like, vary_alike, varying_axes
 
 Name = Literal["mosaic", "triton", "pallas", "xla"]
 NAMES: tuple[Name, ...] = typing.get_args(Name)
@@ -101,9 +102,7 @@ class Problem:
   def of(cls, q, k, pattern, branches=None, *, like=None) -> Problem:
     """The problem of arrays (or shape/dtype structs) `q`, `k`; `like` (default `q`) is a
     real array whose mesh-axes type tells whether the inputs vary inside `shard_map`."""
-    aval = jax.typeof(q if like is None else like)
-    varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None) or \
-        getattr(aval, "vma", None)
+    varying = varying_axes(q if like is None else like)
     return cls(tuple(q.shape), tuple(k.shape), jnp.dtype(q.dtype), pattern,
                None if branches is None else tuple(branches), jax.default_backend(),
                bool(varying))
@@ -248,8 +247,12 @@ def attention(q, k, v, kernel: Kernel, segment_ids=None):
   the one row statistic every backward needs. `segment_ids` (None, or integer arrays: the
   documents of packed sequences) go to both halves as a keyword and get no gradient.
   """
-  out, lse = kernel.forward(q, k, v, **_ids(segment_ids))
-  return out.astype(q.dtype), lse.astype(jnp.float32)
+  # Inside shard_map the operands may vary over different mesh axes (q sharded, k and v
+  # replicated): the kernel gets them typed alike, and the backward sums the gradients back.
+  leaves, tree = jax.tree.flatten(segment_ids)
+  q, k, v, *leaves = vary_alike(q, k, v, *leaves)
+  out, lse = kernel.forward(q, k, v, **_ids(jax.tree.unflatten(tree, leaves)))
+  return vary_alike(out.astype(q.dtype), lse.astype(jnp.float32), q)[:2]
 
 
 def _attention_fwd(q, k, v, kernel, segment_ids):
@@ -262,9 +265,11 @@ def _attention_bwd(kernel, res, cotangents):
   dout, dlse = cotangents
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   delta = delta - dlse.astype(jnp.float32)
-  grads = kernel.backward(q, k, v, dout, lse, delta, **_ids(segment_ids))
+  leaves, tree = jax.tree.flatten(segment_ids)
+  operands = vary_alike(q, k, v, dout, lse, delta, *leaves)
+  grads = kernel.backward(*operands[:6], **_ids(jax.tree.unflatten(tree, operands[6:])))
   # Integer ids get no cotangent (None: zero).
-  return (*(_saturate(g, x.dtype) for g, x in zip(grads, (q, k, v))),
+  return (*(cotangent_like(_saturate(g, x.dtype), x) for g, x in zip(grads, (q, k, v))),
           jax.tree.map(lambda _: None, segment_ids))
 
 

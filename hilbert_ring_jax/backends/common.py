@@ -44,6 +44,30 @@ def vary_like(xs, *refs):
   return tuple(one(x) for x in xs) if isinstance(xs, tuple) else one(xs)
 
 
+def varying_axes(x) -> frozenset:
+  """The mesh axes `x` varies over inside `jax.shard_map(check_vma=True)`; empty elsewhere."""
+  kind = jax.typeof(x)
+  axes = getattr(getattr(kind, "manual_axis_type", None), "varying", None)
+  return frozenset(getattr(kind, "vma", ()) if axes is None else axes)
+
+
+def vary_alike(*xs):
+  """`xs` each typed to vary over every mesh axis any of them varies over (as a kernel call
+  needs its operands), unchanged where they already agree (no extra operation)."""
+  axes = frozenset().union(*(varying_axes(x) for x in xs))
+  return tuple(x if varying_axes(x) == axes else vary_like(x, *xs) for x in xs)
+
+
+def cotangent_like(g, x):
+  """The cotangent `g` typed like its primal `x`: summed over the mesh axes `g` varies over
+  and `x` does not (the transpose of the broadcast `vary_alike` made), and varying over those
+  `x` varies over and `g` does not (kernel calls whose results do not say so)."""
+  extra = varying_axes(g) - varying_axes(x)
+  if extra:
+    g = jax.lax.psum(g, tuple(sorted(extra)))
+  return vary_like(g, x) if varying_axes(x) - varying_axes(g) else g
+
+
 def batched(fn):
   """`fn(*arrays)` that `vmap` maps by folding the mapped axis into the batch axis 0.
 
