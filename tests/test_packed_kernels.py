@@ -211,8 +211,8 @@ def test_mosaic_takes_packed_problems(monkeypatch):
 def test_mosaic_packed_lowers_for_the_gpu():
   """The packed kernels go through Mosaic GPU's own lowering for CUDA on a CPU (not only the
   interpreter): an unstrided and a strided launch, causal, per-head ids (shared ones take
-  the same code, reading head 0), forward and backward, and the token step of a packed
-  cache."""
+  the same code, reading head 0), forward (outputs in q's dtype and in float32) and
+  backward, and the token step of a packed cache."""
   per_head = True
   pattern = DilatedPattern((128, 256, 1024), (1, 1, 4), causal=True)
   q = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
@@ -224,6 +224,10 @@ def test_mosaic_packed_lowers_for_the_gpu():
   text = lower(lambda q, k, v, *ids: mosaic.forward(q, k, v, pattern, 0.1, out_dtype=q.dtype,
                                                     segment_ids=ids), q, kv, kv, *ids)
   assert text.count("mosaic_gpu") >= 2
+  # Float32 outputs (a ring step's partials): a tile of their own beside the ids' buffers
+  # (each buffer placed at a multiple of 1 KiB) still fits in shared memory.
+  lower(lambda q, k, v, *ids: mosaic.forward(q, k, v, pattern, 0.1, segment_ids=ids),
+        q, kv, kv, *ids)
   lower(lambda q, k, v, do, lse, delta, *ids: mosaic.backward(  # fused and split kernels
       q, k, v, do, lse, delta, pattern, 0.1, grad_dtype=q.dtype, segment_ids=ids),
         q, kv, kv, q, lse, lse, *ids)

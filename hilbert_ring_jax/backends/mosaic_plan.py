@@ -48,9 +48,10 @@ from ..pattern import DilatedPattern
 from . import schedule
 from .hopper import SMEM_BYTES, aligned, ceil_div, sm_count
 
-# Barriers and alignment beside the tiles (no reduction scratch: `hopper.run`'s kernels reduce
-# within warps only).
+# Barriers beside the tiles (no reduction scratch: `hopper.run`'s kernels reduce within warps
+# only), and the alignment of every buffer.
 _SMEM_SLACK = 1024
+_SMEM_ALIGNMENT = 1024
 _LONG_BLOCK_K = 192  # the forward's key block in long unmasked rows (`long_key_rows`)
 _MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA's grid x)
 # Causal work items are walked by persistent programs (`Config.persistent=None`) where they
@@ -151,11 +152,20 @@ def smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int,
                q_buffers: int = 1, packed: bool = False) -> int:
   """The forward's shared memory; `packed`: with its document ids (a ring of key blocks'
   ids beside the keys', and the queries' ids beside each query tile)."""
-  q = 2 * q_buffers * config.block_q * head_dim * itemsize
-  kv = 2 * config.stages * config.block_k * head_dim * itemsize
-  out = 0 if out_itemsize == itemsize else 2 * config.block_q * head_dim * out_itemsize
-  ids = 4 * (config.stages * config.block_k + 2 * q_buffers * config.block_q) if packed else 0
-  return q + kv + out + ids + 2 * config.block_q * 4 + _SMEM_SLACK  # + lse tiles
+  bq, bk = config.block_q, config.block_k
+  buffers = [2 * q_buffers * bq * head_dim * itemsize,  # query tiles
+             *(config.stages * bk * head_dim * itemsize,) * 2,  # rings of key, value blocks
+             2 * bq * 4]  # lse tiles
+  if out_itemsize != itemsize:
+    buffers.append(2 * bq * head_dim * out_itemsize)
+  if packed:
+    buffers += [2 * q_buffers * bq * 4, config.stages * bk * 4]
+  return sum(_aligned(b) for b in buffers) + _SMEM_SLACK
+
+
+def _aligned(nbytes: int) -> int:
+  """A shared-memory buffer's footprint: Pallas places each at a multiple of 1 KiB."""
+  return -(-nbytes // _SMEM_ALIGNMENT) * _SMEM_ALIGNMENT
 
 
 BWD_BLOCK = 64  # queries and keys per backward block (a program: two blocks of a row)
