@@ -3,7 +3,8 @@
 For each pattern, pass and tokens per GPU: one GPU doing the whole problem alone, the ring
 over all GPUs as the defaults run it ("default"), and the ring with the mosaic `Config`
 given by `--config` (e.g. `persistent=True`, the persistent programs ring steps ran before
-2026-11-27). Each round times every variant once (10 calls back to back, 3 where one GPU
+2026-11-27) or, with `--gather-limit BYTES`, the defaults with `ring.GATHER_LIMIT_BYTES` set
+to BYTES (0: whole rings rotate their keys instead of gathering them). Each round times every variant once (10 calls back to back, 3 where one GPU
 takes over 50 ms a call), so that drifts between processes and over time hit them alike;
 medians over `--rounds`. Efficiency as in `ring_scaling.py`: `T_1 / (P T_P)`.
 
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from ring_scaling import attention_fn, inputs, pattern_for
+from hilbert_ring_jax import ring
 from hilbert_ring_jax.backends import mosaic
 
 
@@ -29,6 +31,17 @@ def parse_config(text):
   words = {"True": True, "False": False, "None": None}
   fields = dict(item.split("=") for item in text.split(",") if item)
   return mosaic.Config(**{k: words[v] if v in words else int(v) for k, v in fields.items()})
+
+
+def with_gather_limit(fn, limit):
+  """`fn` run (so traced, on its first call) with `ring.GATHER_LIMIT_BYTES = limit`."""
+  def call(*args):
+    saved, ring.GATHER_LIMIT_BYTES = ring.GATHER_LIMIT_BYTES, limit
+    try:
+      return fn(*args)
+    finally:
+      ring.GATHER_LIMIT_BYTES = saved
+  return call
 
 
 def main():
@@ -40,10 +53,13 @@ def main():
   ap.add_argument("--heads", type=int, default=16)
   ap.add_argument("--head-dim", type=int, default=128)
   ap.add_argument("--config", default="persistent=True", help="the other variant's Config")
+  ap.add_argument("--gather-limit", type=int, default=None,
+                  help="the other variant: the defaults with ring.GATHER_LIMIT_BYTES = this")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
-  other = parse_config(args.config)
+  other = None if args.gather_limit is not None else parse_config(args.config)
+  label = args.config if other else f"gather limit {args.gather_limit}"
   p = jax.device_count()
   mesh = jax.make_mesh((p,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
   result = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, devices=p,
@@ -59,7 +75,9 @@ def main():
         alone = tuple(jax.device_put(x, jax.devices()[0]) for x in sharded)
         variants = {"one GPU": (attention_fn(pattern, None, None, backward), alone),
                     "default": (attention_fn(pattern, mesh, None, backward), sharded),
-                    args.config: (attention_fn(pattern, mesh, None, backward, other), sharded)}
+                    label: (attention_fn(pattern, mesh, None, backward, other), sharded)}
+        if other is None:
+          variants[label] = (with_gather_limit(variants[label][0], args.gather_limit), sharded)
         for fn, x in variants.values():  # compile, warm up
           for _ in range(2):
             jax.block_until_ready(fn(*x))

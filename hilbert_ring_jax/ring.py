@@ -38,6 +38,12 @@ from .merge import merge
 from .pattern import Branch, DilatedPattern, heads_per_kv
 
 
+# A non-causal ring over the whole axis gathers its keys at once (one all-gather, one call)
+# when that takes at most this much extra memory per device (see `_gathers`); set it to 0 to
+# rotate keys step by step. Read when a call is traced.
+GATHER_LIMIT_BYTES = 6 << 30
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   """How `branch` (laid over the whole sequence) runs on `shards` shards of `n` tokens (see
@@ -149,15 +155,20 @@ class _RingBranch:
       self.pattern = lambda causal, length: dataclasses.replace(pattern, causal=causal)
       self.branches = branches or (br.index,)
     self.causal = br.causal
+    # A ring that gathers its keys at once, in the step layout's sizes.
+    self.gathers = plan.kind == "ring" and _gathers(
+        plan, *(jax.eval_shape(f, jax.ShapeDtypeStruct(x.shape, x.dtype))
+                for f, x in ((self.query, q), (self.key, k))))
 
   def backend(self, q, k, causal, backward=False):
     """The backend of a step on arrays shaped like `q`, `k` (inside shard_map `q` is the
     real, varying array: "pallas" declines it) and the module's config for it (a ring
-    step's, where keys travel beside it)."""
+    step's where keys travel beside it: not in a ring that gathers them first)."""
     problem = backends.Problem.of(q, k, self.pattern(causal, q.shape[1]), self.branches)
     backend = backends.load(backends.resolve(self.names, dataclasses.replace(
         problem, backward=backward, segment_ids=self.packed)))
-    return backend, backends.config_for(backend, self.config, ring_step=self.plan.kind == "ring")
+    return backend, backends.config_for(backend, self.config,
+                                        ring_step=self.plan.kind == "ring" and not self.gathers)
 
   # Layout: compaction for the "compact" ring, identity otherwise.
   def query(self, x):
@@ -314,6 +325,8 @@ def _ring_forward(st, q, k, v, axis_name, ids=None):
   qi, kv = _with_ids(st, ids, q, k, (st.key(k), st.key(v)))
   if plan.zigzag:
     return _zigzag_forward(st, qs, qi, kv, axis_name)
+  if st.gathers:
+    return _gathered_forward(st, qs, qi, kv, axis_name)
   acc = st.forward(qs, *kv[:2], st.causal, _pair(qi, kv))
   # An empty step's result: typed like a real one (varying over every mesh axis q varies
   # over, the data axis included), as lax.cond needs.
@@ -326,6 +339,55 @@ def _ring_forward(st, q, k, v, axis_name, ids=None):
                        lambda kv: st.forward(qs, *kv[:2], False, _pair(qi, kv)), zeros, kv)
     acc = _merge2(acc, part)
   return acc
+
+
+def _gathers(plan, qs, ks) -> bool:
+  """Whether a ring branch gathers all its keys at once instead of rotating them: a
+  non-causal ring over the whole axis whose gathered arrays fit in `GATHER_LIMIT_BYTES`
+  (`qs`, `ks`: the step layout's queries and keys, arrays or shapes).
+
+  One all-gather moves the same bytes as the rotations, over every link at once and before
+  any step; the steps then run as one backend call, the shards' key blocks folded into the
+  batch. Its memory, per device and in the backward (the larger): `P` copies of the queries,
+  their cotangents and float32 gradients, the gathered keys and values and their float32
+  gradients."""
+  if plan.branch.causal or plan.span != plan.shards:
+    return False
+  item = jnp.dtype(qs.dtype).itemsize
+  need = plan.shards * (qs.size * (2 * item + 4) + 2 * ks.size * (item + 4))
+  return need <= GATHER_LIMIT_BYTES
+
+
+def _fold_blocks(x, shards):
+  """The gathered `[B, P n, ...]` as `[B P, n, ...]`: each shard's block a batch row."""
+  return x.reshape(x.shape[0] * shards, x.shape[1] // shards, *x.shape[2:])
+
+
+def _repeat_rows(x, shards):
+  """`[B, n, ...]` -> `[B P, n, ...]`: each batch row once per shard's block."""
+  return None if x is None else jnp.repeat(x, shards, axis=0)
+
+
+def _gathered_forward(st, qs, qi, kv, axis_name):
+  """`_ring_forward` of a branch that `_gathers`: one all-gather, one call, one merge."""
+  shards = st.plan.shards
+  kv = tuple(_fold_blocks(_gather(x, axis_name), shards) for x in kv)
+  o, lse = st.forward(_repeat_rows(qs, shards), *kv[:2], False,
+                      _pair(_repeat_rows(qi, shards), kv))
+  o, lse = (x.reshape(qs.shape[0], shards, *x.shape[1:]) for x in (o, lse))
+  return merge([o[:, i] for i in range(shards)], [lse[:, i] for i in range(shards)])
+
+
+def _gathered_backward(st, rows, qi, kv, axis_name):
+  """`_ring_backward` of a branch that `_gathers`: dk and dv go home in one reduce-scatter."""
+  shards = st.plan.shards
+  kv = tuple(_fold_blocks(_gather(x, axis_name), shards) for x in kv)
+  rep = [_repeat_rows(x, shards) for x in rows]
+  dq, dk, dv = st.backward(rep[0], *kv[:2], *rep[1:], False, _pair(_repeat_rows(qi, shards), kv))
+  dq = jnp.sum(dq.reshape(rows[0].shape[0], shards, *dq.shape[1:]), axis=1)
+  home = lambda g: jax.lax.psum_scatter(g.reshape(rows[0].shape[0], -1, *g.shape[2:]),
+                                        axis_name, scatter_dimension=1, tiled=True)
+  return dq, home(dk), home(dv)
 
 
 def _zigzag_forward(st, qs, qi, kv, axis_name):
@@ -383,6 +445,8 @@ def _ring_backward(st, q, k, v, dout, lse, delta, axis_name, ids=None):
   qi, kv = _with_ids(st, ids, q, k, (st.key(k), st.key(v)))
   if plan.zigzag:
     return _zigzag_backward(st, rows + (() if qi is None else (qi,)), kv, axis_name)
+  if st.gathers:
+    return _gathered_backward(st, rows, qi, kv, axis_name)
   grads = st.backward(rows[0], *kv[:2], *rows[1:], st.causal, _pair(qi, kv))
   zeros = lambda: backends.vary_like(tuple(jnp.zeros(x.shape, x.dtype) for x in grads),
                                      rows[0])
@@ -616,15 +680,17 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   names = backends.candidates(implementation)
   backends.check_config(config)
   fn = _sharded(pattern, mesh, axis_name, batch_axes or None, scale, names, config,
-                segment_ids is not None)
+                segment_ids is not None, GATHER_LIMIT_BYTES)
   out, lse = fn(q, k, v) if segment_ids is None else fn(q, k, v, segment_ids)
   return (out, lse) if return_lse else out
 
 
 @functools.lru_cache(maxsize=64)
-def _sharded(pattern, mesh, axis_name, batch_axes, scale, names, config, packed=False):
+def _sharded(pattern, mesh, axis_name, batch_axes, scale, names, config, packed, gather_limit):
   """The jitted shard_map of one configuration (cached: eager calls reuse its compilation);
-  `packed`: it takes segment ids, `(q, k, v, segment_ids)`."""
+  `packed`: it takes segment ids, `(q, k, v, segment_ids)`; `gather_limit`: the
+  `GATHER_LIMIT_BYTES` it was traced with."""
+  del gather_limit  # a key of the cache only
   spec = jax.P(batch_axes, axis_name)
   explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
   inner = lambda q, k, v, *ids: ring_dilated_attention(

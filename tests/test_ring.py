@@ -159,16 +159,23 @@ def test_local_branches_run_as_one_call(monkeypatch):
       ("forward", tuple(local)), ("backward", tuple(local))}
 
 
-def test_spanning_branches_send_only_dilated_rows():
+@pytest.mark.parametrize("rotate", [False, True])
+def test_spanning_branches_send_only_dilated_rows(monkeypatch, rotate):
+  """A non-causal ring over the whole axis gathers its keys at once (`GATHER_LIMIT_BYTES`
+  allowing) or rotates them (a limit of 0); either way only the residue rows travel."""
+  if rotate:
+    monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
+  kind, hops = ("collective-permute", 1) if rotate else ("all-gather", 4)
   # n = 16 tokens per shard; w = 64 spans all 4 shards; r = 4 with one kv head per query
-  # head: each step sends k and v of 16 / 4 = 4 rows for each of the 2 heads.
+  # head: k and v of 16 / 4 = 4 rows for each of the 2 heads travel (an all-gather's result
+  # holds those of the 4 shards).
   found = _collectives(DilatedPattern((64,), (4,)))
-  assert found and {kind for _, kind in found} == {"collective-permute"}
+  assert found and {k for _, k in found} == {kind}
   for shape, _ in found:
-    assert re.fullmatch(r"(\(?f32\[1,4,2,16\][^ ]*,? ?)+\)?", shape), shape
+    assert re.fullmatch(rf"(\(?f32\[1,{4 * hops},2,16\][^ ]*,? ?)+\)?", shape), shape
   # Undilated: the whole shard travels.
   for shape, _ in _collectives(DilatedPattern((64,), (1,))):
-    assert "f32[1,16,2,16]" in shape, shape
+    assert f"f32[1,{16 * hops},2,16]" in shape, shape
 
 
 @OLD_JAX
@@ -217,12 +224,17 @@ def test_each_step_takes_the_first_backend_that_runs_it(monkeypatch):
         q, k, v, pattern, mesh=mesh(4), axis_name="seq", implementation="triton"), q, k, v)
 
 
-@pytest.mark.parametrize("segments,rates", [((512, 2048), (1, 2)), ((256, 512), (1, 2))])
-def test_steps_get_ring_step_config_and_final_dtypes(monkeypatch, segments, rates):
+@pytest.mark.parametrize("segments,rates,rotate", [((512, 2048), (1, 2), True),
+                                                  ((512, 2048), (1, 2), False),
+                                                  ((256, 512), (1, 2), False)])
+def test_steps_get_ring_step_config_and_final_dtypes(monkeypatch, segments, rates, rotate):
   """Ring steps run with the backend's `ring_step_config` (the keys of the next step travel
-  beside them), local steps with the caller's config; where every branch is local, the one
-  local call is the whole result and gets `out_dtype` / `grad_dtype` = q's dtype (no
-  float32 copy of the output and gradients on the device)."""
+  beside them); local steps, and the one call of a ring that gathers its keys first, with
+  the caller's config; where every branch is local, the one local call is the whole result
+  and gets `out_dtype` / `grad_dtype` = q's dtype (no float32 copy of the output and
+  gradients on the device)."""
+  if rotate:
+    monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
   from hilbert_ring_jax import backends  # pylint: disable=g-import-not-at-top
   from hilbert_ring_jax.backends import base  # pylint: disable=g-import-not-at-top
   seen, ring_config = [], xla.Config(key_block=256)
@@ -249,7 +261,7 @@ def test_steps_get_ring_step_config_and_final_dtypes(monkeypatch, segments, rate
   _assert_ring_matches_reference(ring, case, False, inputs)
   if segments[-1] > 512:
     assert set(seen) == {("forward", False, None), ("backward", False, None),
-                         ("forward", True, None), ("backward", True, None)}, seen
+                         ("forward", rotate, None), ("backward", rotate, None)}, seen
   else:
     assert set(seen) == {("forward", False, "float32"), ("backward", False, "float32")}, seen
 
@@ -492,6 +504,11 @@ REALISTIC = {
 }
 
 
+def _whole_non_causal(plan):
+  """A non-causal ring over the whole axis: it gathers its keys at once at these sizes."""
+  return plan.kind == "ring" and not plan.branch.causal and plan.span == plan.shards
+
+
 def _realistic(name):
   data, seq, per, h, hkv, make, key_block = REALISTIC[name]
   n = seq * per
@@ -511,21 +528,28 @@ def test_realistic_cases_cover_every_plan():
     case, pattern, m, _ = _realistic(name)
     seq = m.shape["seq"]
     for plan in _plans(pattern, case.n // seq, seq, case.heads, case.heads // case.kv_heads):
-      kinds.add((plan.kind, plan.compact, plan.zigzag, plan.shards % plan.span != 0))
-  assert {("local", False, False, False), ("gather", False, False, False),
-          ("ring", True, True, False), ("ring", False, True, False),
-          ("ring", False, False, False), ("ring", True, False, False),
-          ("ring", False, False, True)} <= kinds, kinds
+      kinds.add((plan.kind, plan.compact, plan.zigzag, plan.shards % plan.span != 0,
+                 _whole_non_causal(plan)))
+  assert {("local", False, False, False, False), ("gather", False, False, False, False),
+          ("ring", True, True, False, False), ("ring", False, True, False, False),
+          ("ring", False, False, False, False), ("ring", True, False, False, True),
+          ("ring", False, False, False, True), ("ring", False, False, True, False)} <= kinds, \
+      kinds
 
 
 # On the oldest JAX too: the plain ring and data x sequence with zigzag (the compact zigzag
 # ring meets it in the user's shard_map below). "longnet_causal" runs packed below; without
 # ids its compact zigzag ring runs in the user's shard_map (2048 keys a shard, blocks of 128).
 @pytest.mark.parametrize("name", [pytest.param(name, marks=OLD_JAX) if name in (
-    "full", "data2_seq4_causal") else name for name in REALISTIC if name != "longnet_causal"])
-def test_ring_at_realistic_shard_sizes(name):
+    "full", "data2_seq4_causal") else name for name in REALISTIC if name != "longnet_causal"]
+    + ["full_rotating"])
+def test_ring_at_realistic_shard_sizes(monkeypatch, name):
   """Forward, lse and gradients of the ring equal one device's, every plan kind, data x
-  sequence meshes included (the scans over key blocks meet mesh-varying data here)."""
+  sequence meshes included (the scans over key blocks meet mesh-varying data here); the
+  whole non-causal rings gathered ("full", "longnet_gqa") and rotated ("full_rotating")."""
+  if name == "full_rotating":
+    monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
+    name = "full"
   case, pattern, m, config = _realistic(name)
   inputs = helpers.random_inputs(case, jnp.float32, 21)
   batch_axis = "data" if "data" in m.shape else None

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from hilbert_ring_jax import DilatedPattern
+from hilbert_ring_jax import ring
 from hilbert_ring_jax.ring import sharded_dilated_attention
 
 
@@ -29,12 +30,14 @@ def kernels_between_permutes(hlo: str) -> list[int]:
 
 
 @pytest.mark.gpu
-def test_a_step_kernel_runs_while_keys_travel():
-  """Full attention over 2 GPUs: some step's kernel sits between the start and the done of a
-  collective-permute, so the transfer can run beside it (docs/ring.md, "Where a ring call's
-  time goes": XLA runs one of a step's permutes asynchronously, the other synchronously)."""
+def test_a_step_kernel_runs_while_keys_travel(monkeypatch):
+  """Full attention over 2 GPUs, keys rotating (not gathered at once): some step's kernel
+  sits between the start and the done of a collective-permute, so the transfer can run
+  beside it (docs/ring.md, "Where a ring call's time goes": XLA runs one of a step's
+  permutes asynchronously, the other synchronously)."""
   if len(jax.devices("gpu")) < 2:
     pytest.skip("needs two GPUs")
+  monkeypatch.setattr(ring, "GATHER_LIMIT_BYTES", 0)
   mesh = jax.make_mesh((2,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices("gpu")[:2])
   n, shape = 2 * 2048, (1, 2 * 2048, 4, 64)
