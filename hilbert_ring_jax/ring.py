@@ -12,7 +12,9 @@ Each branch `(w, r)` of the pattern runs in one of three ways, chosen on the hos
   segment; the step against the own shard is the branch itself. With `offsets="head"`
   (and fewer query heads per key/value head than `r`), only each head's residue rows, `1/r`
   of the keys and values, are compacted and sent. For causal patterns, steps whose keys lie in
-  the future are skipped, and the forward's shifts leave out the pairs nobody needs;
+  the future are skipped, and the forward's shifts leave out the pairs nobody needs. A
+  non-causal ring over the whole axis gathers its keys at once instead, where that fits in
+  `GATHER_LIMIT_BYTES`: one all-gather, its steps as one backend call;
 - gather (any other shape): the branch runs on all-gathered inputs (exact, not fast).
 
 Every step is a call to a single-device backend with the global `lse` (the kernel contract),
