@@ -568,11 +568,12 @@ def _documents(batch, n, seed):
                      jnp.int32)
 
 
-@pytest.mark.parametrize("name", ["longnet_causal", "gather", "partial_sub_rings_no_zigzag",
-                                  "data2_seq4_causal"])
+@pytest.mark.parametrize("name", ["longnet_causal", "longnet_gqa", "gather",
+                                  "partial_sub_rings_no_zigzag", "data2_seq4_causal"])
 def test_packed_ring_at_realistic_shard_sizes(name):
-  """Packed sequences on the ring (the keys' document ids travel with them) equal one
-  device's packed call: compact and zigzag rings, gather, partial sub-rings, data x seq."""
+  """Packed sequences on the ring (the keys' document ids travel with them, or are gathered
+  with them) equal one device's packed call: compact and zigzag rings, a whole ring gathered
+  at once, gather, partial sub-rings, data x seq."""
   case, pattern, m, config = _realistic(name)
   inputs = helpers.random_inputs(case, jnp.float32, 24)
   ids = _documents(case.batch, case.n, 25)
