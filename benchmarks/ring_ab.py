@@ -4,11 +4,13 @@ For each pattern, pass and tokens per GPU: one GPU doing the whole problem alone
 over all GPUs as the defaults run it ("default"), and the ring with the mosaic `Config`
 given by `--config` (e.g. `persistent=True`, the persistent programs ring steps ran before
 2026-11-27) or, with `--gather-limit BYTES`, the defaults with `ring.GATHER_LIMIT_BYTES` set
-to BYTES (0: whole rings rotate their keys instead of gathering them). Each round times every variant once (10 calls back to back, 3 where one GPU
-takes over 50 ms a call), so that drifts between processes and over time hit them alike;
-medians over `--rounds`. Efficiency as in `ring_scaling.py`: `T_1 / (P T_P)`.
+to BYTES (0: whole rings rotate their keys instead of gathering them). Each round times every
+variant once (10 calls back to back, 3 where one GPU takes over 50 ms a call), so that drifts
+between processes and over time hit them alike; medians over `--rounds`. Efficiency as in
+`ring_scaling.py`: `T_1 / (P T_P)`.
 
   python benchmarks/ring_ab.py --per-gpu 8192,32768 --config persistent=True --json ab.json
+  python benchmarks/ring_ab.py --per-gpu 8192,32768 --gather-limit 0 --json ab.json
 """
 
 from __future__ import annotations

@@ -160,10 +160,10 @@ def smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int,
     buffers.append(2 * bq * head_dim * out_itemsize)
   if packed:
     buffers += [2 * q_buffers * bq * 4, config.stages * bk * 4]
-  return sum(_aligned(b) for b in buffers) + _SMEM_SLACK
+  return sum(_footprint(b) for b in buffers) + _SMEM_SLACK
 
 
-def _aligned(nbytes: int) -> int:
+def _footprint(nbytes: int) -> int:
   """A shared-memory buffer's footprint: Pallas places each at a multiple of 1 KiB."""
   return -(-nbytes // _SMEM_ALIGNMENT) * _SMEM_ALIGNMENT
 
