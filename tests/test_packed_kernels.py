@@ -224,13 +224,17 @@ def test_mosaic_packed_lowers_for_the_gpu():
   text = lower(lambda q, k, v, *ids: mosaic.forward(q, k, v, pattern, 0.1, out_dtype=q.dtype,
                                                     segment_ids=ids), q, kv, kv, *ids)
   assert text.count("mosaic_gpu") >= 2
+  # The ids' windows are computed without XLA while loops (each level's predicate would be
+  # read on the host: a wait for the device in every call).
+  assert "stablehlo.while" not in text
   # Float32 outputs (a ring step's partials): a tile of their own beside the ids' buffers
   # (each buffer placed at a multiple of 1 KiB) still fits in shared memory.
   lower(lambda q, k, v, *ids: mosaic.forward(q, k, v, pattern, 0.1, segment_ids=ids),
         q, kv, kv, *ids)
-  lower(lambda q, k, v, do, lse, delta, *ids: mosaic.backward(  # fused and split kernels
+  text = lower(lambda q, k, v, do, lse, delta, *ids: mosaic.backward(  # fused and split
       q, k, v, do, lse, delta, pattern, 0.1, grad_dtype=q.dtype, segment_ids=ids),
-        q, kv, kv, q, lse, lse, *ids)
+               q, kv, kv, q, lse, lse, *ids)
+  assert "stablehlo.while" not in text
   # The token step of a packed cache (reading each row from its `start`).
   from hilbert_ring_jax import decode  # pylint: disable=import-outside-toplevel
   from hilbert_ring_jax.backends import mosaic_decode  # pylint: disable=g-import-not-at-top

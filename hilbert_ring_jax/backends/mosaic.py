@@ -129,7 +129,10 @@ def id_windows(q_ids, k_ids):
   def one(qi, ki):
     pos = jnp.arange(n, dtype=jnp.int32)
     order = jnp.argsort(ki, stable=True).astype(jnp.int32)
-    lo, hi = (jnp.searchsorted(ki[order], qi, side=side) for side in ("left", "right"))
+    # Unrolled: a `while` loop (searchsorted's default) reads its predicate on the host at
+    # every level on GPUs, a wait for the device before each of the kernels behind it.
+    lo, hi = (jnp.searchsorted(ki[order], qi, side=side, method="scan_unrolled")
+              for side in ("left", "right"))
     has = hi > lo
     u0 = jnp.where(has, order[jnp.minimum(lo, n - 1)], far)
     u1 = jnp.where(has, order[jnp.maximum(hi - 1, 0)], -1)
