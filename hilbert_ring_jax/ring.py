@@ -18,8 +18,8 @@ Each branch `(w, r)` of the pattern runs in one of three ways, chosen on the hos
 - gather (any other shape): the branch runs on all-gathered inputs (exact, not fast).
 
 Every step is a call to a single-device backend with the global `lse` (the kernel contract),
-combined with the one `merge`; the backward rotates `(k, v, dk, dv)` together and keeps `dq`
-local, so gradients are exact.
+combined with the one `merge`; the backward rotates `(k, v, dk, dv)` together (a gathered
+ring reduce-scatters dk and dv) and keeps `dq` local, so gradients are exact.
 """
 
 from __future__ import annotations
@@ -157,10 +157,7 @@ class _RingBranch:
       self.pattern = lambda causal, length: dataclasses.replace(pattern, causal=causal)
       self.branches = branches or (br.index,)
     self.causal = br.causal
-    # A ring that gathers its keys at once, in the step layout's sizes.
-    self.gathers = plan.kind == "ring" and _gathers(
-        plan, *(jax.eval_shape(f, jax.ShapeDtypeStruct(x.shape, x.dtype))
-                for f, x in ((self.query, q), (self.key, k))))
+    self.gathers = _gathers(plan, self, q, k)  # a ring that gathers its keys at once
 
   def backend(self, q, k, causal, backward=False):
     """The backend of a step on arrays shaped like `q`, `k` (inside shard_map `q` is the
@@ -343,18 +340,20 @@ def _ring_forward(st, q, k, v, axis_name, ids=None):
   return acc
 
 
-def _gathers(plan, qs, ks) -> bool:
+def _gathers(plan, st, q, k) -> bool:
   """Whether a ring branch gathers all its keys at once instead of rotating them: a
-  non-causal ring over the whole axis whose gathered arrays fit in `GATHER_LIMIT_BYTES`
-  (`qs`, `ks`: the step layout's queries and keys, arrays or shapes).
+  non-causal ring over the whole axis whose extra memory fits in `GATHER_LIMIT_BYTES`
+  (`st`: its `_RingBranch`, whose layout sizes the step's arrays from the shard's `q`, `k`).
 
   One all-gather moves the same bytes as the rotations, over every link at once and before
   any step; the steps then run as one backend call, the shards' key blocks folded into the
   batch. Its memory, per device and in the backward (the larger): `P` copies of the queries,
   their cotangents and float32 gradients, the gathered keys and values and their float32
   gradients."""
-  if plan.branch.causal or plan.span != plan.shards:
+  if plan.kind != "ring" or plan.branch.causal or plan.span != plan.shards:
     return False
+  qs, ks = (jax.eval_shape(f, jax.ShapeDtypeStruct(x.shape, x.dtype))
+            for f, x in ((st.query, q), (st.key, k)))
   item = jnp.dtype(qs.dtype).itemsize
   need = plan.shards * (qs.size * (2 * item + 4) + 2 * ks.size * (item + 4))
   return need <= GATHER_LIMIT_BYTES

@@ -468,22 +468,24 @@ def test_implementation_is_checked_and_defaults():
 
 @pytest.mark.pallas
 def test_pallas_declines_inside_shard_map():
-  """Inside `shard_map` the inputs vary over the mesh (`Problem.of` says so), which "pallas"
-  declines: the ring's steps then take the next candidate."""
+  """Inside `shard_map` the inputs vary over the mesh (`Problem.of` says so, also where only
+  k does), which "pallas" declines: the ring's steps then take the next candidate."""
   problems = []
   mesh = jax.make_mesh((2,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:2])
   pattern = DilatedPattern((8,), (1,))
 
-  def step(x):
+  def step(x, y):
     problems.append(backends.Problem.of(x, x, pattern))
+    problems.append(backends.Problem.of(y, x, pattern))  # q replicated, k split
     return x
 
   x = jax.ShapeDtypeStruct((1, 16, 2, 16), F32)
-  jax.eval_shape(jax.shard_map(step, mesh=mesh, in_specs=jax.P(None, "seq"),
-                               out_specs=jax.P(None, "seq")), x)
-  (inside,) = problems
-  assert inside.varying and not backends.Problem.of(x, x, pattern).varying
+  y = jax.ShapeDtypeStruct((1, 8, 2, 16), F32)
+  jax.eval_shape(jax.shard_map(step, mesh=mesh, in_specs=(jax.P(None, "seq"), jax.P()),
+                               out_specs=jax.P(None, "seq")), x, y)
+  inside, mixed = problems
+  assert inside.varying and mixed.varying and not backends.Problem.of(x, x, pattern).varying
   support = pallas.supports(inside)
   assert not support and "shard_map" in support.reason
 

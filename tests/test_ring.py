@@ -547,7 +547,8 @@ def test_ring_at_realistic_shard_sizes(monkeypatch, name):
   """Forward, lse and gradients of the ring equal one device's, every plan kind, data x
   sequence meshes included (the scans over key blocks meet mesh-varying data here); the
   whole non-causal rings gathered ("full", "longnet_gqa") and rotated ("full_rotating")."""
-  if name == "full_rotating":
+  rotating = name == "full_rotating"
+  if rotating:
     monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
     name = "full"
   case, pattern, m, config = _realistic(name)
@@ -558,6 +559,8 @@ def test_ring_at_realistic_shard_sizes(monkeypatch, name):
       config=config))
   single = jax.jit(lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True))
   _assert_ring_equals(ring, single, inputs)
+  if name == "full":  # the whole ring's mode: its keys gathered at once, or rotating
+    assert ("all_gather" in str(jax.make_jaxpr(ring)(*inputs[:3]))) != rotating
 
 
 def _documents(batch, n, seed):

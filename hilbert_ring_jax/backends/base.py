@@ -101,8 +101,9 @@ class Problem:
   @classmethod
   def of(cls, q, k, pattern, branches=None, *, like=None) -> Problem:
     """The problem of arrays (or shape/dtype structs) `q`, `k`; `like` (default `q`) is a
-    real array whose mesh-axes type tells whether the inputs vary inside `shard_map`."""
-    varying = varying_axes(q if like is None else like)
+    real array whose mesh-axes type, with `k`'s, tells whether the inputs vary inside
+    `shard_map` (either may: a replicated operand beside a split one)."""
+    varying = varying_axes(q if like is None else like) | varying_axes(k)
     return cls(tuple(q.shape), tuple(k.shape), jnp.dtype(q.dtype), pattern,
                None if branches is None else tuple(branches), jax.default_backend(),
                bool(varying))
@@ -269,7 +270,7 @@ def _attention_bwd(kernel, res, cotangents):
   operands = vary_alike(q, k, v, dout, lse, delta, *leaves)
   grads = kernel.backward(*operands[:6], **_ids(jax.tree.unflatten(tree, operands[6:])))
   # Integer ids get no cotangent (None: zero).
-  return (*(cotangent_like(_saturate(g, x.dtype), x) for g, x in zip(grads, (q, k, v))),
+  return (*(_saturate(cotangent_like(g, x), x.dtype) for g, x in zip(grads, (q, k, v))),
           jax.tree.map(lambda _: None, segment_ids))
 
 

@@ -59,12 +59,13 @@ def vary_alike(*xs):
 
 
 def cotangent_like(g, x):
-  """The cotangent `g` typed like its primal `x`: summed over the mesh axes `g` varies over
-  and `x` does not (the transpose of the broadcast `vary_alike` made), and varying over those
-  `x` varies over and `g` does not (kernel calls whose results do not say so)."""
+  """The cotangent `g` typed like its primal `x`: summed (in float32 at least) over the mesh
+  axes `g` varies over and `x` does not (the transpose of the broadcast `vary_alike` made),
+  and varying over those `x` varies over and `g` does not (kernel calls whose results do not
+  say so)."""
   extra = varying_axes(g) - varying_axes(x)
   if extra:
-    g = jax.lax.psum(g, tuple(sorted(extra)))
+    g = jax.lax.psum(g.astype(jnp.promote_types(g.dtype, jnp.float32)), tuple(sorted(extra)))
   return vary_like(g, x) if varying_axes(x) - varying_axes(g) else g
 
 
