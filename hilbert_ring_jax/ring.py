@@ -41,9 +41,18 @@ from .pattern import Branch, DilatedPattern, heads_per_kv
 
 
 # A non-causal ring over the whole axis gathers its keys at once (one all-gather, one call)
-# when that takes at most this much extra memory per device (see `_gathers`); set it to 0 to
-# rotate keys step by step. Read when a call is traced.
-GATHER_LIMIT_BYTES = 6 << 30
+# when that takes at most this much extra memory per device (see `_gathers`); None: 6 GiB,
+# or an eighth of a device's memory where that is less; 0: rotate keys step by step. Read
+# when a call is traced.
+GATHER_LIMIT_BYTES: int | None = None
+
+
+def _gather_limit() -> int:
+  """`GATHER_LIMIT_BYTES`, its default resolved for the default backend's devices."""
+  if GATHER_LIMIT_BYTES is not None:
+    return GATHER_LIMIT_BYTES
+  memory = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  return 6 << 30 if memory is None else min(6 << 30, memory // 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,7 +365,7 @@ def _gathers(plan, st, q, k) -> bool:
             for f, x in ((st.query, q), (st.key, k)))
   item = jnp.dtype(qs.dtype).itemsize
   need = plan.shards * (qs.size * (2 * item + 4) + 2 * ks.size * (item + 4))
-  return need <= GATHER_LIMIT_BYTES
+  return need <= _gather_limit()
 
 
 def _fold_blocks(x, shards):
@@ -681,7 +690,7 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   names = backends.candidates(implementation)
   backends.check_config(config)
   fn = _sharded(pattern, mesh, axis_name, batch_axes or None, scale, names, config,
-                segment_ids is not None, GATHER_LIMIT_BYTES)
+                segment_ids is not None, _gather_limit())
   out, lse = fn(q, k, v) if segment_ids is None else fn(q, k, v, segment_ids)
   return (out, lse) if return_lse else out
 
@@ -689,8 +698,8 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
 @functools.lru_cache(maxsize=64)
 def _sharded(pattern, mesh, axis_name, batch_axes, scale, names, config, packed, gather_limit):
   """The jitted shard_map of one configuration (cached: eager calls reuse its compilation);
-  `packed`: it takes segment ids, `(q, k, v, segment_ids)`; `gather_limit`: the
-  `GATHER_LIMIT_BYTES` it was traced with."""
+  `packed`: it takes segment ids, `(q, k, v, segment_ids)`; `gather_limit`: the gather
+  limit (`_gather_limit`) it was traced with."""
   del gather_limit  # a key of the cache only
   spec = jax.P(batch_axes, axis_name)
   explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)

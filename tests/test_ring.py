@@ -178,6 +178,22 @@ def test_spanning_branches_send_only_dilated_rows(monkeypatch, rotate):
     assert f"f32[1,{16 * hops},2,16]" in shape, shape
 
 
+def test_gather_limit_default_follows_device_memory(monkeypatch):
+  """`GATHER_LIMIT_BYTES=None`: 6 GiB, or an eighth of what JAX may allocate on a device
+  where that is less (none reported, as on CPUs: 6 GiB); a number is taken as it is."""
+  def device_with(stats):
+    monkeypatch.setattr(ring_module.jax, "devices",
+                        lambda: [types.SimpleNamespace(memory_stats=lambda: stats)])
+
+  monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", None)
+  for stats, limit in (({"bytes_limit": 16 << 30}, 2 << 30), ({"bytes_limit": 60 << 30}, 6 << 30),
+                       (None, 6 << 30)):
+    device_with(stats)
+    assert ring_module._gather_limit() == limit  # pylint: disable=protected-access
+  monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 123)
+  assert ring_module._gather_limit() == 123  # pylint: disable=protected-access
+
+
 @OLD_JAX
 def test_sequence_not_divisible_raises():
   x = jnp.zeros((1, 30, 2, 8))
