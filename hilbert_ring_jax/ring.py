@@ -68,6 +68,11 @@ class _Plan:
   compact: bool = False  # ring: only each head's residue rows travel
   zigzag: bool = False   # ring, causal: half-shard chunks dealt out in zigzag order
 
+  @property
+  def whole(self) -> bool:
+    """A non-causal ring over the whole axis: one that may gather its keys at once."""
+    return self.kind == "ring" and not self.branch.causal and self.span == self.shards
+
 
 def _plans(pattern: DilatedPattern, n: int, shards: int, num_heads: int, per_kv: int):
   for br in pattern.layout(n * shards, num_heads):
@@ -166,7 +171,7 @@ class _RingBranch:
       self.pattern = lambda causal, length: dataclasses.replace(pattern, causal=causal)
       self.branches = branches or (br.index,)
     self.causal = br.causal
-    self.gathers = _gathers(plan, self, q, k)  # a ring that gathers its keys at once
+    self.gathers = _gathers(self, q, k)  # a ring that gathers its keys at once
 
   def backend(self, q, k, causal, backward=False):
     """The backend of a step on arrays shaped like `q`, `k` (inside shard_map `q` is the
@@ -349,7 +354,7 @@ def _ring_forward(st, q, k, v, axis_name, ids=None):
   return acc
 
 
-def _gathers(plan, st, q, k) -> bool:
+def _gathers(st, q, k) -> bool:
   """Whether a ring branch gathers all its keys at once instead of rotating them: a
   non-causal ring over the whole axis whose extra memory fits in `GATHER_LIMIT_BYTES`
   (`st`: its `_RingBranch`, whose layout sizes the step's arrays from the shard's `q`, `k`).
@@ -359,12 +364,12 @@ def _gathers(plan, st, q, k) -> bool:
   batch. Its memory, per device and in the backward (the larger): `P` copies of the queries,
   their cotangents and float32 gradients, the gathered keys and values and their float32
   gradients."""
-  if plan.kind != "ring" or plan.branch.causal or plan.span != plan.shards:
+  if not st.plan.whole:
     return False
   qs, ks = (jax.eval_shape(f, jax.ShapeDtypeStruct(x.shape, x.dtype))
             for f, x in ((st.query, q), (st.key, k)))
   item = jnp.dtype(qs.dtype).itemsize
-  need = plan.shards * (qs.size * (2 * item + 4) + 2 * ks.size * (item + 4))
+  need = st.plan.shards * (qs.size * (2 * item + 4) + 2 * ks.size * (item + 4))
   return need <= _gather_limit()
 
 
@@ -389,7 +394,7 @@ def _gathered_forward(st, qs, qi, kv, axis_name):
 
 
 def _gathered_backward(st, rows, qi, kv, axis_name):
-  """`_ring_backward` of a branch that `_gathers`: dk and dv go home in one reduce-scatter."""
+  """`_ring_backward` of a branch that `_gathers`: dk and dv go home by reduce-scatter."""
   shards = st.plan.shards
   kv = tuple(_fold_blocks(_gather(x, axis_name), shards) for x in kv)
   rep = [_repeat_rows(x, shards) for x in rows]

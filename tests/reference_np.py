@@ -29,10 +29,17 @@ def multiplicity(n, num_heads, segment_lengths, dilation_rates, causal=False, of
   return m
 
 
-def same_document(segment_ids):
-  """`[B, 1, N, N]`: 1 where query i and key j are of the same document (packed rows)."""
-  ids = np.asarray(segment_ids)
-  return (ids[:, None, :, None] == ids[:, None, None, :]).astype(np.float64)
+def same_document(q_ids, kv_ids=None):
+  """`[B, X, N, N]`: 1 where query i and key j are of the same document (packed rows), from
+  one `[B, N]` array of ids (X = 1), or the queries' and the keys' (`[B, N]` each, X = 1; or
+  per head, `[B, N, H]` and `[B, N, Hkv]`, X = H)."""
+  q_ids = np.asarray(q_ids)
+  kv_ids = q_ids if kv_ids is None else np.asarray(kv_ids)
+  if q_ids.ndim == 2:
+    return (q_ids[:, None, :, None] == kv_ids[:, None, None, :]).astype(np.float64)
+  kv_ids = np.repeat(kv_ids, q_ids.shape[2] // kv_ids.shape[2], axis=2)
+  return (q_ids.transpose(0, 2, 1)[..., :, None] ==
+          kv_ids.transpose(0, 2, 1)[..., None, :]).astype(np.float64)
 
 
 def attention(q, k, v, m, scale, dout=None, dlse=None):

@@ -112,24 +112,13 @@ def _mosaic_passes(case, causal, ids, config=None, seed=0):
   return (*passes(*inputs, ids), inputs)
 
 
-def _same_document(q_ids, kv_ids):
-  """`[B, H, N, N]` (or `[B, 1, N, N]`): 1 where query i and key j share a document, from
-  the contract's ids (`[B, N]` each, or per head `[B, N, H]` and `[B, N, Hkv]`)."""
-  q_ids, kv_ids = np.asarray(q_ids), np.asarray(kv_ids)
-  if q_ids.ndim == 2:
-    return reference_np.same_document(q_ids)
-  kv_ids = np.repeat(kv_ids, q_ids.shape[2] // kv_ids.shape[2], axis=2)
-  return (q_ids.transpose(0, 2, 1)[..., :, None] ==
-          kv_ids.transpose(0, 2, 1)[..., None, :]).astype(np.float64)
-
-
 def _check_mosaic(case, causal, ids, **kwargs):
   """Forward, lse and gradients against the float64 reference."""
   out, lse, grads, (q, k, v, dout, dlse) = _mosaic_passes(case, causal, ids, **kwargs)
   m = reference_np.multiplicity(case.n, case.heads, case.segment_lengths, case.dilation_rates,
                                 causal, case.offsets, case.head_groups)
   ref_out, ref_lse, ref_grads = reference_np.attention(
-      q, k, v, m[None] * _same_document(*ids), case.head_dim ** -0.5, dout, dlse)
+      q, k, v, m[None] * reference_np.same_document(*ids), case.head_dim ** -0.5, dout, dlse)
   tol = helpers.TOL[jnp.bfloat16]
   assert out.dtype == jnp.bfloat16 and helpers.rel_err(out, ref_out) < tol
   helpers.check_lse(lse, ref_lse, tol)

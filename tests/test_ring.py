@@ -520,11 +520,6 @@ REALISTIC = {
 }
 
 
-def _whole_non_causal(plan):
-  """A non-causal ring over the whole axis: it gathers its keys at once at these sizes."""
-  return plan.kind == "ring" and not plan.branch.causal and plan.span == plan.shards
-
-
 def _realistic(name):
   data, seq, per, h, hkv, make, key_block = REALISTIC[name]
   n = seq * per
@@ -545,7 +540,7 @@ def test_realistic_cases_cover_every_plan():
     seq = m.shape["seq"]
     for plan in _plans(pattern, case.n // seq, seq, case.heads, case.heads // case.kv_heads):
       kinds.add((plan.kind, plan.compact, plan.zigzag, plan.shards % plan.span != 0,
-                 _whole_non_causal(plan)))
+                 plan.whole))
   assert {("local", False, False, False, False), ("gather", False, False, False, False),
           ("ring", True, True, False, False), ("ring", False, True, False, False),
           ("ring", False, False, False, False), ("ring", True, False, False, True),

@@ -287,12 +287,9 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       return load
 
     def id_stream(prog):  # the query blocks' document ids, freed with the queries
-      def load(piece, j, slot):
-        x = id_tiles.head(piece.head)
-        at_rows(id_refs[1], id_refs[2], prog.base + piece.first, j * bq, bq, piece.stride, L,
-                lambda rows, c: (prog.b, x, rows) if c is None else (prog.b, x, c, rows),
-                lambda box: plgpu.copy_gmem_to_smem(box, qid_smem.at[slot], qid_bar.at[slot]))
-      return load
+      return lambda piece, j, slot: id_tiles.copy_block(
+          id_refs[1], id_refs[2], prog, piece, piece.head, j, bq, qid_smem.at[slot],
+          qid_bar.at[slot])
 
     def loads(*streams):
       def load(piece, j, slot):

@@ -125,10 +125,8 @@ def produce_kv(work: Work, origin_ref, rows_ref, per_kv: int, k, v, ranges, L: i
               lambda box: plgpu.copy_gmem_to_smem(box, smem.at[slot], bar.at[slot]))
       if ids is not None:
         ids1, ids_t, id_smem, id_bar, tiles = ids
-        x = tiles.head(kv_head)
-        at_rows(ids1, ids_t, prog.base + piece.first, j * bk, bk, piece.stride, L,
-                lambda rows, c: (prog.b, x, rows) if c is None else (prog.b, x, c, rows),
-                lambda box: plgpu.copy_gmem_to_smem(box, id_smem.at[slot], id_bar.at[slot]))
+        tiles.copy_block(ids1, ids_t, prog, piece, kv_head, j, bk, id_smem.at[slot],
+                         id_bar.at[slot])
     return free, load
 
   def item(prog, step):
@@ -198,6 +196,14 @@ class IdTiles:
                                         (jnp.min, jnp.max, jnp.max, jnp.min))]
     return (view_t(pad(row_ids, n_pad)), pad(stream_ids, n_pad),
             view_t(pad(stream_ids, n_pad)), jnp.stack(stats, axis=-1).reshape(-1))
+
+  def copy_block(self, ids, ids_view, prog, piece, head, j: int, size: int, dst, bar):
+    """Copies the ids of block `j` (of `size` rows) of a streamed `piece` of head `head`'s
+    rows, from the streamed ids `[B, X', Np]` or their strided view, into `dst`."""
+    x = self.head(head)
+    at_rows(ids, ids_view, prog.base + piece.first, j * size, size, piece.stride, self.L,
+            lambda rows, c: (prog.b, x, rows) if c is None else (prog.b, x, c, rows),
+            lambda box: plgpu.copy_gmem_to_smem(box, dst, bar))
 
   def window(self, table_ref, prog, first: int, last: int | None = None):
     """`(u0, u1, r0, r1)` of an item's row tile `first` (0, 1: the consumers' tiles) from
