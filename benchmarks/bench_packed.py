@@ -14,12 +14,18 @@ documents leave visible, each peer's output checked against ours (relative L2). 
 with every id equal against no ids (what packing costs where it changes nothing).
 
   python benchmarks/bench_packed.py --seq-len 32768 --median 2048 --json out/packed.json
+
+`--trace` adds each HLO op's kernel time per call for ours and ours_dense (jax.profiler; run
+with `XLA_FLAGS=--xla_gpu_enable_command_buffer=` so that each kernel is named by its op).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import json
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +33,7 @@ import numpy as np
 
 from bench_pallas import _tokamax, rel_l2
 from ring_scaling import pattern_for
-from timing import median_ms
+from timing import busy_ns, device_events, median_ms
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 
 
@@ -87,6 +93,22 @@ def peers(lengths, n, causal_pattern, scale):
   return ids, table
 
 
+def kernel_table(fn, args, calls=3) -> dict:
+  """`fn`'s device kernels over `calls` traced calls: per HLO op, its kernels' time per call
+  (us), and their busy time per call (the union of the kernels' intervals)."""
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as log_dir:
+    with jax.profiler.trace(log_dir):
+      for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+    events = device_events(sorted(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True))[-1])
+  per_op = collections.Counter()
+  for e in events:
+    per_op[e["hlo_op"]] += e["ns"] / 1e3 / calls
+  return dict(busy_us=busy_ns(events) / 1e3 / calls, kernels_per_call=len(events) / calls,
+              by_op_us=dict(per_op.most_common()))
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--seq-len", type=int, default=32768)
@@ -97,6 +119,8 @@ def main():
   ap.add_argument("--impl", default="ours,ours_dense,cudnn_padded,jax_mha,tokamax")
   ap.add_argument("--runs", type=int, default=5)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--trace", action="store_true",
+                  help="also trace ours (and ours_dense): each HLO op's kernel time per call")
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
   n, h, d = args.seq_len, args.heads, args.head_dim
@@ -134,6 +158,9 @@ def main():
         dense = 4 * d * n * (n + 1) // 2 * h
         row["own_fwd_tflops"] = dense / row["fwd_ms"] / 1e9
         row["own_fwdbwd_tflops"] = 3.5 * dense / row["fwdbwd_ms"] / 1e9
+      if args.trace and name in ("ours", "ours_dense"):
+        row["trace_fwd"] = kernel_table(fwd, x[:3])
+        row["trace_fwdbwd"] = kernel_table(fb, x)
     except Exception as e:  # a peer that is missing or fails here: reported, not fatal
       row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     result["rows"].append(row)

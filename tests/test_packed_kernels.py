@@ -160,17 +160,20 @@ def test_mosaic_id_windows():
   """`mosaic.id_windows` against a direct count: each query's first and last key of its id
   (none: u0 > u1) and the run of equal keys around its own position (where that key has the
   query's id), with reused, negative and absent ids, and queries whose ids differ from the
-  keys' (ring steps)."""
+  keys' (ring steps); ids equal modulo N (40) share a window spanning both documents."""
   rng = np.random.default_rng(7)
   k_ids = rng.integers(-2, 3, (3, 40)).astype(np.int32)
   q_ids = np.where(rng.random((3, 40)) < 0.7, k_ids, rng.integers(-4, 5, (3, 40))).astype(np.int32)
+  k_ids[2, 30:] += 80  # 80 apart: the same slot of 40 as the unshifted ids
   windows = np.asarray(mosaic.id_windows(jnp.asarray(q_ids), jnp.asarray(k_ids)))
   for b in range(3):
     for t in range(40):
       u0, u1, r0, r1 = windows[:, b, t]
       same = np.flatnonzero(k_ids[b] == q_ids[b, t])
-      if len(same):
-        assert (u0, u1) == (same[0], same[-1])
+      alike = np.flatnonzero(k_ids[b] % 40 == q_ids[b, t] % 40)
+      if len(alike):
+        assert (u0, u1) == (alike[0], alike[-1])
+        assert b == 2 or np.array_equal(same, alike)
       else:
         assert u0 > u1
       if k_ids[b, t] == q_ids[b, t]:
@@ -182,6 +185,8 @@ def test_mosaic_id_windows():
         assert (r0, r1) == (lo, hi)
       else:
         assert r0 > r1
+  assert (windows[1, 2] > np.array([np.flatnonzero(k_ids[2] == i)[-1] if (k_ids[2] == i).any()
+                                    else -1 for i in q_ids[2]])).any()  # a window did widen
 
 
 def test_mosaic_takes_packed_problems(monkeypatch):

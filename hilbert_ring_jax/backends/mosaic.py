@@ -117,26 +117,25 @@ def ring_step_config(config: Config | None) -> Config:
 
 def id_windows(q_ids, k_ids):
   """Per query, from the document ids of the queries and the keys (int32 `[..., N]` each,
-  the same leading axes): `(u0, u1)`, the first and last key position holding the query's id
-  (`u0 > u1` where none does), and `(r0, r1)`, the run of equal key ids around the query's
-  own position where that key has its id (else `r0 > r1`): every key of `[r0, r1]` is in the
-  query's document, and no key outside `[u0, u1]` is. `[4, ..., N]` int32. Ids are compared,
-  never ordered, so any ids work: the windows only grow where a document's tokens are
-  scattered."""
+  the same leading axes): `(u0, u1)`, the first and last key position whose id equals the
+  query's modulo N (`u0 > u1` where none does), and `(r0, r1)`, the run of equal key ids
+  around the query's own position where that key has its id (else `r0 > r1`): every key of
+  `[r0, r1]` is in the query's document, and no key outside `[u0, u1]` is. `[4, ..., N]`
+  int32. Ids are compared, never ordered, so any ids work: a window only grows where a
+  document's tokens are scattered, or where two documents' ids are equal modulo N (then each
+  window spans both: more blocks visited and masked, the same result).
+
+  A table of N slots, the keys' first and last positions scattered into it by id modulo N,
+  then read at the queries' ids: a handful of XLA kernels, no sort (a sort and a search were
+  a dozen launches, which the kernels waited for in a lone call)."""
   lead, n = k_ids.shape[:-1], k_ids.shape[-1]
   far = mosaic_pipeline.FAR
 
   def one(qi, ki):
     pos = jnp.arange(n, dtype=jnp.int32)
-    order = jnp.argsort(ki, stable=True).astype(jnp.int32)
-    # Unrolled: on GPUs XLA runs a `while` loop (searchsorted's default) level by level,
-    # launches apart, and may read each level's predicate on the host; unrolled, the ~15
-    # levels are plain ops it can fuse.
-    lo, hi = (jnp.searchsorted(ki[order], qi, side=side, method="scan_unrolled")
-              for side in ("left", "right"))
-    has = hi > lo
-    u0 = jnp.where(has, order[jnp.minimum(lo, n - 1)], far)
-    u1 = jnp.where(has, order[jnp.maximum(hi - 1, 0)], -1)
+    slot = ki % n
+    u0 = jnp.full((n,), far, jnp.int32).at[slot].min(pos)[qi % n]
+    u1 = jnp.full((n,), -1, jnp.int32).at[slot].max(pos)[qi % n]
     change = ki[1:] != ki[:-1]
     r0 = lax.cummax(jnp.where(jnp.concatenate([jnp.array([True]), change]), pos, 0))
     r1 = lax.cummin(jnp.where(jnp.concatenate([change, jnp.array([True])]), pos, n),
