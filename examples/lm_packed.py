@@ -28,8 +28,8 @@ rows are full but for one masked target per document boundary.
 CPU default (two minutes on two idle cores): rows of 1024 bytes, a 2-layer d=64 model, 60
 steps. `--preset gpu`: rows of 16384 bytes, segments (1024, 4096, 16384) x rates (1, 2, 4), an
 8-layer d=768 model, bf16, 400 steps of 4 rows. Any flag overrides the preset. On Hopper
-both runs use the mosaic kernels, which skip the key blocks of other documents in packed
-rows (the triton kernels decline `segment_ids`: on other GPUs "pallas" or "xla" runs them).
+both runs use the mosaic kernels, on other CUDA GPUs the triton ones; both skip the key
+blocks of other documents in packed rows.
 """
 
 from __future__ import annotations

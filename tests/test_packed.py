@@ -149,20 +149,6 @@ def test_bad_segment_ids():
     jax.jit(lambda ids: dilated_attention(q, q, q, p, segment_ids=ids))(jnp.zeros((2, 32)))
 
 
-def test_backends_without_packing_decline_it():
-  """The kernels without packed versions yet (triton's; mosaic's token step:
-  test_packed_kernels.py) decline packed problems with a reason; dispatch then runs them on
-  the next candidate that takes them."""
-  problem = backends.Problem((1, 256, 4, 64), (1, 256, 4, 64), jnp.dtype(jnp.bfloat16),
-                             DilatedPattern((256,), (1,)), platform="gpu", segment_ids=True)
-  try:
-    support = backends.load("triton").supports(problem)
-    assert not support and "segment_ids" in support.reason
-  except ImportError:  # jax-triton not installed here
-    pass
-  assert backends.resolve(("triton", "xla"), problem) == "xla"
-
-
 def _documents_alone(call, x, ids):
   """`call(x)` run on each document of `x [1, N, F]` alone, concatenated."""
   starts = np.flatnonzero(np.diff(np.asarray(ids[0]), prepend=-1))

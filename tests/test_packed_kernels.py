@@ -14,7 +14,7 @@ import pytest
 import helpers
 from hilbert_ring_jax import backends
 from hilbert_ring_jax.pattern import DilatedPattern
-from hilbert_ring_jax.backends import mosaic
+from hilbert_ring_jax.backends import common, mosaic
 from test_packed import CASES, check_packed, packed_ids
 import reference_np
 
@@ -156,8 +156,8 @@ def test_mosaic_packed_one_segment_of_any_length():
                 config=mosaic.Config(interpret=True, persistent=False, fused_backward=True))
 
 
-def test_mosaic_id_windows():
-  """`mosaic.id_windows` against a direct count: each query's first and last key of its id
+def test_id_windows():
+  """`common.id_windows` against a direct count: each query's first and last key of its id
   (none: u0 > u1) and the run of equal keys around its own position (where that key has the
   query's id), with reused, negative and absent ids, and queries whose ids differ from the
   keys' (ring steps); ids equal modulo N (40) share a window spanning both documents."""
@@ -165,7 +165,7 @@ def test_mosaic_id_windows():
   k_ids = rng.integers(-2, 3, (3, 40)).astype(np.int32)
   q_ids = np.where(rng.random((3, 40)) < 0.7, k_ids, rng.integers(-4, 5, (3, 40))).astype(np.int32)
   k_ids[2, 30:] += 80  # 80 apart: the same slot of 40 as the unshifted ids
-  windows = np.asarray(mosaic.id_windows(jnp.asarray(q_ids), jnp.asarray(k_ids)))
+  windows = np.asarray(common.id_windows(jnp.asarray(q_ids), jnp.asarray(k_ids)))
   for b in range(3):
     for t in range(40):
       u0, u1, r0, r1 = windows[:, b, t]
@@ -286,3 +286,54 @@ def test_mosaic_packed_on_a_gpu(segments, rates, causal):
   case = helpers.Case(n, 4, 2, segments, rates, head_dim=128)
   check_packed(case, causal, jnp.bfloat16, packed_ids(1, n, 300, seed=18),
                implementation="mosaic")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,dtype", [(name, jnp.float32) for name in CASES]
+                         + [("longnet_4096", jnp.bfloat16), ("scattered", jnp.float32),
+                            ("per_head", jnp.float32)])
+def test_triton_packed_on_a_gpu(name, dtype):
+  """The triton kernels themselves (`implementation="triton"`) run packed rows against the
+  float64 reference, forward, lse and gradients: the CPU suite's cases in float32 (several
+  launches, strided pieces, GQA, head groups, a batch of 2), causal LongNet at 4096 tokens in
+  bf16 (D = 128), ids that come back later in the row, and the contract's per-head ids."""
+  pytest.importorskip("jax_triton")
+  if name == "per_head":  # the backend contract's per-head ids, as ring steps pass them
+    b, n, h, hkv, d = 1, 256, 4, 2, 64
+    rng = np.random.default_rng(5)
+    q, dout = (jnp.asarray(rng.standard_normal((b, n, h, d)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((b, n, hkv, d)), jnp.float32) for _ in range(2))
+    kv_ids = jnp.asarray(np.sort(rng.integers(0, 6, (b, n, hkv)), axis=1), jnp.int32)
+    ids = (jnp.repeat(kv_ids, h // hkv, axis=2), kv_ids)
+    pattern = DilatedPattern((64, 256), (1, 2), causal=True)
+    triton = backends.load("triton")
+
+    @jax.jit
+    def passes(q, k, v, dout):
+      out, lse = triton.forward(q, k, v, pattern, d ** -0.5, segment_ids=ids)
+      delta = jnp.sum(dout * out, axis=-1)
+      return out, lse, triton.backward(q, k, v, dout, lse, delta, pattern, d ** -0.5,
+                                       segment_ids=ids)
+
+    out, lse, grads = passes(q, k, v, dout)
+    m = reference_np.multiplicity(n, h, (64, 256), (1, 2), True)
+    ref_out, ref_lse, ref_grads = reference_np.attention(
+        q, k, v, m[None] * reference_np.same_document(*ids), d ** -0.5, dout,
+        np.zeros((b, n, h)))
+    tol = helpers.TOL[jnp.float32]
+    assert helpers.rel_err(out, ref_out) < tol
+    helpers.check_lse(lse, ref_lse, tol)
+    for g, ref in zip(grads, ref_grads):
+      assert helpers.rel_err(g, ref) < 2 * tol
+    return
+  if name == "longnet_4096":
+    case, causal = helpers.Case(4096, 4, 2, (512, 1024, 2048, 4096), (1, 2, 4, 8),
+                                head_dim=128), True
+    ids = packed_ids(1, 4096, 400, seed=15)
+  elif name == "scattered":
+    case, causal = helpers.Case(512, 2, 1, (128, 512), (1, 2)), True
+    ids = jnp.asarray(np.tile(np.repeat([7, -3, 7, 2], 16), 8)[None], jnp.int32)
+  else:
+    case, causal, median = CASES[name]
+    ids = packed_ids(case.batch, case.n, median, seed=len(name))
+  check_packed(case, causal, dtype, ids, implementation="triton")

@@ -63,3 +63,29 @@ def test_kernels_compile_for_sm90():
   # Two launches, {128/1, 512/4} and {1024/16}: a dq and a dk/dv kernel each, none aliased.
   assert len(re.findall(r"custom_call @triton_kernel_call\w*\(", text)) == 4
   assert "output_operand_aliases" not in text
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_packed_kernels_compile_for_sm90(per_head):
+  """Packed rows (`segment_ids`, shared or per head): the forward and the multi-launch
+  backward compile to sm_90 machine code, each kernel taking the ids and windows; and the
+  backend's `supports` takes packed problems, so dispatch gives them to it."""
+  if problem := tb.lowering_problem():
+    pytest.skip(problem)
+  from hilbert_ring_jax import backends  # pylint: disable=import-outside-toplevel
+  packed = backends.Problem((1, 1024, 4, 32), (1, 1024, 2, 32), jnp.dtype(jnp.bfloat16),
+                            PATTERNS["multi_launch"], platform="gpu", segment_ids=True)
+  assert tb.supports(packed)
+  assert backends.resolve(("triton", "xla"), packed) == "triton"
+  pattern = PATTERNS["multi_launch_causal_gqa"]
+  q, kv, lse = _avals(n=1024, d=32)
+  ids = tuple(jax.ShapeDtypeStruct((1, 1024) + ((x.shape[2],) if per_head else ()), jnp.int32)
+              for x in (q, kv))
+  sm90 = tb.Config(compute_capability=90)
+  lower = lambda f, *a: jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower(lambda q, k, v, *ids: tb.forward(q, k, v, pattern, 0.1, config=sm90,
+                                                segment_ids=ids), q, kv, kv, *ids)
+  assert len(re.findall(r"custom_call @triton_kernel_call\w*\(", text)) == 2
+  text = lower(lambda *a: tb.backward(*a[:6], pattern, 0.1, config=sm90, segment_ids=a[6:]),
+               q, kv, kv, q, lse, lse, *ids)
+  assert len(re.findall(r"custom_call @triton_kernel_call\w*\(", text)) == 4

@@ -13,6 +13,12 @@ blocks and the causal diagonal are masked. Query head `h` reads key/value head
 
 Softmax statistics are float32 and kept in base 2 (`exp2`), with the scale folded in.
 float32 inputs use IEEE products (`PRECISION="ieee"`), not tf32, so they stay exact.
+
+Packed rows (PACKED): `QID [B, N, H]` and `KID [B, N, HKV]` hold each query's and key's
+document id, and `W0`, `W1` (`[B, N, H]`) each row's document window (`common.id_windows`:
+the first and last position of the other side that may share its id, per query head). A
+program cuts every piece to the blocks its rows' windows reach and masks those blocks,
+comparing ids.
 """
 
 import triton
@@ -21,6 +27,7 @@ import triton.language as tl
 from . import schedule
 
 LOG2E = 1.4426950408889634
+EMPTY = tl.constexpr(2 ** 30)  # a window start past any position: no window
 # The schedule's table columns (see schedule.py), as compile-time constants.
 ROW_HEAD = tl.constexpr(schedule.ROW_HEAD)
 ROW_FIRST = tl.constexpr(schedule.ROW_FIRST)
@@ -74,9 +81,37 @@ def _key_visible(qpos, kf, ks, kc, n0, BLOCK_N: tl.constexpr, CAUSAL: tl.constex
 
 
 @triton.jit
+def _same_document(qid, KID, kid0, kf, ks, kc, n0, HKV: tl.constexpr, BLOCK_N: tl.constexpr):
+  """`[BLOCK_M, BLOCK_N]`: which keys `n0 ...` of the piece `(kf, ks, kc)` (their ids at
+  `KID + kid0`) are in the rows' documents (`qid`)."""
+  offs_n = n0 + tl.arange(0, BLOCK_N)
+  kid = tl.load(KID + kid0 + (kf + ks * offs_n).to(tl.int64) * HKV, mask=offs_n < kc, other=0)
+  return qid[:, None] == kid[None, :]
+
+
+@triton.jit
 def _cut(first, count, stride, base, N: tl.constexpr):
   """`count` positions `first, first + stride, ...` of the period at `base`, cut at N."""
   return tl.minimum(count, tl.maximum(N - base - first + stride - 1, 0) // stride).to(tl.int32)
+
+
+@triton.jit
+def _window(W0, W1, stat, valid):
+  """The document window `[lo, hi]` of a block of rows: the union of its `valid` rows'
+  windows (`W0`, `W1` at `stat`); lo > hi when none has one."""
+  lo = tl.min(tl.load(W0 + stat, mask=valid, other=EMPTY))
+  hi = tl.max(tl.load(W1 + stat, mask=valid, other=-1))
+  return lo, hi
+
+
+@triton.jit
+def _in_window(lo, hi, base, first, stride, ja, jd, BLOCK: tl.constexpr):
+  """Blocks `[ja, jd)` of the piece `(first, stride)` of the period at `base`, cut to those
+  holding a position of `[lo, hi]`."""
+  lo, hi = (lo - base - first).to(tl.int32), (hi - base - first).to(tl.int32)  # in the piece
+  i0 = (tl.maximum(lo, 0) + stride - 1) // stride
+  i1 = tl.where(hi >= 0, hi // stride + 1, 0)
+  return tl.maximum(ja, i0 // BLOCK), tl.minimum(jd, (i1 + BLOCK - 1) // BLOCK)
 
 
 @triton.jit
@@ -131,13 +166,17 @@ def _piece(PIECES, BIAS, p, base, lo, hi, N: tl.constexpr, BLOCK: tl.constexpr,
 def _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, n0,
             HKV: tl.constexpr, D: tl.constexpr,
             BLOCK_N: tl.constexpr, QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr,
-            MASKED: tl.constexpr, PRECISION: tl.constexpr):
+            MASKED: tl.constexpr, PRECISION: tl.constexpr, qid, KID, kid0,
+            PACKED: tl.constexpr):
   """Online softmax (base 2) over keys `n0 ...` of the piece `(kf, ks, kc)`."""
   k_ptr, v_ptr = _key_rows(K, V, kv0, kf, ks, kc, n0, HKV, D, BLOCK_N)
   k = _load(k_ptr, MASKED)
   qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * QK_SCALE + bias
   if MASKED:
-    qk = tl.where(_key_visible(qpos, kf, ks, kc, n0, BLOCK_N, CAUSAL), qk, float("-inf"))
+    visible = _key_visible(qpos, kf, ks, kc, n0, BLOCK_N, CAUSAL)
+    if PACKED:
+      visible = visible & _same_document(qid, KID, kid0, kf, ks, kc, n0, HKV, BLOCK_N)
+    qk = tl.where(visible, qk, float("-inf"))
   m_new = tl.maximum(m_i, tl.max(qk, 1))
   if MASKED:
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
@@ -160,22 +199,22 @@ def _forward_walk(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, ja, jb, j
   for j in range(jb, jc):
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, j * BLOCK_N,
                             HKV, D, BLOCK_N, QK_SCALE, CAUSAL, False,
-                            PRECISION)
+                            PRECISION, 0, K, 0, False)
   for i in tl.range(ja, jb + jd - jc, num_stages=1):  # few: not worth pipeline buffers
     j = tl.where(i < jb, i, i - jb + jc)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, j * BLOCK_N,
                             HKV, D, BLOCK_N, QK_SCALE, CAUSAL, True,
-                            PRECISION)
+                            PRECISION, 0, K, 0, False)
   return acc, l_i, m_i
 
 
 @triton.jit
-def forward_kernel(Q, K, V, ROWS, PIECES, BIAS, OUT, LSE,
+def forward_kernel(Q, K, V, ROWS, PIECES, BIAS, QID, KID, W0, W1, OUT, LSE,
                    N: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                    L: tl.constexpr, PERIOD: tl.constexpr,
                    PERIODS: tl.constexpr, ROW_BLOCKS: tl.constexpr, CAUSAL: tl.constexpr,
                    QK_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr):
   """`out` (input dtype) and float32 `lse` of a block of one query row."""
   b, base, h, first, rows, start_m, p0, p1 = _program(ROWS, N, L, PERIOD, PERIODS, ROW_BLOCKS,
                                                       BLOCK_M, CAUSAL)
@@ -188,19 +227,30 @@ def forward_kernel(Q, K, V, ROWS, PIECES, BIAS, OUT, LSE,
     qlo = first + L * start_m
     qhi = first + L * (tl.minimum(start_m + BLOCK_M, rows) - 1)
     kv0 = ((b * N + base) * HKV + h // (H // HKV)) * D
+    stat = (tok0 + offs_m.to(tl.int64) * L) * H + h
+    if PACKED:
+      qid = tl.load(QID + stat, mask=offs_m < rows, other=0)
+      lo, hi = _window(W0, W1, stat, offs_m < rows)
+      kid0 = (b * N + base) * HKV + h // (H // HKV)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for p in range(p0, p1):
       _, kf, ks, kc, bias, ja, jb, jc, jd = _piece(PIECES, BIAS, p, base, qlo, qhi, N, BLOCK_N,
                                                    CAUSAL, False)
-      acc, l_i, m_i = _forward_walk(acc, l_i, m_i, q, qpos, K, V, kv0, kf, 1 if L == 1 else ks,
-                                    kc, bias, ja, jb, jc, jd, HKV, D, BLOCK_N, QK_SCALE, CAUSAL,
-                                    PRECISION)
+      if PACKED:  # the blocks the rows' documents reach, all masked
+        ja, jd = _in_window(lo, hi, base, kf, ks, ja, jd, BLOCK_N)
+        for j in range(ja, jd):
+          acc, l_i, m_i = _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias,
+                                  j * BLOCK_N, HKV, D, BLOCK_N, QK_SCALE, CAUSAL, True,
+                                  PRECISION, qid, KID, kid0, True)
+      else:
+        acc, l_i, m_i = _forward_walk(acc, l_i, m_i, q, qpos, K, V, kv0, kf,
+                                      1 if L == 1 else ks, kc, bias, ja, jb, jc, jd, HKV, D,
+                                      BLOCK_N, QK_SCALE, CAUSAL, PRECISION)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    stat = (tok0 + offs_m.to(tl.int64) * L) * H + h
     tl.store(LSE + stat, lse, mask=offs_m < rows)
     o_ptr = _rows_ptr(OUT + (tok0 * H + h) * D, rows, L * H * D, start_m, BLOCK_M, D)
     tl.store(o_ptr, o.to(o_ptr.dtype.element_ty), boundary_check=(0,))
@@ -251,14 +301,18 @@ def _ds_dot(ds, x, PRECISION: tl.constexpr):
 def _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, n0,
              HKV: tl.constexpr, D: tl.constexpr,
              BLOCK_N: tl.constexpr, QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr,
-             MASKED: tl.constexpr, PRECISION: tl.constexpr):
+             MASKED: tl.constexpr, PRECISION: tl.constexpr, qid, KID, kid0,
+             PACKED: tl.constexpr):
   k_ptr, v_ptr = _key_rows(K, V, kv0, kf, ks, kc, n0, HKV, D, BLOCK_N)
   k = _load(k_ptr, MASKED)
   v = _load(v_ptr, MASKED)
   qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * QK_SCALE + bias
   p = _probs(qk, lse[:, None])
   if MASKED:
-    p = tl.where(_key_visible(qpos, kf, ks, kc, n0, BLOCK_N, CAUSAL), p, 0.0)
+    visible = _key_visible(qpos, kf, ks, kc, n0, BLOCK_N, CAUSAL)
+    if PACKED:
+      visible = visible & _same_document(qid, KID, kid0, kf, ks, kc, n0, HKV, BLOCK_N)
+    p = tl.where(visible, p, 0.0)
   dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
   ds = p * (dp - delta[:, None])
   return dq + _ds_dot(ds, k, PRECISION)
@@ -271,21 +325,21 @@ def _dq_walk(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, ja, jb, j
              CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
   for j in range(jb, jc):
     dq = _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, j * BLOCK_N,
-                  HKV, D, BLOCK_N, QK_SCALE, CAUSAL, False, PRECISION)
+                  HKV, D, BLOCK_N, QK_SCALE, CAUSAL, False, PRECISION, 0, K, 0, False)
   for i in tl.range(ja, jb + jd - jc, num_stages=1):  # few: not worth pipeline buffers
     j = tl.where(i < jb, i, i - jb + jc)
     dq = _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, j * BLOCK_N,
-                  HKV, D, BLOCK_N, QK_SCALE, CAUSAL, True, PRECISION)
+                  HKV, D, BLOCK_N, QK_SCALE, CAUSAL, True, PRECISION, 0, K, 0, False)
   return dq
 
 
 @triton.jit
-def dq_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, DQ_IN, DQ,
+def dq_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, W0, W1, DQ_IN, DQ,
               N: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
               L: tl.constexpr, PERIOD: tl.constexpr, PERIODS: tl.constexpr,
               ROW_BLOCKS: tl.constexpr, CAUSAL: tl.constexpr,
               SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+              BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr):
   """float32 dq of a block of one query row (added to DQ_IN when ACCUMULATE)."""
   b, base, h, first, rows, start_m, p0, p1 = _program(ROWS, N, L, PERIOD, PERIODS, ROW_BLOCKS,
                                                       BLOCK_M, CAUSAL)
@@ -293,17 +347,30 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, DQ_IN, DQ,
     tok0 = b * N + base + first
     q, do, lse, delta = _query_rows(Q, DO, LSE, DELTA, tok0, h, L, rows, start_m, H, D,
                                     BLOCK_M, True)
-    qpos = first + L * (start_m + tl.arange(0, BLOCK_M))
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    qpos = first + L * offs_m
     qlo = first + L * start_m
     qhi = first + L * (tl.minimum(start_m + BLOCK_M, rows) - 1)
     kv0 = ((b * N + base) * HKV + h // (H // HKV)) * D
+    if PACKED:
+      stat = (tok0 + offs_m.to(tl.int64) * L) * H + h
+      qid = tl.load(QID + stat, mask=offs_m < rows, other=0)
+      lo, hi = _window(W0, W1, stat, offs_m < rows)
+      kid0 = (b * N + base) * HKV + h // (H // HKV)
     QK_SCALE: tl.constexpr = SCALE * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     for p in range(p0, p1):
       _, kf, ks, kc, bias, ja, jb, jc, jd = _piece(PIECES, BIAS, p, base, qlo, qhi, N, BLOCK_N,
                                                    CAUSAL, False)
-      dq = _dq_walk(dq, q, do, lse, delta, qpos, K, V, kv0, kf, 1 if L == 1 else ks, kc, bias,
-                    ja, jb, jc, jd, HKV, D, BLOCK_N, QK_SCALE, CAUSAL, PRECISION)
+      if PACKED:  # the blocks the rows' documents reach, all masked
+        ja, jd = _in_window(lo, hi, base, kf, ks, ja, jd, BLOCK_N)
+        for j in range(ja, jd):
+          dq = _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, j * BLOCK_N,
+                        HKV, D, BLOCK_N, QK_SCALE, CAUSAL, True, PRECISION, qid, KID, kid0,
+                        True)
+      else:
+        dq = _dq_walk(dq, q, do, lse, delta, qpos, K, V, kv0, kf, 1 if L == 1 else ks, kc,
+                      bias, ja, jb, jc, jd, HKV, D, BLOCK_N, QK_SCALE, CAUSAL, PRECISION)
     dq = dq * SCALE
     ptr = (tok0 * H + h) * D
     if ACCUMULATE:
@@ -317,13 +384,18 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, DQ_IN, DQ,
 def _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias, m0,
                H: tl.constexpr, D: tl.constexpr,
                BLOCK_M: tl.constexpr, QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr,
-               MASKED: tl.constexpr, PRECISION: tl.constexpr):
+               MASKED: tl.constexpr, PRECISION: tl.constexpr, kid, QID,
+               PACKED: tl.constexpr):
   q, do, lse, delta = _query_rows(Q, DO, LSE, DELTA, qtok, h, qs, qc, m0, H, D, BLOCK_M, MASKED)
   qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * QK_SCALE + bias
   p_t = _probs(qk_t, lse[None, :])  # [BLOCK_N, BLOCK_M]; 0 on padded queries
   if MASKED and CAUSAL:
     qpos = qf + qs * (m0 + tl.arange(0, BLOCK_M))
     p_t = tl.where(kpos[:, None] <= qpos[None, :], p_t, 0.0)
+  if PACKED:  # the keys' ids against the queries' (at QID, query head h)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    qid = tl.load(QID + (qtok + offs_m.to(tl.int64) * qs) * H + h, mask=offs_m < qc, other=0)
+    p_t = tl.where(kid[:, None] == qid[None, :], p_t, 0.0)
   dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
   dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
   ds_t = p_t * (dp_t - delta[None, :])
@@ -339,25 +411,26 @@ def _dkdv_walk(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias,
   for j in range(jb, jc):
     dk, dv = _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias,
                         j * BLOCK_M, H, D, BLOCK_M, QK_SCALE, CAUSAL, False,
-                        PRECISION)
+                        PRECISION, 0, Q, False)
   for i in tl.range(ja, jb + jd - jc, num_stages=1):  # few: not worth pipeline buffers
     j = tl.where(i < jb, i, i - jb + jc)
     dk, dv = _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias,
                         j * BLOCK_M, H, D, BLOCK_M, QK_SCALE, CAUSAL, True,
-                        PRECISION)
+                        PRECISION, 0, Q, False)
   return dk, dv
 
 
 @triton.jit
-def dkdv_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, DK_IN, DV_IN, DK, DV,
-                N: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+def dkdv_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, W0, W1, DK_IN, DV_IN,
+                DK, DV, N: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                 L: tl.constexpr, PERIOD: tl.constexpr,
                 PERIODS: tl.constexpr, ROW_BLOCKS: tl.constexpr, CAUSAL: tl.constexpr,
                 SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                PACKED: tl.constexpr):
   """float32 dk, dv of a block of one key row of key/value head `g`, summed over the query
   pieces (of the query heads reading `g`) the row lists (added to DK_IN, DV_IN when
-  ACCUMULATE)."""
+  ACCUMULATE). PACKED: `W0`, `W1` are the keys' windows over the queries, per query head."""
   b, base, g, first, rows, start_n, p0, p1 = _program(ROWS, N, L, PERIOD, PERIODS, ROW_BLOCKS,
                                                       BLOCK_N, False)
   if start_n < rows:
@@ -366,9 +439,13 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, DK_IN, DV_IN, DK, D
                 boundary_check=(0,), padding_option="zero")
     v = tl.load(_rows_ptr(V + kv_base, rows, L * HKV * D, start_n, BLOCK_N, D),
                 boundary_check=(0,), padding_option="zero")
-    kpos = first + L * (start_n + tl.arange(0, BLOCK_N))
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    kpos = first + L * offs_n
     klo = first + L * start_n
     khi = first + L * (tl.minimum(start_n + BLOCK_N, rows) - 1)
+    if PACKED:
+      ktok = b * N + base + kpos.to(tl.int64)
+      kid = tl.load(KID + ktok * HKV + g, mask=offs_n < rows, other=0)
     QK_SCALE: tl.constexpr = SCALE * 1.4426950408889634
     dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
@@ -376,9 +453,17 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, DK_IN, DV_IN, DK, D
       h, qf, qs, qc, bias, ja, jb, jc, jd = _piece(PIECES, BIAS, p, base, klo, khi, N, BLOCK_M,
                                                    CAUSAL, True)
       qtok = b * N + base + qf
-      dk, dv = _dkdv_walk(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf,
-                          1 if L == 1 else qs, qc, bias, ja, jb, jc, jd, H, D, BLOCK_M, QK_SCALE,
-                          CAUSAL, PRECISION)
+      if PACKED:  # the query blocks the keys' documents reach (for head h), all masked
+        lo, hi = _window(W0, W1, ktok * H + h, offs_n < rows)
+        ja, jd = _in_window(lo, hi, base, qf, qs, ja, jd, BLOCK_M)
+        for j in range(ja, jd):
+          dk, dv = _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias,
+                              j * BLOCK_M, H, D, BLOCK_M, QK_SCALE, CAUSAL, True, PRECISION,
+                              kid, QID, True)
+      else:
+        dk, dv = _dkdv_walk(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf,
+                            1 if L == 1 else qs, qc, bias, ja, jb, jc, jd, H, D, BLOCK_M,
+                            QK_SCALE, CAUSAL, PRECISION)
     dk = dk * SCALE
     k_out = _rows_ptr(DK + kv_base, rows, L * HKV * D, start_n, BLOCK_N, D)
     v_out = _rows_ptr(DV + kv_base, rows, L * HKV * D, start_n, BLOCK_N, D)

@@ -1,11 +1,17 @@
 """Array plumbing the backends and the ring share: the float16-safe operands of the `ds`
-products, transposes of linear layout maps, mesh-axes typing inside `shard_map`, and `vmap`
-of kernel calls by folding into the batch. Neutral: no backend's choices live here."""
+products, transposes of linear layout maps, mesh-axes typing inside `shard_map`, `vmap`
+of kernel calls by folding into the batch, and packed rows' document windows. Neutral: no
+backend's choices live here."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# An empty window's start (its end is -1): past any position, with room to add to it in int32.
+FAR = int(np.iinfo(np.int32).max // 2)
 
 
 def ds_operands(ds, x):
@@ -87,3 +93,35 @@ def batched(fn):
     return outs, jax.tree.map(lambda _: True, outs)
 
   return wrapped
+
+
+def id_windows(q_ids, k_ids):
+  """Per query, from the document ids of the queries and the keys (int32 `[..., N]` each,
+  the same leading axes): `(u0, u1)`, the first and last key position whose id equals the
+  query's modulo N (`u0 > u1` where none does), and `(r0, r1)`, the run of equal key ids
+  around the query's own position where that key has its id (else `r0 > r1`): every key of
+  `[r0, r1]` is in the query's document, and no key outside `[u0, u1]` is. `[4, ..., N]`
+  int32. Ids are compared, never ordered, so any ids work: a window only grows where a
+  document's tokens are scattered, or where two documents' ids are equal modulo N (then each
+  window spans both: more blocks visited and masked, the same result).
+
+  A table of N slots, the keys' first and last positions scattered into it by id modulo N,
+  then read at the queries' ids: a handful of XLA kernels, no sort (a sort and a search were
+  a dozen launches, which the kernels waited for in a lone call). The packed kernels skip the
+  key blocks outside a tile's windows (mosaic's also run those inside one run unmasked)."""
+  lead, n = k_ids.shape[:-1], k_ids.shape[-1]
+
+  def one(qi, ki):
+    pos = jnp.arange(n, dtype=jnp.int32)
+    slot = ki % n
+    u0 = jnp.full((n,), FAR, jnp.int32).at[slot].min(pos)[qi % n]
+    u1 = jnp.full((n,), -1, jnp.int32).at[slot].max(pos)[qi % n]
+    change = ki[1:] != ki[:-1]
+    r0 = lax.cummax(jnp.where(jnp.concatenate([jnp.array([True]), change]), pos, 0))
+    r1 = lax.cummin(jnp.where(jnp.concatenate([change, jnp.array([True])]), pos, n),
+                    reverse=True)
+    mine = ki == qi
+    return jnp.stack([u0, u1, jnp.where(mine, r0, FAR), jnp.where(mine, r1, -1)])
+
+  flat = jax.vmap(one)(q_ids.reshape(-1, n), k_ids.reshape(-1, n))  # [M, 4, N]
+  return flat.transpose(1, 0, 2).reshape(4, *lead, n)

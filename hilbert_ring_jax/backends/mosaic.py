@@ -41,7 +41,7 @@ of 8). Head dim 256 does not fit the backward (its tiles exceed shared memory): 
 declines that backward, and dispatch gives it to the next candidate ("triton" where it runs),
 as any backward it declines.
 Packed rows (`segment_ids`): every kernel reads its rows' and its streamed blocks' document ids
-and skips, runs unmasked or masks blocks by each tile's document windows (`id_windows`;
+and skips, runs unmasked or masks blocks by each tile's document windows (`common.id_windows`;
 `mosaic_forward` says how).
 `Config(interpret=True)` runs the kernels in Mosaic GPU interpret mode on a CPU (JAX >= 0.11),
 which is how the test suite checks them without a GPU.
@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..pattern import DilatedPattern
-from . import mosaic_backward, mosaic_decode, mosaic_forward, mosaic_pipeline, schedule
+from . import common, mosaic_backward, mosaic_decode, mosaic_forward, schedule
 from .base import YES, Problem, Support, no
 from .common import batched
 from .hopper import LOG2E, is_hopper
@@ -115,38 +115,6 @@ def ring_step_config(config: Config | None) -> Config:
   return dataclasses.replace(config, persistent=False)
 
 
-def id_windows(q_ids, k_ids):
-  """Per query, from the document ids of the queries and the keys (int32 `[..., N]` each,
-  the same leading axes): `(u0, u1)`, the first and last key position whose id equals the
-  query's modulo N (`u0 > u1` where none does), and `(r0, r1)`, the run of equal key ids
-  around the query's own position where that key has its id (else `r0 > r1`): every key of
-  `[r0, r1]` is in the query's document, and no key outside `[u0, u1]` is. `[4, ..., N]`
-  int32. Ids are compared, never ordered, so any ids work: a window only grows where a
-  document's tokens are scattered, or where two documents' ids are equal modulo N (then each
-  window spans both: more blocks visited and masked, the same result).
-
-  A table of N slots, the keys' first and last positions scattered into it by id modulo N,
-  then read at the queries' ids: a handful of XLA kernels, no sort (a sort and a search were
-  a dozen launches, which the kernels waited for in a lone call)."""
-  lead, n = k_ids.shape[:-1], k_ids.shape[-1]
-  far = mosaic_pipeline.FAR
-
-  def one(qi, ki):
-    pos = jnp.arange(n, dtype=jnp.int32)
-    slot = ki % n
-    u0 = jnp.full((n,), far, jnp.int32).at[slot].min(pos)[qi % n]
-    u1 = jnp.full((n,), -1, jnp.int32).at[slot].max(pos)[qi % n]
-    change = ki[1:] != ki[:-1]
-    r0 = lax.cummax(jnp.where(jnp.concatenate([jnp.array([True]), change]), pos, 0))
-    r1 = lax.cummin(jnp.where(jnp.concatenate([change, jnp.array([True])]), pos, n),
-                    reverse=True)
-    mine = ki == qi
-    return jnp.stack([u0, u1, jnp.where(mine, r0, far), jnp.where(mine, r1, -1)])
-
-  flat = jax.vmap(one)(q_ids.reshape(-1, n), k_ids.reshape(-1, n))  # [M, 4, N]
-  return flat.transpose(1, 0, 2).reshape(4, *lead, n)
-
-
 def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
             out_dtype=None, segment_ids=None):
   """`(out, lse)` of `branches` (all if None): `out` in float32, or in `out_dtype` when
@@ -176,8 +144,8 @@ def _ids(q_ids, k_ids, per_kv, keys=False):
   q_ids, k_ids = heads(q_ids), heads(k_ids)
   group = q_ids.shape[1] // k_ids.shape[1]  # query heads reading each key/value id head
   if not keys:
-    return q_ids, k_ids, id_windows(q_ids, jnp.repeat(k_ids, group, axis=1))
-  w = id_windows(jnp.repeat(k_ids, group, axis=1), q_ids)  # [4, B, X, N]
+    return q_ids, k_ids, common.id_windows(q_ids, jnp.repeat(k_ids, group, axis=1))
+  w = common.id_windows(jnp.repeat(k_ids, group, axis=1), q_ids)  # [4, B, X, N]
   w = w.reshape(4, w.shape[1], k_ids.shape[1], group, w.shape[-1])
   return k_ids, q_ids, jnp.stack([w[0].min(2), w[1].max(2), w[2].max(2), w[3].min(2)])
 

@@ -76,7 +76,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
 
   `ids` (packed rows): `(q_ids [B, X, N], k_ids [B, X', N], windows [4, B, X, N])`, the
   queries' and keys' document ids (X = H, X' = Hkv where each head has its own, else 1)
-  and each query's `mosaic.id_windows`: the key positions `[u0, u1]` that may share its
+  and each query's `common.id_windows`: the key positions `[u0, u1]` that may share its
   document, and a run `[r0, r1]` of keys all in it. Per `block_q` query rows of the strided
   view they are reduced to the tile's union and common run (`IdTiles`). The producer
   skips the blocks outside the item's union; a consumer's blocks inside its run run as

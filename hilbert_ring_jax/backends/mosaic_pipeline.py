@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .common import FAR
 from .hopper import REGISTERS, aligned
 from .mosaic_plan import Program, Work
 
@@ -152,7 +153,6 @@ def walk(prog: Program, ranges, block, carry):
 
 # A window's bound past every position: `u0` (or `r0`) of a row that no key can share a
 # document with, and the padding of the windows past the rows.
-FAR = int(np.iinfo(np.int32).max // 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +161,7 @@ class IdTiles:
   forward's and dq's queries, dk/dv's keys) and of those it streams, `heads` of row ids
   (`per_head`: ids per head, read at the head's index; else at 0), and per tile of `size`
   rows of the strided view (`tiles` a class, covering the outputs: `n_out`) the windows of
-  `mosaic.id_windows` reduced to the tile's union `(min u0, max u1)` and common run
+  `common.id_windows` reduced to the tile's union `(min u0, max u1)` and common run
   `(max r0, min r1)`, empty unless every row of the tile is in the one run."""
   heads: int
   per_head: bool

@@ -8,7 +8,9 @@ qualify together or a single branch: `schedule.launches`, merged). Rows and entr
 runs of tokens, so no input is padded, gathered or copied. Backward: a dq kernel over query
 rows and a dk/dv kernel over key rows, in float32. Block sizes, warps and stages come from
 `Config` when the caller gives them, else from the read-only table `TUNED`, per pass, head
-dim and row length (`_choose`).
+dim and row length (`_choose`). Packed rows (`segment_ids`): each kernel also reads its rows'
+document windows (`common.id_windows`, per query head), walks only the blocks they reach,
+and masks those by comparing ids.
 
 Importing this module needs `jax_triton` (and `triton`); without them the dispatcher falls
 back to "pallas", then "xla".
@@ -30,7 +32,7 @@ from ..pattern import DilatedPattern
 from . import _triton_kernels as kernels
 from . import schedule
 from .base import YES, Problem, Support, no
-from .common import batched
+from .common import batched, id_windows
 
 # jax-triton 0.4 renamed `out_shape=` to `out_type=` (the old name warns); 0.3 knows only the
 # former. Aliasing is avoided altogether: the two versions disagree on whether an aliased
@@ -162,8 +164,6 @@ _MAX_GRID_Y = 65535  # CUDA's limit on the grid's second axis (batch x periods)
 
 def supports(problem: Problem) -> Support:
   """CUDA GPUs; bf16, f16, f32; head dims 16..256 (powers of two); a launchable grid."""
-  if problem.segment_ids:
-    return no("packed sequences (segment_ids) run on the xla backend so far, not on triton")
   if problem.platform != "gpu":
     return no("the triton backend runs on CUDA GPUs only")
   if why := lowering_problem():
@@ -199,6 +199,28 @@ def _launch(kind, q, k, fused, pattern, config):
   return tiles, s.arrays(), s.grid(b, row_block), consts
 
 
+def _ids(segment_ids, heads: int, kv_heads: int):
+  """The contract's `(q_ids, kv_ids)` (`[B, N]`, or per head `[B, N, H]` and `[B, N, Hkv]`)
+  as the kernels read them, int32 `[B, N, X]` each: the queries' ids (X = H), the keys' (X =
+  Hkv), the queries' windows over the keys and the keys' over the queries (`u0`, `u1` of
+  `common.id_windows`, X = H: a key's for each query head reading it)."""
+  q_ids, k_ids = ((x[:, :, None] if x.ndim == 2 else x).astype(jnp.int32) for x in segment_ids)
+  q_ids = jnp.broadcast_to(q_ids, q_ids.shape[:2] + (heads,))
+  k_ids = jnp.broadcast_to(k_ids, k_ids.shape[:2] + (kv_heads,))
+  heads_first = lambda x: x.transpose(0, 2, 1)
+  q_t, k_t = heads_first(q_ids), heads_first(jnp.repeat(k_ids, heads // kv_heads, axis=2))
+  rows, keys = id_windows(q_t, k_t), id_windows(k_t, q_t)  # [4, B, H, N] each
+  return (q_ids, k_ids, *(heads_first(w) for w in (rows[0], rows[1], keys[0], keys[1])))
+
+
+def _packed(ids, keys=False) -> tuple:
+  """The kernels' `(QID, KID, W0, W1)` and PACKED: the rows' windows (`keys`: the dk/dv
+  kernel's) or, unpacked, placeholders no kernel reads."""
+  if ids is None:
+    return (jnp.zeros((1,), jnp.int32),) * 4, dict(PACKED=False)
+  return (*ids[:2], *(ids[4:] if keys else ids[2:4])), dict(PACKED=True)
+
+
 def _call(kernel, args, out, tiles, grid, config, **consts):
   """One kernel launch: `args` then one parameter per leaf of `out`, which is returned."""
   return jt.triton_call(*args, kernel=kernel, **{_OUT: out}, grid=grid,
@@ -207,49 +229,60 @@ def _call(kernel, args, out, tiles, grid, config, **consts):
 
 
 def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
-            out_dtype=None):
+            out_dtype=None, segment_ids=None):
   """`(out, lse)` of `branches` (all if None): float32 partials, or `out` in `out_dtype` when
-  given (written by the kernel when one launch covers the branches)."""
+  given (written by the kernel when one launch covers the branches). `segment_ids`: the
+  backend contract's packed rows."""
   config = config or Config()
-  fn = lambda q, k, v: _forward(q, k, v, pattern, scale, branches, config, out_dtype)
-  return batched(fn)(q, k, v)
+  if segment_ids is None:
+    fn = lambda q, k, v: _forward(q, k, v, pattern, scale, branches, config, out_dtype)
+    return batched(fn)(q, k, v)
+  fn = lambda q, k, v, *ids: _forward(q, k, v, pattern, scale, branches, config, out_dtype,
+                                      _ids(ids, q.shape[2], k.shape[2]))
+  return batched(fn)(q, k, v, *segment_ids)
 
 
-def _forward(q, k, v, pattern, scale, branches, config, out_dtype):
+def _forward(q, k, v, pattern, scale, branches, config, out_dtype, ids=None):
   launches = schedule.launches(pattern, q.shape[1], q.shape[2], branches)
   # One launch writes the output directly; several give float32 partials to merge.
   dtype = (out_dtype or jnp.float32) if len(launches) == 1 else jnp.float32
+  id_args, packed = _packed(ids)
   parts = []
   for fused in launches:
     tiles, tables, grid, consts = _launch("fwd", q, k, fused, pattern, config)
     parts.append(_call(
-        kernels.forward_kernel, (q, k, v, *tables),
+        kernels.forward_kernel, (q, k, v, *tables, *id_args),
         (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)),
-        tiles, grid, config, QK_SCALE=scale * kernels.LOG2E, **consts))
+        tiles, grid, config, QK_SCALE=scale * kernels.LOG2E, **packed, **consts))
   out, lse = merge([o for o, _ in parts], [lse for _, lse in parts])
   return out.astype(out_dtype or jnp.float32), lse
 
 
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
-             branches=None, config=None, grad_dtype=None):
+             branches=None, config=None, grad_dtype=None, segment_ids=None):
   """float32 `(dq, dk, dv)` of `branches` from the global `lse` and `delta` (whatever
-  `grad_dtype`)."""
+  `grad_dtype`). `segment_ids`: packed rows, as in `forward`."""
   config = config or Config()
-  fn = lambda *a: _backward(*a, pattern, scale, branches, config)
-  return batched(fn)(q, k, v, dout, lse, delta)
+  if segment_ids is None:
+    fn = lambda *a: _backward(*a, pattern, scale, branches, config)
+    return batched(fn)(q, k, v, dout, lse, delta)
+  fn = lambda *a: _backward(*a[:6], pattern, scale, branches, config,
+                            _ids(a[6:], q.shape[2], k.shape[2]))
+  return batched(fn)(q, k, v, dout, lse, delta, *segment_ids)
 
 
-def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config):
+def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config, ids=None):
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse).astype(jnp.float32)  # p = 0 on such rows
   delta = delta.astype(jnp.float32)
   f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
   dq = dk = dv = jnp.zeros((1,), jnp.float32)
+  (rows, packed), (keys, _) = _packed(ids), _packed(ids, keys=True)
   for t, fused in enumerate(schedule.launches(pattern, q.shape[1], q.shape[2], branches)):
-    acc = dict(ACCUMULATE=t > 0, SCALE=scale)  # later launches add to the first's results
+    acc = dict(ACCUMULATE=t > 0, SCALE=scale, **packed)  # later launches add to the first's
     tiles, tables, grid, consts = _launch("dq", q, k, fused, pattern, config)
-    dq = _call(kernels.dq_kernel, (q, k, v, dout, lse, delta, *tables, dq), f32(q), tiles, grid,
-               config, **acc, **consts)
+    dq = _call(kernels.dq_kernel, (q, k, v, dout, lse, delta, *tables, *rows, dq), f32(q),
+               tiles, grid, config, **acc, **consts)
     tiles, tables, grid, consts = _launch("dkdv", q, k, fused, pattern, config)
-    dk, dv = _call(kernels.dkdv_kernel, (q, k, v, dout, lse, delta, *tables, dk, dv),
+    dk, dv = _call(kernels.dkdv_kernel, (q, k, v, dout, lse, delta, *tables, *keys, dk, dv),
                    (f32(k), f32(k)), tiles, grid, config, **acc, **consts)
   return dq, dk, dv
