@@ -13,8 +13,9 @@ Each branch `(w, r)` of the pattern runs in one of three ways, chosen on the hos
   (and fewer query heads per key/value head than `r`), only each head's residue rows, `1/r`
   of the keys and values, are compacted and sent. For causal patterns, steps whose keys lie in
   the future are skipped, and the forward's shifts leave out the pairs nobody needs. A
-  non-causal ring over the whole axis gathers its keys at once instead, where that fits in
-  `GATHER_LIMIT_BYTES`: one all-gather, its steps as one backend call;
+  ring over the whole axis (non-causal, or causal in zigzag order) gathers its keys at once
+  instead, where that fits in `GATHER_LIMIT_BYTES`: one all-gather, its steps as one backend
+  call (causal: a second for the diagonal);
 - gather (any other shape): the branch runs on all-gathered inputs (exact, not fast).
 
 Every step is a call to a single-device backend with the global `lse` (the kernel contract),
@@ -40,7 +41,7 @@ from .merge import merge
 from .pattern import Branch, DilatedPattern, heads_per_kv
 
 
-# A non-causal ring over the whole axis gathers its keys at once (one all-gather, one call)
+# A ring over the whole axis (non-causal, or zigzag) gathers its keys at once (one all-gather)
 # when that takes at most this much extra memory per device (see `_gathers`); None: 6 GiB,
 # or an eighth of a device's memory where that is less; 0: rotate keys step by step. Read
 # when a call is traced.
@@ -70,8 +71,10 @@ class _Plan:
 
   @property
   def whole(self) -> bool:
-    """A non-causal ring over the whole axis: one that may gather its keys at once."""
-    return self.kind == "ring" and not self.branch.causal and self.span == self.shards
+    """A ring over the whole axis, non-causal or in zigzag order: one that may gather its
+    keys at once."""
+    return (self.kind == "ring" and self.span == self.shards
+            and (self.zigzag or not self.branch.causal))
 
 
 def _plans(pattern: DilatedPattern, n: int, shards: int, num_heads: int, per_kv: int):
@@ -336,10 +339,11 @@ def _ring_forward(st, q, k, v, axis_name, ids=None):
   plan = st.plan
   qs = st.query(q)
   qi, kv = _with_ids(st, ids, q, k, (st.key(k), st.key(v)))
+  if st.gathers:
+    gathered = _gathered_zigzag_forward if plan.zigzag else _gathered_forward
+    return gathered(st, qs, qi, kv, axis_name)
   if plan.zigzag:
     return _zigzag_forward(st, qs, qi, kv, axis_name)
-  if st.gathers:
-    return _gathered_forward(st, qs, qi, kv, axis_name)
   acc = st.forward(qs, *kv[:2], st.causal, _pair(qi, kv))
   # An empty step's result: typed like a real one (varying over every mesh axis q varies
   # over, the data axis included), as lax.cond needs.
@@ -355,15 +359,17 @@ def _ring_forward(st, q, k, v, axis_name, ids=None):
 
 
 def _gathers(st, q, k) -> bool:
-  """Whether a ring branch gathers all its keys at once instead of rotating them: a
-  non-causal ring over the whole axis whose extra memory fits in `GATHER_LIMIT_BYTES`
-  (`st`: its `_RingBranch`, whose layout sizes the step's arrays from the shard's `q`, `k`).
+  """Whether a ring branch gathers all its keys at once instead of rotating them: a ring
+  over the whole axis (non-causal, or causal in zigzag order) whose extra memory fits in
+  `GATHER_LIMIT_BYTES` (`st`: its `_RingBranch`, whose layout sizes the step's arrays from
+  the shard's `q`, `k`).
 
   One all-gather moves the same bytes as the rotations, over every link at once and before
   any step; the steps then run as one backend call, the shards' key blocks folded into the
-  batch. Its memory, per device and in the backward (the larger): `P` copies of the queries,
-  their cotangents and float32 gradients, the gathered keys and values and their float32
-  gradients."""
+  batch (causal: `2P - 1` blocks of half a shard, and the two diagonal ones in a second,
+  causal call). Its memory, per device and in the backward (the larger): `P` copies of the
+  queries, their cotangents and float32 gradients, the gathered keys and values and their
+  float32 gradients."""
   if not st.plan.whole:
     return False
   qs, ks = (jax.eval_shape(f, jax.ShapeDtypeStruct(x.shape, x.dtype))
@@ -403,6 +409,87 @@ def _gathered_backward(st, rows, qi, kv, axis_name):
   home = lambda g: jax.lax.psum_scatter(g.reshape(rows[0].shape[0], -1, *g.shape[2:]),
                                         axis_name, scatter_dimension=1, tiled=True)
   return dq, home(dk), home(dv)
+
+
+def _chunks(x, axis_name, shards):
+  """The gathered natural `[B, 2P c, ...]` as `[B, 2P, c, ...]`: every half-shard chunk."""
+  x = _gather(x, axis_name)
+  return x.reshape(x.shape[0], 2 * shards, x.shape[1] // (2 * shards), *x.shape[2:])
+
+
+def _zigzag_calls(st, rows, qi, kv, axis_name):
+  """The two calls of a causal whole ring gathered in zigzag order, on device `j` of `P`.
+
+  Its early query chunk `j` sees the natural key chunks `0 .. j - 1` whole, its late one
+  `2P - 1 - j` sees `0 .. 2P - 2 - j`: `2P - 1` fully visible pairs on every device, folded
+  into the batch for one non-causal call, and the two diagonal pairs (each query chunk
+  against its own keys) for one causal call. `rows`: `(q,)` or the backward's `(q, dout,
+  lse, delta)`, in the step layout; `qi`: their ids or None; `kv`: `(k, v[, kv_ids])`.
+  Returns `(pairs, diagonal, early, index, own)`: each call's `(rows[, ids], keys)`, whether
+  each pair's queries are the early chunk, each pair's key chunk, the diagonal's two."""
+  shards = st.plan.shards
+  j = jax.lax.axis_index(axis_name)
+  t = jnp.arange(2 * shards - 1)
+  early = t < j
+  index, own = jnp.where(early, t, t - j), jnp.stack([j, 2 * shards - 1 - j])
+  halves = [_halves(_to_zigzag(x, st.plan, axis_name))[0]
+            for x in (*rows, qi) if x is not None]  # (early, late) chunks
+  chunks = [_chunks(x, axis_name, shards) for x in kv]
+  fold = lambda x: x.reshape(-1, *x.shape[2:])
+  pick = lambda a, b: jnp.where(early.reshape((1, -1) + (1,) * (a.ndim - 1)), a[:, None],
+                                b[:, None])
+  pairs = ([fold(pick(a, b)) for a, b in halves],
+           [fold(jnp.take(x, index, axis=1)) for x in chunks])
+  diagonal = ([fold(jnp.stack([a, b], axis=1)) for a, b in halves],
+              [fold(jnp.take(x, own, axis=1)) for x in chunks])
+  return pairs, diagonal, early, index, own
+
+
+def _gathered_zigzag_forward(st, qs, qi, kv, axis_name):
+  """`_zigzag_forward` of a branch that `_gathers` (`_zigzag_calls`); each query chunk
+  merges its pairs' partials (the other chunk's masked out) with its diagonal one."""
+  plan, shards, b = st.plan, st.plan.shards, qs.shape[0]
+  pairs, diagonal, early, _, _ = _zigzag_calls(st, (qs,), qi, kv, axis_name)
+
+  def call(rows_keys, causal, count):
+    rows, keys = rows_keys
+    parts = st.forward(rows[0], *keys[:2], causal, _pair(rows[1] if qi is not None else None,
+                                                         keys))
+    return [x.reshape(b, count, *x.shape[1:]) for x in parts]
+
+  (o, lse), (do, dlse) = call(pairs, False, 2 * shards - 1), call(diagonal, True, 2)
+  merged = lambda keep, i: merge(
+      [o[:, t] for t in range(2 * shards - 1)] + [do[:, i]],
+      [jnp.where(keep[t], lse[:, t], -jnp.inf) for t in range(2 * shards - 1)] + [dlse[:, i]])
+  o, lse = (jnp.concatenate(x, axis=1) for x in zip(merged(early, 0), merged(~early, 1)))
+  return (_to_zigzag(o, plan, axis_name, inverse=True),
+          _to_zigzag(lse, plan, axis_name, inverse=True))
+
+
+def _gathered_zigzag_backward(st, rows, qi, kv, axis_name):
+  """The backward of `_gathered_zigzag_forward`: the same two calls; each query chunk sums
+  its pairs' dq, and dk, dv (added up by key chunk) go home by reduce-scatter."""
+  plan, shards, b = st.plan, st.plan.shards, rows[0].shape[0]
+  pairs, diagonal, early, index, own = _zigzag_calls(st, rows, qi, kv, axis_name)
+
+  def call(rows_keys, causal, count):
+    rows, keys = rows_keys
+    grads = st.backward(rows[0], *keys[:2], *rows[1:4], causal,
+                        _pair(rows[4] if qi is not None else None, keys))
+    return [x.reshape(b, count, *x.shape[1:]) for x in grads]
+
+  (dq, dk, dv), (ddq, ddk, ddv) = call(pairs, False, 2 * shards - 1), call(diagonal, True, 2)
+  mine = lambda keep: jnp.sum(jnp.where(keep.reshape((1, -1) + (1,) * (dq.ndim - 2)), dq, 0.0),
+                              axis=1)
+  dq = jnp.concatenate([mine(early) + ddq[:, 0], mine(~early) + ddq[:, 1]], axis=1)
+
+  def home(g, d):
+    total = jnp.zeros((b, 2 * shards) + g.shape[2:], g.dtype)
+    total = total.at[:, index].add(g).at[:, own].add(d)
+    return jax.lax.psum_scatter(total.reshape(b, -1, *total.shape[3:]), axis_name,
+                                scatter_dimension=1, tiled=True)
+
+  return _to_zigzag(dq, plan, axis_name, inverse=True), home(dk, ddk), home(dv, ddv)
 
 
 def _zigzag_forward(st, qs, qi, kv, axis_name):
@@ -458,6 +545,8 @@ def _ring_backward(st, q, k, v, dout, lse, delta, axis_name, ids=None):
   qs, dos, lses, deltas = (st.query(x) for x in (q, dout, lse[..., None], delta[..., None]))
   rows = (qs, dos, lses[..., 0], deltas[..., 0])
   qi, kv = _with_ids(st, ids, q, k, (st.key(k), st.key(v)))
+  if st.gathers and plan.zigzag:
+    return _gathered_zigzag_backward(st, rows, qi, kv, axis_name)
   if plan.zigzag:
     return _zigzag_backward(st, rows + (() if qi is None else (qi,)), kv, axis_name)
   if st.gathers:

@@ -515,8 +515,9 @@ REALISTIC = {
                None),
     "partial_sub_rings_no_zigzag": (1, 4, 1200, 1, 1, lambda n: DilatedPattern(
         (3600,), (16,), causal=True, offsets="all"), 128),
+    # A zigzag sub-ring of two shards (2048 / 1) beside a whole zigzag ring, gathered (4096 / 2).
     "data2_seq4_causal": (2, 4, 1024, 2, 1, lambda n: DilatedPattern(
-        (1024, 4096), (1, 2), causal=True), None),
+        (1024, 2048, 4096), (1, 1, 2), causal=True), None),
 }
 
 
@@ -543,7 +544,8 @@ def test_realistic_cases_cover_every_plan():
                  plan.whole))
   assert {("local", False, False, False, False), ("gather", False, False, False, False),
           ("ring", True, True, False, False), ("ring", False, True, False, False),
-          ("ring", False, False, False, False), ("ring", True, False, False, True),
+          ("ring", False, True, False, True), ("ring", False, False, False, False),
+          ("ring", True, False, False, True),
           ("ring", False, False, False, True), ("ring", False, False, True, False)} <= kinds, \
       kinds
 
@@ -557,7 +559,8 @@ def test_realistic_cases_cover_every_plan():
 def test_ring_at_realistic_shard_sizes(monkeypatch, name):
   """Forward, lse and gradients of the ring equal one device's, every plan kind, data x
   sequence meshes included (the scans over key blocks meet mesh-varying data here); the
-  whole non-causal rings gathered ("full", "longnet_gqa") and rotated ("full_rotating")."""
+  whole rings gathered ("full", "longnet_gqa"; causal in zigzag order: "data2_seq4_causal")
+  and rotated ("full_rotating")."""
   rotating = name == "full_rotating"
   if rotating:
     monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
@@ -570,7 +573,7 @@ def test_ring_at_realistic_shard_sizes(monkeypatch, name):
       config=config))
   single = jax.jit(lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True))
   _assert_ring_equals(ring, single, inputs)
-  if name == "full":  # the whole ring's mode: its keys gathered at once, or rotating
+  if name in ("full", "data2_seq4_causal"):  # a whole ring's keys gathered, or rotating
     assert ("all_gather" in str(jax.make_jaxpr(ring)(*inputs[:3]))) != rotating
 
 
