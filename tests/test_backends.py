@@ -403,7 +403,7 @@ def test_supports_declines_without_tracing(monkeypatch):
 def test_ring_traces_each_step_once(monkeypatch):
   """A ring pass traces each branch's step calls only, never a probe: resolving a step's
   backend asks `supports`, it does not trace (3 branches, 4 shards: one local, two spanning
-  ones with causal zigzag steps)."""
+  ones with causal zigzag steps, the whole one gathered)."""
   traces = {"forward": 0, "backward": 0}
   for name in traces:
     original = getattr(xla, name)
@@ -420,11 +420,12 @@ def test_ring_traces_each_step_once(monkeypatch):
   loss = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh,
                                                    axis_name="seq").sum()
   jax.jit(loss).trace(x, x, x)
-  # local: 1 call; g = 2 zigzag ring: 3 + 2 per extra step; g = 4: 3 + 3 x 3 (was 30).
-  assert traces == {"forward": 15, "backward": 0}
+  # local: 1 call; g = 2 zigzag ring: 3 + 2 per extra step; g = 4, a whole zigzag ring
+  # gathered at once: 2 (rotating, 3 + 3 x 3).
+  assert traces == {"forward": 8, "backward": 0}
   traces.update(forward=0)
   jax.jit(jax.grad(loss)).trace(x, x, x)
-  assert traces == {"forward": 15, "backward": 15}  # was 45 and 15
+  assert traces == {"forward": 8, "backward": 8}
 
 
 def test_configs_are_validated_keyword_only_and_routed():
