@@ -369,13 +369,16 @@ def _gathers(st, q, k) -> bool:
   batch (causal: `2P - 1` blocks of half a shard, and the two diagonal ones in a second,
   causal call). Its memory, per device and in the backward (the larger): `P` copies of the
   queries, their cotangents and float32 gradients, the gathered keys and values and their
-  float32 gradients."""
+  float32 gradients (zigzag: `P + 1/2` shards of query rows in the two calls, and `2P + 1/2`
+  of keys: the gathered ones, then each call's own)."""
   if not st.plan.whole:
     return False
   qs, ks = (jax.eval_shape(f, jax.ShapeDtypeStruct(x.shape, x.dtype))
             for f, x in ((st.query, q), (st.key, k)))
   item = jnp.dtype(qs.dtype).itemsize
-  need = st.plan.shards * (qs.size * (2 * item + 4) + 2 * ks.size * (item + 4))
+  p = st.plan.shards
+  rows, keys = (p + 0.5, 2 * p + 0.5) if st.plan.zigzag else (p, p)
+  need = rows * qs.size * (2 * item + 4) + keys * 2 * ks.size * (item + 4)
   return need <= _gather_limit()
 
 
