@@ -548,12 +548,11 @@ def _ring_backward(st, q, k, v, dout, lse, delta, axis_name, ids=None):
   qs, dos, lses, deltas = (st.query(x) for x in (q, dout, lse[..., None], delta[..., None]))
   rows = (qs, dos, lses[..., 0], deltas[..., 0])
   qi, kv = _with_ids(st, ids, q, k, (st.key(k), st.key(v)))
-  if st.gathers and plan.zigzag:
-    return _gathered_zigzag_backward(st, rows, qi, kv, axis_name)
+  if st.gathers:
+    gathered = _gathered_zigzag_backward if plan.zigzag else _gathered_backward
+    return gathered(st, rows, qi, kv, axis_name)
   if plan.zigzag:
     return _zigzag_backward(st, rows + (() if qi is None else (qi,)), kv, axis_name)
-  if st.gathers:
-    return _gathered_backward(st, rows, qi, kv, axis_name)
   grads = st.backward(rows[0], *kv[:2], *rows[1:], st.causal, _pair(qi, kv))
   zeros = lambda: backends.vary_like(tuple(jnp.zeros(x.shape, x.dtype) for x in grads),
                                      rows[0])
