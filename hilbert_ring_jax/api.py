@@ -136,8 +136,7 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
     segment_ids: None, or an integer `[B, N]` array: the document of each token of rows that
       pack several (packed sequences). Query `i` then sees key `j` only where the pattern
       makes it visible and `segment_ids[b, i] == segment_ids[b, j]`; the pattern's segments
-      stay on global positions (docs/SPEC.md, section 3). Runs on "mosaic", "pallas" and
-      "xla"; "triton" declines packed problems (dispatch moves on).
+      stay on global positions (docs/SPEC.md, section 3). Every backend runs them.
     scale: score scale, default `D ** -0.5`.
     return_lse: also return the float32 `[B, N, H]` log of the softmax denominator
       (`-inf` where a query sees no key).

@@ -382,9 +382,16 @@ def _gathers(st, q, k) -> bool:
   return need <= _gather_limit()
 
 
-def _fold_blocks(x, shards):
-  """The gathered `[B, P n, ...]` as `[B P, n, ...]`: each shard's block a batch row."""
-  return x.reshape(x.shape[0] * shards, x.shape[1] // shards, *x.shape[2:])
+def _gathered_blocks(x, axis_name, count):
+  """`x` `[B, n, ...]` gathered over the axis, `[B, P n, ...]`, as `[B, count, P n / count,
+  ...]`: the shards' blocks (`count = P`) or half-shard chunks (`2P`) in natural order."""
+  x = _gather(x, axis_name)
+  return x.reshape(x.shape[0], count, x.shape[1] // count, *x.shape[2:])
+
+
+def _fold(x):
+  """`[B, m, ...]` -> `[B m, ...]`: each of the `m` blocks a batch row."""
+  return x.reshape(-1, *x.shape[2:])
 
 
 def _repeat_rows(x, shards):
@@ -395,7 +402,7 @@ def _repeat_rows(x, shards):
 def _gathered_forward(st, qs, qi, kv, axis_name):
   """`_ring_forward` of a branch that `_gathers`: one all-gather, one call, one merge."""
   shards = st.plan.shards
-  kv = tuple(_fold_blocks(_gather(x, axis_name), shards) for x in kv)
+  kv = tuple(_fold(_gathered_blocks(x, axis_name, shards)) for x in kv)
   o, lse = st.forward(_repeat_rows(qs, shards), *kv[:2], False,
                       _pair(_repeat_rows(qi, shards), kv))
   o, lse = (x.reshape(qs.shape[0], shards, *x.shape[1:]) for x in (o, lse))
@@ -405,19 +412,13 @@ def _gathered_forward(st, qs, qi, kv, axis_name):
 def _gathered_backward(st, rows, qi, kv, axis_name):
   """`_ring_backward` of a branch that `_gathers`: dk and dv go home by reduce-scatter."""
   shards = st.plan.shards
-  kv = tuple(_fold_blocks(_gather(x, axis_name), shards) for x in kv)
+  kv = tuple(_fold(_gathered_blocks(x, axis_name, shards)) for x in kv)
   rep = [_repeat_rows(x, shards) for x in rows]
   dq, dk, dv = st.backward(rep[0], *kv[:2], *rep[1:], False, _pair(_repeat_rows(qi, shards), kv))
   dq = jnp.sum(dq.reshape(rows[0].shape[0], shards, *dq.shape[1:]), axis=1)
   home = lambda g: jax.lax.psum_scatter(g.reshape(rows[0].shape[0], -1, *g.shape[2:]),
                                         axis_name, scatter_dimension=1, tiled=True)
   return dq, home(dk), home(dv)
-
-
-def _chunks(x, axis_name, shards):
-  """The gathered natural `[B, 2P c, ...]` as `[B, 2P, c, ...]`: every half-shard chunk."""
-  x = _gather(x, axis_name)
-  return x.reshape(x.shape[0], 2 * shards, x.shape[1] // (2 * shards), *x.shape[2:])
 
 
 def _zigzag_calls(st, rows, qi, kv, axis_name):
@@ -437,14 +438,13 @@ def _zigzag_calls(st, rows, qi, kv, axis_name):
   index, own = jnp.where(early, t, t - j), jnp.stack([j, 2 * shards - 1 - j])
   halves = [_halves(_to_zigzag(x, st.plan, axis_name))[0]
             for x in (*rows, qi) if x is not None]  # (early, late) chunks
-  chunks = [_chunks(x, axis_name, shards) for x in kv]
-  fold = lambda x: x.reshape(-1, *x.shape[2:])
+  chunks = [_gathered_blocks(x, axis_name, 2 * shards) for x in kv]
   pick = lambda a, b: jnp.where(early.reshape((1, -1) + (1,) * (a.ndim - 1)), a[:, None],
                                 b[:, None])
-  pairs = ([fold(pick(a, b)) for a, b in halves],
-           [fold(jnp.take(x, index, axis=1)) for x in chunks])
-  diagonal = ([fold(jnp.stack([a, b], axis=1)) for a, b in halves],
-              [fold(jnp.take(x, own, axis=1)) for x in chunks])
+  pairs = ([_fold(pick(a, b)) for a, b in halves],
+           [_fold(jnp.take(x, index, axis=1)) for x in chunks])
+  diagonal = ([_fold(jnp.stack([a, b], axis=1)) for a, b in halves],
+              [_fold(jnp.take(x, own, axis=1)) for x in chunks])
   return pairs, diagonal, early, index, own
 
 

@@ -15,7 +15,6 @@ import dataclasses
 import functools
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -149,10 +148,6 @@ def walk(prog: Program, ranges, block, carry):
     return carry
 
   return lax.fori_loop(prog.p0, prog.p1, per_piece, carry)
-
-
-# A window's bound past every position: `u0` (or `r0`) of a row that no key can share a
-# document with, and the padding of the windows past the rows.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -199,18 +199,18 @@ def _launch(kind, q, k, fused, pattern, config):
   return tiles, s.arrays(), s.grid(b, row_block), consts
 
 
-def _ids(segment_ids, heads: int, kv_heads: int):
+def _ids(segment_ids, heads: int, kv_heads: int, keys: bool = False):
   """The contract's `(q_ids, kv_ids)` (`[B, N]`, or per head `[B, N, H]` and `[B, N, Hkv]`)
   as the kernels read them, int32 `[B, N, X]` each: the queries' ids (X = H), the keys' (X =
-  Hkv), the queries' windows over the keys and the keys' over the queries (`u0`, `u1` of
-  `common.id_windows`, X = H: a key's for each query head reading it)."""
+  Hkv), the queries' windows over the keys and (`keys`: the backward) the keys' over the
+  queries (`u0`, `u1` of `common.id_windows`, X = H: a key's for each query head reading it)."""
   q_ids, k_ids = ((x[:, :, None] if x.ndim == 2 else x).astype(jnp.int32) for x in segment_ids)
   q_ids = jnp.broadcast_to(q_ids, q_ids.shape[:2] + (heads,))
   k_ids = jnp.broadcast_to(k_ids, k_ids.shape[:2] + (kv_heads,))
   heads_first = lambda x: x.transpose(0, 2, 1)
   q_t, k_t = heads_first(q_ids), heads_first(jnp.repeat(k_ids, heads // kv_heads, axis=2))
-  rows, keys = id_windows(q_t, k_t), id_windows(k_t, q_t)  # [4, B, H, N] each
-  return (q_ids, k_ids, *(heads_first(w) for w in (rows[0], rows[1], keys[0], keys[1])))
+  windows = [id_windows(q_t, k_t)] + ([id_windows(k_t, q_t)] if keys else [])  # [4, B, H, N]
+  return (q_ids, k_ids, *(heads_first(w[i]) for w in windows for i in (0, 1)))
 
 
 def _packed(ids, keys=False) -> tuple:
@@ -267,7 +267,7 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
     fn = lambda *a: _backward(*a, pattern, scale, branches, config)
     return batched(fn)(q, k, v, dout, lse, delta)
   fn = lambda *a: _backward(*a[:6], pattern, scale, branches, config,
-                            _ids(a[6:], q.shape[2], k.shape[2]))
+                            _ids(a[6:], q.shape[2], k.shape[2], keys=True))
   return batched(fn)(q, k, v, dout, lse, delta, *segment_ids)
 
 
