@@ -111,11 +111,11 @@ def main():
         dtype = jnp.dtype(args.dtype)
         ring_args = inputs(n, args.heads, args.head_dim, dtype, mesh)
         one_args = inputs(n, args.heads, args.head_dim, dtype)
-        ring = attention_fn(pattern, mesh, args.impl, backward)
+        ring = attention_fn(pattern, mesh, args.impl, backward, layers=args.layers)
         call = (lambda f: f) if backward else (lambda f: lambda q, k, v, do: f(q, k, v))
         ring_ms = median_ms(call(ring), ring_args, args.runs)
-        one_ms = median_ms(call(attention_fn(pattern, None, args.impl, backward)), one_args,
-                           args.runs)
+        one_ms = median_ms(call(attention_fn(pattern, None, args.impl, backward,
+                                             layers=args.layers)), one_args, args.runs)
         events = trace(call(ring), ring_args, args.calls)
         if args.timeline:
           print_timeline(events, min(e["device"] for e in events))

@@ -47,12 +47,19 @@ def inputs(n, heads, head_dim, dtype, mesh=None):
   return make(jax.random.PRNGKey(n))
 
 
-def attention_fn(pattern, mesh, impl, backward, config=None):
+def attention_fn(pattern, mesh, impl, backward, config=None, layers=1):
+  """The jitted call timed: `layers` attention calls in one program, each one's output the
+  next one's queries (as a model's layers run; 1: one call alone)."""
   if mesh is None:
-    fwd = lambda q, k, v: dilated_attention(q, k, v, pattern, implementation=impl, config=config)
+    one = lambda q, k, v: dilated_attention(q, k, v, pattern, implementation=impl, config=config)
   else:
-    fwd = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq",
+    one = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq",
                                                     implementation=impl, config=config)
+
+  def fwd(q, k, v):
+    for _ in range(layers):
+      q = one(q, k, v)
+    return q
   if not backward:
     return jax.jit(fwd)
   def fwd_bwd(q, k, v, do):
@@ -76,10 +83,10 @@ def _time_case(n, p, pattern, args, backward):
   mesh = None if p == 1 else jax.make_mesh(
       (p,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:p])
   q, k, v, do = inputs(n, args.heads, args.head_dim, jnp.dtype(args.dtype), mesh)
-  fn = attention_fn(pattern, mesh, args.impl, backward)
+  fn = attention_fn(pattern, mesh, args.impl, backward, layers=args.layers)
   try:
     return median_ms(fn, (q, k, v, do) if backward else (q, k, v), args.runs,
-                     calls=getattr(args, "calls", 1))
+                     calls=getattr(args, "calls", 1)) / args.layers
   except Exception as e:  # e.g. out of memory: reported, not fatal
     print(f"  failed: N={n} P={p} {type(e).__name__}: {str(e)[:200]}", flush=True)
     return float("nan")
@@ -100,6 +107,9 @@ def add_problem_arguments(ap, passes):
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--impl", default=None)
   ap.add_argument("--runs", type=int, default=5)
+  ap.add_argument("--layers", type=int, default=1,
+                  help="attention calls chained in one program, as a model's layers (ms are "
+                       "per layer)")
 
 
 def main():

@@ -159,6 +159,24 @@ def test_local_branches_run_as_one_call(monkeypatch):
       ("forward", tuple(local)), ("backward", tuple(local))}
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(16, 4), (8, 8), (4, 1)])
+def test_uncompacting_is_the_exact_transpose_of_compacting(heads, kv_heads):
+  """A compact ring's gradients go back to the full layout by `_uncompact` (one select per
+  element and query head sharing a key head): exactly `jax.vjp` of `_compact`, for the key
+  heads (grouped queries added up) and the query heads, dilated branches of every rate."""
+  per_kv = heads // kv_heads
+  for branch in DilatedPattern((32, 64, 64), (2, 4, 16)).layout(64, heads):
+    for x_heads, head_of, per in ((kv_heads, lambda h: h // per_kv, per_kv),
+                                  (heads, lambda h: h, 1)):
+      compact = lambda x: ring_module._compact(x, branch, head_of)  # pylint: disable=protected-access
+      like = jnp.zeros((2, 64, x_heads, 3), jnp.float32)
+      y = jax.random.normal(jax.random.PRNGKey(branch.index), jax.eval_shape(compact, like).shape)
+      want = jax.vjp(compact, like)[1](y)[0]
+      got = ring_module._uncompact(y, branch, heads, per)  # pylint: disable=protected-access
+      assert got.shape == want.shape
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("rotate", [False, True])
 def test_spanning_branches_send_only_dilated_rows(monkeypatch, rotate):
   """A non-causal ring over the whole axis gathers its keys at once (`GATHER_LIMIT_BYTES`
