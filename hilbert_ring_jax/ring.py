@@ -125,24 +125,19 @@ def _uncompact(x, branch, num_heads, per_kv=1):
   `per_kv` selects per element (each query head sharing the key head), which XLA fuses into
   what follows, where `jax.vjp` of `_compact` would be a sum of padded strided rows over every
   head (over 16 ms for 8 layers' key gradients at 8K tokens a GPU on an H200)."""
-  heads, r = list(branch.heads), branch.r
-  out = None
+  heads, r, groups = list(branch.heads), branch.r, num_heads // per_kv
+  terms = []
   for j in range(per_kv):
-    group = [g * per_kv + j for g in range(num_heads // per_kv)]  # one query head per X
+    group = [g * per_kv + j for g in range(groups)]  # the j-th query head of each key head
     source = [heads.index(h) if h in heads else 0 for h in group]
-    keep = np.zeros((r, len(group)), bool)
+    keep = np.zeros((r, groups), bool)
     for g, h in enumerate(group):
       if h in heads:
         keep[branch.residues(h)[0], g] = True
-    if not keep.any():
-      continue
-    keep = keep.reshape((1, 1, r, len(group)) + (1,) * (x.ndim - 3))
+    keep = keep.reshape((1, 1, r, groups) + (1,) * (x.ndim - 3))
     rows = x if source == list(range(x.shape[2])) else jnp.take(x, np.array(source), axis=2)
-    term = jnp.where(keep, rows[:, :, None], jnp.zeros((), x.dtype))
-    out = term if out is None else out + term
-  if out is None:
-    out = jnp.zeros((x.shape[0], x.shape[1], r, num_heads // per_kv, *x.shape[3:]), x.dtype)
-  return out.reshape(x.shape[0], x.shape[1] * r, num_heads // per_kv, *x.shape[3:])
+    terms.append(jnp.where(keep, rows[:, :, None], jnp.zeros((), x.dtype)))
+  return sum(terms[1:], terms[0]).reshape(x.shape[0], x.shape[1] * r, groups, *x.shape[3:])
 
 
 class _RingBranch:
