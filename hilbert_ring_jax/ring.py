@@ -116,28 +116,27 @@ def _compact(x, branch, head_of):
   return jnp.stack([x[:, :, branch.residues(h)[0], head_of(h)] for h in branch.heads], axis=2)
 
 
-def _uncompact(x, branch, num_heads, per_kv=1):
-  """`_compact` undone (its transpose): `[B, n / r, E, ...]` -> `[B, n, X, ...]`, with `X =
-  num_heads / per_kv` (query heads: `per_kv = 1`; key heads: the query heads that share one),
-  head `h`'s rows added into head `h // per_kv` at the rows of its residue class, zeros on the
-  others.
+def _uncompact(x, branch, out_heads, per_kv=1):
+  """`_compact` undone (its transpose): `[B, n / r, E, ...]` -> `[B, n, out_heads, ...]`,
+  head `h`'s rows added into head `h // per_kv` at the rows of its residue class, zeros on
+  the others (query heads: `per_kv = 1`; key heads: `per_kv` query heads share one).
 
-  `per_kv` selects per element (each query head sharing the key head), which XLA fuses into
-  what follows, where `jax.vjp` of `_compact` would be a sum of padded strided rows over every
-  head (over 16 ms for 8 layers' key gradients at 8K tokens a GPU on an H200)."""
-  heads, r, groups = list(branch.heads), branch.r, num_heads // per_kv
+  One select per element and query head sharing an output head, which XLA fuses into what
+  follows, where `jax.vjp` of `_compact` is a sum of padded strided rows over every head (slow
+  on GPUs: docs/performance.md, "A model's layers")."""
+  heads, r = list(branch.heads), branch.r
   terms = []
   for j in range(per_kv):
-    group = [g * per_kv + j for g in range(groups)]  # the j-th query head of each key head
+    group = [g * per_kv + j for g in range(out_heads)]  # the j-th query head of each
     source = [heads.index(h) if h in heads else 0 for h in group]
-    keep = np.zeros((r, groups), bool)
+    keep = np.zeros((r, out_heads), bool)
     for g, h in enumerate(group):
       if h in heads:
         keep[branch.residues(h)[0], g] = True
-    keep = keep.reshape((1, 1, r, groups) + (1,) * (x.ndim - 3))
+    keep = keep.reshape((1, 1, r, out_heads) + (1,) * (x.ndim - 3))
     rows = x if source == list(range(x.shape[2])) else jnp.take(x, np.array(source), axis=2)
     terms.append(jnp.where(keep, rows[:, :, None], jnp.zeros((), x.dtype)))
-  return sum(terms[1:], terms[0]).reshape(x.shape[0], x.shape[1] * r, groups, *x.shape[3:])
+  return sum(terms[1:], terms[0]).reshape(x.shape[0], x.shape[1] * r, out_heads, *x.shape[3:])
 
 
 class _RingBranch:
@@ -205,7 +204,7 @@ class _RingBranch:
   def unkey(self, x, like):
     if not self.plan.compact:
       return x
-    return _uncompact(x, self.plan.branch, like.shape[2] * self.per_kv, self.per_kv)
+    return _uncompact(x, self.plan.branch, like.shape[2], self.per_kv)
 
   def covered(self, num_heads):
     """`[n, H]`: the local rows a compact branch computes (each head at its residue).
@@ -468,19 +467,22 @@ def _by_key_chunk(pairs, diagonal, axis_name):
           + jnp.where(c == count - 1 - j, diagonal[:, 1:], zero))
 
 
+def _folded_call(fn, rows_keys, causal, batch, has_ids):
+  """`fn` (a branch's `forward` or `backward`) on one of `_zigzag_calls`' calls, its pairs
+  folded into the batch; each result as `[batch, pairs, ...]`."""
+  rows, keys = rows_keys
+  rows, ids = (rows[:-1], rows[-1]) if has_ids else (rows, None)
+  return [x.reshape(batch, -1, *x.shape[1:])
+          for x in fn(rows[0], *keys[:2], *rows[1:], causal, _pair(ids, keys))]
+
+
 def _gathered_zigzag_forward(st, qs, qi, kv, axis_name):
   """`_zigzag_forward` of a branch that `_gathers` (`_zigzag_calls`); each query chunk
   merges its pairs' partials (the other chunk's masked out) with its diagonal one."""
-  plan, shards, b = st.plan, st.plan.shards, qs.shape[0]
+  plan, shards = st.plan, st.plan.shards
   pairs, diagonal, early = _zigzag_calls(st, (qs,), qi, kv, axis_name)
-
-  def call(rows_keys, causal, count):
-    rows, keys = rows_keys
-    parts = st.forward(rows[0], *keys[:2], causal, _pair(rows[1] if qi is not None else None,
-                                                         keys))
-    return [x.reshape(b, count, *x.shape[1:]) for x in parts]
-
-  (o, lse), (do, dlse) = call(pairs, False, 2 * shards - 1), call(diagonal, True, 2)
+  (o, lse), (do, dlse) = (_folded_call(st.forward, x, causal, qs.shape[0], qi is not None)
+                          for x, causal in ((pairs, False), (diagonal, True)))
   merged = lambda keep, i: merge(
       [o[:, t] for t in range(2 * shards - 1)] + [do[:, i]],
       [jnp.where(keep[t], lse[:, t], -jnp.inf) for t in range(2 * shards - 1)] + [dlse[:, i]])
@@ -492,16 +494,10 @@ def _gathered_zigzag_forward(st, qs, qi, kv, axis_name):
 def _gathered_zigzag_backward(st, rows, qi, kv, axis_name):
   """The backward of `_gathered_zigzag_forward`: the same two calls; each query chunk sums
   its pairs' dq, and dk, dv (added up by key chunk) go home by reduce-scatter."""
-  plan, shards, b = st.plan, st.plan.shards, rows[0].shape[0]
+  plan, b = st.plan, rows[0].shape[0]
   pairs, diagonal, early = _zigzag_calls(st, rows, qi, kv, axis_name)
-
-  def call(rows_keys, causal, count):
-    rows, keys = rows_keys
-    grads = st.backward(rows[0], *keys[:2], *rows[1:4], causal,
-                        _pair(rows[4] if qi is not None else None, keys))
-    return [x.reshape(b, count, *x.shape[1:]) for x in grads]
-
-  (dq, dk, dv), (ddq, ddk, ddv) = call(pairs, False, 2 * shards - 1), call(diagonal, True, 2)
+  (dq, dk, dv), (ddq, ddk, ddv) = (_folded_call(st.backward, x, causal, b, qi is not None)
+                                   for x, causal in ((pairs, False), (diagonal, True)))
   mine = lambda keep: jnp.sum(jnp.where(keep.reshape((1, -1) + (1,) * (dq.ndim - 2)), dq, 0.0),
                               axis=1)
   dq = jnp.concatenate([mine(early) + ddq[:, 0], mine(~early) + ddq[:, 1]], axis=1)

@@ -175,7 +175,7 @@ def test_uncompacting_is_the_exact_transpose_of_compacting(heads, kv_heads):
       like = jnp.zeros((2, 64, x_heads, 3), jnp.float32)
       y = jax.random.normal(jax.random.PRNGKey(branch.index), jax.eval_shape(fold, like).shape)
       want = jax.jit(lambda y, fold=fold: jax.vjp(fold, like)[1](y)[0])(y)
-      got = jax.jit(functools.partial(uncompact, branch=branch, num_heads=heads, per_kv=per))(y)
+      got = jax.jit(functools.partial(uncompact, branch=branch, out_heads=x_heads, per_kv=per))(y)
       assert got.shape == want.shape
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
