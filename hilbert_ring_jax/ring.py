@@ -434,37 +434,24 @@ def _zigzag_calls(st, rows, qi, kv, axis_name):
   into the batch for one non-causal call, and the two diagonal pairs (each query chunk
   against its own keys) for one causal call. `rows`: `(q,)` or the backward's `(q, dout,
   lse, delta)`, in the step layout; `qi`: their ids or None; `kv`: `(k, v[, kv_ids])`.
-  Returns `(pairs, diagonal, early)`: each call's `(rows[, ids], keys)` and whether each
-  pair's queries are the early chunk. Pair `t` meets key chunk `t` if early (`t < j`), else
-  `t - j`; dynamic slices and selects pick them (and `_by_key_chunk` adds up their key
-  gradients), not gathers and scatters."""
+  Returns `(pairs, diagonal, early, index, own)`: each call's `(rows[, ids], keys)`, whether
+  each pair's queries are the early chunk, each pair's key chunk (`t` if early, else `t - j`),
+  the diagonal's two."""
   shards = st.plan.shards
   j = jax.lax.axis_index(axis_name)
-  early = jnp.arange(2 * shards - 1) < j
+  t = jnp.arange(2 * shards - 1)
+  early = t < j
+  index, own = jnp.where(early, t, t - j), jnp.stack([j, 2 * shards - 1 - j])
   halves = [_halves(_to_zigzag(x, st.plan, axis_name))[0]
             for x in (*rows, qi) if x is not None]  # (early, late) chunks
   chunks = [_gathered_blocks(x, axis_name, 2 * shards) for x in kv]
-  pick = lambda a, b: jnp.where(early.reshape((1, -1) + (1,) * (a.ndim - 2)), a, b)
-  pairs = ([_fold(pick(a[:, None], b[:, None])) for a, b in halves],
-           [_fold(pick(x[:, :-1], jnp.roll(x, j, axis=1)[:, :-1])) for x in chunks])
-  chunk = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1)
+  pick = lambda a, b: jnp.where(early.reshape((1, -1) + (1,) * (a.ndim - 1)), a[:, None],
+                                b[:, None])
+  pairs = ([_fold(pick(a, b)) for a, b in halves],
+           [_fold(jnp.take(x, index, axis=1)) for x in chunks])
   diagonal = ([_fold(jnp.stack([a, b], axis=1)) for a, b in halves],
-              [_fold(jnp.concatenate([chunk(x, j), chunk(x, 2 * shards - 1 - j)], axis=1))
-               for x in chunks])
-  return pairs, diagonal, early
-
-
-def _by_key_chunk(pairs, diagonal, axis_name):
-  """A gathered zigzag ring's key gradients added up by key chunk, `[B, 2P, ...]`, on device
-  `j`: `pairs` `[B, 2P - 1, ...]` (pair `t` against chunk `t` if `t < j`, else `t - j`) and
-  `diagonal` `[B, 2, ...]` (chunks `j` and `2P - 1 - j`), by shifted copies and selects."""
-  j, count = jax.lax.axis_index(axis_name), pairs.shape[1] + 1
-  c = jnp.arange(count).reshape((1, -1) + (1,) * (pairs.ndim - 2))
-  g = jnp.concatenate([pairs, jnp.zeros_like(pairs[:, :1])], axis=1)
-  zero = jnp.zeros((), g.dtype)
-  return (jnp.where(c < j, g, zero) + jnp.where(c + j < count - 1, jnp.roll(g, -j, axis=1), zero)
-          + jnp.where(c == j, diagonal[:, :1], zero)
-          + jnp.where(c == count - 1 - j, diagonal[:, 1:], zero))
+              [_fold(jnp.take(x, own, axis=1)) for x in chunks])
+  return pairs, diagonal, early, index, own
 
 
 def _folded_call(fn, rows_keys, causal, batch, has_ids):
@@ -480,7 +467,7 @@ def _gathered_zigzag_forward(st, qs, qi, kv, axis_name):
   """`_zigzag_forward` of a branch that `_gathers` (`_zigzag_calls`); each query chunk
   merges its pairs' partials (the other chunk's masked out) with its diagonal one."""
   plan, shards = st.plan, st.plan.shards
-  pairs, diagonal, early = _zigzag_calls(st, (qs,), qi, kv, axis_name)
+  pairs, diagonal, early, _, _ = _zigzag_calls(st, (qs,), qi, kv, axis_name)
   (o, lse), (do, dlse) = (_folded_call(st.forward, x, causal, qs.shape[0], qi is not None)
                           for x, causal in ((pairs, False), (diagonal, True)))
   merged = lambda keep, i: merge(
@@ -495,7 +482,7 @@ def _gathered_zigzag_backward(st, rows, qi, kv, axis_name):
   """The backward of `_gathered_zigzag_forward`: the same two calls; each query chunk sums
   its pairs' dq, and dk, dv (added up by key chunk) go home by reduce-scatter."""
   plan, b = st.plan, rows[0].shape[0]
-  pairs, diagonal, early = _zigzag_calls(st, rows, qi, kv, axis_name)
+  pairs, diagonal, early, index, own = _zigzag_calls(st, rows, qi, kv, axis_name)
   (dq, dk, dv), (ddq, ddk, ddv) = (_folded_call(st.backward, x, causal, b, qi is not None)
                                    for x, causal in ((pairs, False), (diagonal, True)))
   mine = lambda keep: jnp.sum(jnp.where(keep.reshape((1, -1) + (1,) * (dq.ndim - 2)), dq, 0.0),
@@ -503,7 +490,8 @@ def _gathered_zigzag_backward(st, rows, qi, kv, axis_name):
   dq = jnp.concatenate([mine(early) + ddq[:, 0], mine(~early) + ddq[:, 1]], axis=1)
 
   def home(g, d):
-    total = _by_key_chunk(g, d, axis_name)
+    total = jnp.zeros((b, 2 * plan.shards) + g.shape[2:], g.dtype)
+    total = total.at[:, index].add(g).at[:, own].add(d)
     return jax.lax.psum_scatter(total.reshape(b, -1, *total.shape[3:]), axis_name,
                                 scatter_dimension=1, tiled=True)
 

@@ -180,19 +180,6 @@ def test_uncompacting_is_the_exact_transpose_of_compacting(heads, kv_heads):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_gathered_zigzag_ring_moves_chunks_without_gathers_or_scatters():
-  """A causal whole ring gathered in zigzag order picks each pair's key chunk and adds up
-  the key gradients by key chunk with shifted copies and selects: its forward and backward
-  hold no gather or scatter with traced indices (their GPU fusions are slow)."""
-  x = jax.ShapeDtypeStruct((1, 256, 2, 16), jnp.float32)
-  pattern = DilatedPattern((256,), (1,), causal=True)
-  loss = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh(4),
-                                                   axis_name="seq").sum()
-  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).as_text()
-  assert "all_gather" in text and "reduce_scatter" in text  # the gathered form
-  assert "stablehlo.gather" not in text and "stablehlo.scatter" not in text
-
-
 @pytest.mark.parametrize("rotate", [False, True])
 def test_spanning_branches_send_only_dilated_rows(monkeypatch, rotate):
   """A non-causal ring over the whole axis gathers its keys at once (`GATHER_LIMIT_BYTES`
