@@ -209,7 +209,7 @@ def plot(result, path):
       label = f"{pattern}{', causal' if causal else ''}, {pass_}"
       ax.plot([t for t, _ in pts], [100 * e for _, e in pts], marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_ylim(0, 105)
+    ax.set_ylim(0, 110)
     ax.set_xlabel("tokens per GPU")
     ax.set_ylabel("efficiency T1 / (P TP), %")
     ax.set_title(f"{p} x {result['device']} (JAX {result['jax']})")
