@@ -309,8 +309,14 @@ def _zigzag_pairs(plan):
   return even, odd
 
 
+def _permute(x, axis_name, pairs):
+  """`jax.lax.ppermute`, skipped where every device keeps its own buffer."""
+  return x if all(s == d for s, d in pairs) else jax.lax.ppermute(x, axis_name, pairs)
+
+
 def _to_zigzag(x, plan, axis_name, inverse=False):
-  """`[B, L, ...]` natural halves <-> `[B, L, ...]` zigzag `(early chunk, late chunk)`."""
+  """`[B, L, ...]` natural halves <-> `[B, L, ...]` zigzag `(early chunk, late chunk)`: two
+  collective-permutes, one in sub-rings of 2 (whose devices keep their even chunks)."""
   even, odd = _zigzag_pairs(plan)
   if inverse:
     even, odd = [(d, s) for s, d in even], [(d, s) for s, d in odd]
@@ -320,7 +326,7 @@ def _to_zigzag(x, plan, axis_name, inverse=False):
   a, b = x[:, :half], x[:, half:]
   if inverse:  # (early, late) -> (even, odd), then home
     a, b = jnp.where(j_even, a, b), jnp.where(j_even, b, a)
-  a, b = jax.lax.ppermute(a, axis_name, even), jax.lax.ppermute(b, axis_name, odd)
+  a, b = _permute(a, axis_name, even), _permute(b, axis_name, odd)
   if not inverse:  # (even, odd) -> (early, late)
     a, b = jnp.where(j_even, a, b), jnp.where(j_even, b, a)
   return jnp.concatenate([a, b], axis=1)
