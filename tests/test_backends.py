@@ -253,8 +253,8 @@ def test_causal_leak(backend, case, causal, dtype):
 def test_queries_without_keys(backend, case, causal, dtype):
   """offsets="head", r=2: a head sees only its residue; other queries get 0, -inf, zero grad."""
   q, k, v, dout, dlse = helpers.random_inputs(case, dtype, 2)
-  (out, lse), vjp = jax.vjp(backend.attention(case.pattern(causal)), q, k, v)
-  dq, dk, dv = vjp((dout, dlse))
+  (out, lse), (dq, dk, dv) = helpers.with_grads(backend.attention(case.pattern(causal)))(
+      q, k, v, (dout, dlse))
   blind = (np.arange(16)[:, None] % 2) != (np.arange(2)[None, :] % 2)  # [N, H]
   assert np.all(np.asarray(out)[:, blind] == 0)
   assert np.all(np.isneginf(np.asarray(lse)[:, blind]))
@@ -293,7 +293,7 @@ def test_float16_backward_does_not_overflow(backend, case, causal, dtype):
   v = jnp.asarray(1e3 * rng.choice([-1.0, 1.0], shape), dtype)
   dout = jnp.asarray(32 * rng.standard_normal(shape), dtype)
   out = lambda q, k, v: backend.attention(case.pattern(causal))(q, k, v)[0]
-  grads = jax.vjp(jax.jit(out), q, k, v)[1](dout)
+  _, grads = helpers.with_grads(out)(q, k, v, dout)
   _, _, ref = helpers.reference(case, False, q, k, v, dout, np.zeros(shape[:3]))
   for name, g, r in zip("qkv", grads, ref):
     assert np.abs(r).max() < 6e4  # the true gradient is representable in float16
@@ -310,9 +310,9 @@ def test_huge_logits_keep_gradients_finite(backend, case, causal, dtype):
   q, k = (jnp.asarray(6e4 * jnp.sign(x), dtype) for x in (q, k))
   v, dout = v.astype(dtype), dout.astype(dtype)
   out = lambda q, k, v: backend.attention(case.pattern(causal))(q, k, v)[0]
-  out, vjp = jax.vjp(jax.jit(out), q, k, v)
+  out, grads = helpers.with_grads(out)(q, k, v, dout)
   assert np.isfinite(np.asarray(out, np.float32)).all()
-  for g in vjp(dout):
+  for g in grads:
     assert np.isfinite(np.asarray(g, np.float32)).all()
 
 
@@ -382,8 +382,8 @@ def test_resolution_keeps_every_reason():
   assert "head dims up to 256" in info.value.reasons["pallas"]
   assert isinstance(info.value, NotImplementedError)  # what callers catch
   # With "xla" last, the first backend that supports it runs, forward and backward.
-  g = jax.grad(lambda q: dilated_attention(q, k, v, pattern,
-                                           implementation=("pallas", "xla")).sum())(q)
+  g = jax.jit(jax.grad(lambda q: dilated_attention(q, k, v, pattern,
+                                                   implementation=("pallas", "xla")).sum()))(q)
   assert g.shape == q.shape
 
 

@@ -329,8 +329,8 @@ def test_attention_fn_hides_masked_keys(dtype):
   q, k, v, dout, _ = helpers.random_inputs(case, dtype, 0)
   mask = np.concatenate([key_mask_np(batch=2), np.zeros((1, N), bool)])
   fn = dilated_attention_fn(PATTERN)
-  out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mask=mask[:, None, None, :]), q, k, v)
-  grads = vjp(dout)
+  out, grads = helpers.with_grads(lambda q, k, v: fn(q, k, v, mask=mask[:, None, None, :]))(
+      q, k, v, dout)
   assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
   m = multiplicity_np(PATTERN, N, N)
   empty = 0

@@ -34,10 +34,9 @@ def check_packed(case, causal, dtype, ids, seed=0, **kwargs):
   """Forward, lse and gradients with `segment_ids=ids` against the float64 reference."""
   q, k, v, dout, dlse = helpers.random_inputs(case, dtype, seed)
   pattern = case.pattern(causal)
-  fn = jax.jit(lambda q, k, v, ids: dilated_attention(q, k, v, pattern, segment_ids=ids,
-                                                      return_lse=True, **kwargs))
-  (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, ids), q, k, v)
-  grads = vjp((dout, dlse))
+  fn = lambda q, k, v: dilated_attention(q, k, v, pattern, segment_ids=ids, return_lse=True,
+                                         **kwargs)
+  (out, lse), grads = helpers.with_grads(fn)(q, k, v, (dout, dlse))
   m = reference_np.multiplicity(case.n, case.heads, case.segment_lengths, case.dilation_rates,
                                 causal, case.offsets, case.head_groups)
   ref_out, ref_lse, ref_grads = reference_np.attention(
@@ -113,7 +112,7 @@ def test_no_gradient_crosses_documents():
     pattern = case.pattern(causal)
     loss = lambda q, k, v: jnp.sum(jnp.where(
         mine, dilated_attention(q, k, v, pattern, segment_ids=ids), 0.0) ** 2)
-    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     for g in grads:
       g = np.asarray(g)
       assert np.all(g[:, ~np.asarray(mine[0, :, 0, 0])] == 0.0)
@@ -201,7 +200,8 @@ def test_layer_packed_with_hilbert_order_and_mesh():
   out = plain(x, segment_ids=ids)
   np.testing.assert_allclose(sharded(x, segment_ids=ids), out, rtol=1e-5, atol=1e-5)
   first = (ids == 0)[..., None]
-  dx = jax.grad(lambda x: jnp.sum(jnp.where(first, plain(x, segment_ids=ids), 0.0) ** 2))(x)
+  loss = lambda x: jnp.sum(jnp.where(first, plain(x, segment_ids=ids), 0.0) ** 2)
+  dx = jax.jit(jax.grad(loss))(x)
   assert np.all(np.asarray(dx)[~np.asarray(first[..., 0])] == 0.0)
   assert np.abs(np.asarray(dx)[np.asarray(first[..., 0])]).max() > 0
 

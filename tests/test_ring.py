@@ -58,22 +58,12 @@ def mesh(p):
   return jax.make_mesh((p,), ("seq",), axis_types=(AUTO,), devices=jax.devices()[:p])
 
 
-def _with_grads(fn):
-  """`(q, k, v, cotangent) -> (fn(q, k, v), its gradients)`: both passes in one program (one
-  compile, not one per pass)."""
-  def both(q, k, v, cotangent):
-    result, vjp = jax.vjp(fn, q, k, v)
-    return result, vjp(cotangent)
-
-  return jax.jit(both)
-
-
 def _assert_ring_equals(ring, single, inputs):
   """`ring` and `single` (both `(q, k, v) -> (out, lse)`) agree on outputs, lse (-inf where a
   query sees nothing) and gradients."""
   q, k, v, dout, dlse = inputs
-  (out, lse), grads = _with_grads(single)(q, k, v, (dout, dlse))
-  (rout, rlse), rgrads = _with_grads(ring)(q, k, v, (dout, dlse))
+  (out, lse), grads = helpers.with_grads(single)(q, k, v, (dout, dlse))
+  (rout, rlse), rgrads = helpers.with_grads(ring)(q, k, v, (dout, dlse))
   np.testing.assert_allclose(rout, out, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(np.isneginf(rlse), np.isneginf(lse))
   finite = np.isfinite(np.asarray(lse))
@@ -92,7 +82,7 @@ def _assert_ring_matches_reference(ring, case, causal, inputs):
   """`ring` (`(q, k, v) -> (out, lse)`): outputs, lse and gradients against the reference;
   returns the ring's output."""
   q, k, v, dout, dlse = inputs
-  (out, lse), grads = _with_grads(ring)(q, k, v, (dout, dlse))
+  (out, lse), grads = helpers.with_grads(ring)(q, k, v, (dout, dlse))
   helpers.check_result(case, causal, jnp.float32, inputs, out, lse, grads)
   return out
 
