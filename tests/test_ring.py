@@ -173,9 +173,9 @@ def test_uncompacting_is_the_exact_transpose_of_compacting(heads, kv_heads):
 def test_zigzag_sub_rings_of_two_move_only_odd_chunks():
   """A causal sub-ring of 2 shards in zigzag order (chunks 0, 1 | 2, 3 -> 0, 3 | 1, 2)
   swaps only the odd chunks: one collective-permute for each of q, k, v and o (not two;
-  lse, unused, is not sent), besides the step's rotation of k and v. Collective-permutes that move nothing still
-  synchronise the devices (8K tokens a GPU, 4 x H200: LongNet causal forward 0.77 ms against
-  0.87)."""
+  lse, unused, is not sent), besides the step's rotation of k and v. A permute that moves
+  nothing still synchronises the devices (docs/performance.md, "LongNet at 8K tokens a GPU
+  on 4 x H200")."""
   found = _collectives(DilatedPattern((32,), (1,), causal=True))  # 16 tokens a shard
   assert {kind for _, kind in found} == {"collective-permute"}
   # q, k, v, o: half-shards of 8 rows; the rotation: whole shards of k and v.
