@@ -145,7 +145,7 @@ def main():
     pattern = pattern_for(name, n, args.causal)
     row = dict(kind=kind, pattern=name, causal=args.causal, pass_="fwdbwd" if backward else "fwd",
                n=n, p=p, ms=ms, tflops_per_gpu=tflops(pattern, n, args, backward, ms) / p,
-               eff_whole=base_ms / (p * ms) if base_ms else None,
+               one_gpu_ms=base_ms, eff_whole=base_ms / (p * ms) if base_ms else None,
                eff_steps=step_ms * p / ms if step_ms else None)
     rows.append(row)
     save()
@@ -157,7 +157,6 @@ def main():
   for name in args.patterns.split(","):
     for backward in [p == "fwdbwd" for p in args.passes.split(",")]:
       for t in [int(x) for x in args.per_gpu.split(",") if x]:
-        single = {}
         for p in devices:
           n = p * t
           ms = time_case(n, p, pattern_for(name, n, args.causal), args, backward)
@@ -165,7 +164,6 @@ def main():
           step = None
           if name == "full" and not args.causal and p > 1:
             step = time_case(t, 1, DilatedPattern((t,), (1,)), args, backward)
-          single[p] = ms
           record("weak", name, backward, n, p, ms, base, step)
       n = args.strong
       base = None
