@@ -298,11 +298,12 @@ def test_interpret_bfloat16_gradients_when_final():
   q, k, v, dout, _ = helpers.random_inputs(case, jnp.bfloat16, 0)
   pattern, scale = case.pattern(True), case.head_dim ** -0.5
   config = mosaic.Config(interpret=True, persistent=True)  # one launch a kernel: quicker
-  out, lse = mosaic.forward(q, k, v, pattern, scale, config=config)
+  out, lse = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, pattern, scale, config=config))(
+      q, k, v)
   delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1)
-  wide = mosaic.backward(q, k, v, dout, lse, delta, pattern, scale, config=config)
-  final = mosaic.backward(q, k, v, dout, lse, delta, pattern, scale, config=config,
-                          grad_dtype=jnp.bfloat16)
+  backward = lambda grad_dtype: jax.jit(lambda *rows: mosaic.backward(
+      *rows, pattern, scale, config=config, grad_dtype=grad_dtype))(q, k, v, dout, lse, delta)
+  wide, final = backward(None), backward(jnp.bfloat16)
   for w, f in zip(wide, final):
     assert w.dtype == jnp.float32 and f.dtype == jnp.bfloat16
     assert jnp.array_equal(w.astype(jnp.bfloat16), f)
