@@ -113,9 +113,12 @@ def main():
         one_args = inputs(n, args.heads, args.head_dim, dtype)
         ring = attention_fn(pattern, mesh, args.impl, backward, layers=args.layers)
         call = (lambda f: f) if backward else (lambda f: lambda q, k, v, do: f(q, k, v))
-        ring_ms = median_ms(call(ring), ring_args, args.runs)
+        # ms per layer, as ring_scaling.py reports them; the trace's breakdown is per program
+        # (all `--layers` calls).
+        ring_ms = median_ms(call(ring), ring_args, args.runs) / args.layers
         one_ms = median_ms(call(attention_fn(pattern, None, args.impl, backward,
-                                             layers=args.layers)), one_args, args.runs)
+                                             layers=args.layers)), one_args,
+                           args.runs) / args.layers
         events = trace(call(ring), ring_args, args.calls)
         if args.timeline:
           print_timeline(events, min(e["device"] for e in events))
