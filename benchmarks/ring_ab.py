@@ -3,14 +3,15 @@
 For each pattern, pass and tokens per GPU: one GPU doing the whole problem alone, the ring
 over all GPUs as the defaults run it ("default"), and the ring with the mosaic `Config`
 given by `--config` (e.g. `persistent=True`, the persistent programs ring steps ran before
-2026-11-27) or, with `--gather-limit BYTES`, the defaults with `ring.GATHER_LIMIT_BYTES` set
-to BYTES (0: whole rings rotate their keys instead of gathering them). Each round times every
+2026-11-27) or, with `--set NAME=VALUE`, the defaults with the ring module's setting NAME
+(`GATHER_LIMIT_BYTES`: 0, whole rings rotate their keys instead of gathering them;
+`SMALL_STEP_ROWS`: 0, no ring is small) set to VALUE. Each round times every
 variant once (10 calls back to back, 3 where one GPU takes over 50 ms a call), so that drifts
 between processes and over time hit them alike; medians over `--rounds`. Efficiency as in
 `ring_scaling.py`: `T_1 / (P T_P)`.
 
   python benchmarks/ring_ab.py --per-gpu 8192,32768 --config persistent=True --json ab.json
-  python benchmarks/ring_ab.py --per-gpu 8192,32768 --gather-limit 0 --json ab.json
+  python benchmarks/ring_ab.py --per-gpu 8192,32768 --set GATHER_LIMIT_BYTES=0 --json ab.json
 """
 
 from __future__ import annotations
@@ -35,14 +36,15 @@ def parse_config(text):
   return mosaic.Config(**{k: words[v] if v in words else int(v) for k, v in fields.items()})
 
 
-def with_gather_limit(fn, limit):
-  """`fn` run (so traced, on its first call) with `ring.GATHER_LIMIT_BYTES = limit`."""
+def with_setting(fn, name, value):
+  """`fn` run (so traced, on its first call) with the ring module's `name` set to `value`."""
   def call(*args):
-    saved, ring.GATHER_LIMIT_BYTES = ring.GATHER_LIMIT_BYTES, limit
+    saved = getattr(ring, name)
+    setattr(ring, name, value)
     try:
       return fn(*args)
     finally:
-      ring.GATHER_LIMIT_BYTES = saved
+      setattr(ring, name, saved)
   return call
 
 
@@ -55,13 +57,15 @@ def main():
   ap.add_argument("--heads", type=int, default=16)
   ap.add_argument("--head-dim", type=int, default=128)
   ap.add_argument("--config", default="persistent=True", help="the other variant's Config")
-  ap.add_argument("--gather-limit", type=int, default=None,
-                  help="the other variant: the defaults with ring.GATHER_LIMIT_BYTES = this")
+  ap.add_argument("--set", default=None, metavar="NAME=VALUE",
+                  help="the other variant: the defaults with the ring module's setting NAME "
+                       "(GATHER_LIMIT_BYTES, SMALL_STEP_ROWS) = VALUE (an int)")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
-  other = None if args.gather_limit is not None else parse_config(args.config)
-  label = args.config if other else f"gather limit {args.gather_limit}"
+  setting = None if args.set is None else args.set.split("=")
+  other = None if setting else parse_config(args.config)
+  label = args.config if other else args.set
   p = jax.device_count()
   mesh = jax.make_mesh((p,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
   result = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, devices=p,
@@ -79,7 +83,8 @@ def main():
                     "default": (attention_fn(pattern, mesh, None, backward), sharded),
                     label: (attention_fn(pattern, mesh, None, backward, other), sharded)}
         if other is None:
-          variants[label] = (with_gather_limit(variants[label][0], args.gather_limit), sharded)
+          variants[label] = (with_setting(variants[label][0], setting[0], int(setting[1])),
+                             sharded)
         for fn, x in variants.values():  # compile, warm up
           for _ in range(2):
             jax.block_until_ready(fn(*x))

@@ -15,7 +15,10 @@ Each branch `(w, r)` of the pattern runs in one of three ways, chosen on the hos
   the future are skipped, and the forward's shifts leave out the pairs nobody needs. A
   ring over the whole axis (non-causal, or causal in zigzag order) gathers its keys at once
   instead, where that fits in `GATHER_LIMIT_BYTES`: one all-gather, its steps as one backend
-  call (causal: a second for the diagonal);
+  call (causal: a second for the diagonal). A ring of small steps (fewer rows a shard than
+  `SMALL_STEP_ROWS`, compact rows counted) keeps natural order: over the whole axis it
+  gathers its keys, causal or not; in a sub-ring it computes its invisible steps and drops
+  them rather than branching around them;
 - gather (any other shape): the branch runs on all-gathered inputs (exact, not fast).
 
 Every step is a call to a single-device backend with the global `lse` (the kernel contract),
@@ -47,6 +50,16 @@ from .pattern import Branch, DilatedPattern, heads_per_kv
 GATHER_LIMIT_BYTES: int | None = None
 
 
+# A ring whose steps have fewer rows a shard than this (a compact ring: residue rows) is
+# small: causal, it keeps natural order instead of dealing half-shards out in zigzag order,
+# and over the whole axis gathers its keys at once (memory permitting, `GATHER_LIMIT_BYTES`).
+# Zigzag order balances the causal work over the devices, but costs a transfer of the
+# queries, outputs and (backward) their gradients each way, each a synchronisation of the
+# devices: more than the work it saves in a small step (docs/performance.md, "Small steps").
+# 0: no ring is small. Read when a call is traced.
+SMALL_STEP_ROWS: int = 4096
+
+
 def _gather_limit() -> int:
   """`GATHER_LIMIT_BYTES`, its default resolved for the default backend's devices."""
   if GATHER_LIMIT_BYTES is not None:
@@ -67,13 +80,14 @@ class _Plan:
   span: int = 1     # ring: shards per segment (a sub-ring)
   compact: bool = False  # ring: only each head's residue rows travel
   zigzag: bool = False   # ring, causal: half-shard chunks dealt out in zigzag order
+  small: bool = False    # ring: steps of fewer than SMALL_STEP_ROWS rows
 
   @property
-  def whole(self) -> bool:
-    """A ring over the whole axis, non-causal or in zigzag order: one that may gather its
-    keys at once."""
-    return (self.kind == "ring" and self.span == self.shards
-            and (self.zigzag or not self.branch.causal))
+  def gatherable(self) -> bool:
+    """A ring that may gather its keys at once (see `_gathers`): one over the whole axis,
+    non-causal, in zigzag order, or small (natural order)."""
+    return self.kind == "ring" and self.span == self.shards and (
+        self.zigzag or not self.branch.causal or self.small)
 
 
 def _plans(pattern: DilatedPattern, n: int, shards: int, num_heads: int, per_kv: int):
@@ -82,9 +96,11 @@ def _plans(pattern: DilatedPattern, n: int, shards: int, num_heads: int, per_kv:
       yield _Plan(br, "local", n, shards)
     elif br.w % n == 0 and n % br.r == 0:
       compact = br.per_head and per_kv < br.r
+      small = (n // br.r if compact else n) < SMALL_STEP_ROWS
       # Zigzag needs half-shards that keep whole residue classes: n / 2 (compact: n / 2r) rows.
-      zigzag = br.causal and (n // br.r % 2 == 0 if compact else (n // 2) % br.r == 0)
-      yield _Plan(br, "ring", n, shards, br.w // n, compact, zigzag and n % 2 == 0)
+      zigzag = br.causal and not small and (
+          n // br.r % 2 == 0 if compact else (n // 2) % br.r == 0)
+      yield _Plan(br, "ring", n, shards, br.w // n, compact, zigzag and n % 2 == 0, small)
     else:
       yield _Plan(br, "gather", n, shards)
 
@@ -283,12 +299,15 @@ def _visible(plan, causal, step, axis_name):
   return step <= place if causal else step < size
 
 
-def _if_visible(visible, compute, empty, operand):
+def _if_visible(plan, visible, compute, empty, operand):
   """`compute(operand)` where `visible`, else `empty()`; a `lax.cond` only where `visible` is
-  traced (on GPUs a conditional reads its predicate on the host, a wait for the device, which
-  keeps the next step's launches from running ahead)."""
+  traced and the plan's steps are not small (on GPUs a conditional reads its predicate on the
+  host, a wait for the device, which keeps the next step's launches from running ahead; a
+  small step is computed everywhere and selected)."""
   if visible is True:
     return compute(operand)
+  if plan.small:
+    return jax.tree.map(lambda a, b: jnp.where(visible, a, b), compute(operand), empty())
   return jax.lax.cond(visible, compute, lambda _: empty(), operand)
 
 
@@ -363,32 +382,34 @@ def _ring_forward(st, q, k, v, axis_name, ids=None):
   for step in range(1, plan.span):
     # Issued before the previous step's compute is consumed, so XLA overlaps the two.
     kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step, causal_forward=st.causal))
-    part = _if_visible(_visible(plan, st.causal, step, axis_name),
+    part = _if_visible(plan, _visible(plan, st.causal, step, axis_name),
                        lambda kv: st.forward(qs, *kv[:2], False, _pair(qi, kv)), zeros, kv)
     acc = _merge2(acc, part)
   return acc
 
 
 def _gathers(st, q, k) -> bool:
-  """Whether a ring branch gathers all its keys at once instead of rotating them: a ring
-  over the whole axis (non-causal, or causal in zigzag order) whose extra memory fits in
-  `GATHER_LIMIT_BYTES` (`st`: its `_RingBranch`, whose layout sizes the step's arrays from
-  the shard's `q`, `k`).
+  """Whether a ring branch gathers all its keys at once instead of rotating them: a
+  `gatherable` ring whose extra memory fits in `GATHER_LIMIT_BYTES` (`st`: its `_RingBranch`,
+  whose layout sizes the step's arrays from the shard's `q`, `k`).
 
   One all-gather moves the same bytes as the rotations, over every link at once and before
   any step; the steps then run as one backend call, the shards' key blocks folded into the
-  batch (causal: `2P - 1` blocks of half a shard, and the two diagonal ones in a second,
-  causal call). Its memory, per device and in the backward (the larger): `P` copies of the
-  queries, their cotangents and float32 gradients, the gathered keys and values and their
-  float32 gradients (zigzag: `P + 1/2` shards of query rows in the two calls, and `2P + 1/2`
-  of keys: the gathered ones, then each call's own)."""
-  if not st.plan.whole:
+  batch (causal: the own shard, or in zigzag order the two diagonal half-shards, in a second,
+  causal call). Its memory, per device and in the backward (the larger): a copy of the
+  queries, their cotangents and float32 gradients per block of the call, the gathered keys
+  and values and their float32 gradients (zigzag: `P + 1/2` shards of query rows in the two
+  calls, and `2P + 1/2` of keys: the gathered ones, then each call's own; causal in natural
+  order: `P` and `2P`)."""
+  plan = st.plan
+  if not plan.gatherable:
     return False
   qs, ks = (jax.eval_shape(f, jax.ShapeDtypeStruct(x.shape, x.dtype))
             for f, x in ((st.query, q), (st.key, k)))
   item = jnp.dtype(qs.dtype).itemsize
-  p = st.plan.shards
-  rows, keys = (p + 0.5, 2 * p + 0.5) if st.plan.zigzag else (p, p)
+  p = plan.shards
+  rows, keys = ((p + 0.5, 2 * p + 0.5) if plan.zigzag else
+                (p, 2 * p) if st.causal else (p, p))
   need = rows * qs.size * (2 * item + 4) + keys * 2 * ks.size * (item + 4)
   return need <= _gather_limit()
 
@@ -411,24 +432,46 @@ def _repeat_rows(x, shards):
 
 
 def _gathered_forward(st, qs, qi, kv, axis_name):
-  """`_ring_forward` of a branch that `_gathers`: one all-gather, one call, one merge."""
-  shards = st.plan.shards
-  kv = tuple(_fold(_gathered_blocks(x, axis_name, shards)) for x in kv)
-  o, lse = st.forward(_repeat_rows(qs, shards), *kv[:2], False,
-                      _pair(_repeat_rows(qi, shards), kv))
-  o, lse = (x.reshape(qs.shape[0], shards, *x.shape[1:]) for x in (o, lse))
-  return merge([o[:, i] for i in range(shards)], [lse[:, i] for i in range(shards)])
+  """`_ring_forward` of a branch that `_gathers` in natural order: one all-gather, one
+  non-causal call for the shards' keys folded into the batch (causal: the `P - 1` first, those
+  before this one visible, and a second, causal call for the own shard's), one merge."""
+  b, shards = qs.shape[0], st.plan.shards
+  m = shards - 1 if st.causal else shards
+  blocks = tuple(_fold(_gathered_blocks(x, axis_name, shards)[:, :m]) for x in kv)
+  o, lse = st.forward(_repeat_rows(qs, m), *blocks[:2], False,
+                      _pair(_repeat_rows(qi, m), blocks))
+  o, lse = (x.reshape(b, m, *x.shape[1:]) for x in (o, lse))
+  outs, lses = [o[:, t] for t in range(m)], [lse[:, t] for t in range(m)]
+  if st.causal:
+    me = jax.lax.axis_index(axis_name)
+    lses = [jnp.where(t < me, x, -jnp.inf) for t, x in enumerate(lses)]
+    own = st.forward(qs, *kv[:2], True, _pair(qi, kv))
+    outs, lses = outs + [own[0]], lses + [own[1]]
+  return merge(outs, lses)
 
 
 def _gathered_backward(st, rows, qi, kv, axis_name):
-  """`_ring_backward` of a branch that `_gathers`: dk and dv go home by reduce-scatter."""
-  shards = st.plan.shards
-  kv = tuple(_fold(_gathered_blocks(x, axis_name, shards)) for x in kv)
-  rep = [_repeat_rows(x, shards) for x in rows]
-  dq, dk, dv = st.backward(rep[0], *kv[:2], *rep[1:], False, _pair(_repeat_rows(qi, shards), kv))
-  dq = jnp.sum(dq.reshape(rows[0].shape[0], shards, *dq.shape[1:]), axis=1)
-  home = lambda g: jax.lax.psum_scatter(g.reshape(rows[0].shape[0], -1, *g.shape[2:]),
-                                        axis_name, scatter_dimension=1, tiled=True)
+  """The backward of `_gathered_forward`: the same calls; dk and dv of every shard go home
+  by one reduce-scatter."""
+  b, shards = rows[0].shape[0], st.plan.shards
+  m = shards - 1 if st.causal else shards
+  blocks = tuple(_fold(_gathered_blocks(x, axis_name, shards)[:, :m]) for x in kv)
+  rep = [_repeat_rows(x, m) for x in rows]
+  grads = st.backward(rep[0], *blocks[:2], *rep[1:], False, _pair(_repeat_rows(qi, m), blocks))
+  dq, dk, dv = (x.reshape(b, m, *x.shape[1:]) for x in grads)
+  if st.causal:  # the visible blocks' gradients, then the own shard's added to its block
+    me = jax.lax.axis_index(axis_name)
+    keep = lambda x: jnp.where((jnp.arange(m) < me).reshape((1, m) + (1,) * (x.ndim - 2)),
+                               x, 0.0)
+    own = st.backward(rows[0], *kv[:2], *rows[1:], True, _pair(qi, kv))
+    with_own = lambda x, d: jnp.concatenate([keep(x), jnp.zeros_like(x[:, :1])], axis=1).at[
+        :, me].add(d)
+    dq = jnp.sum(keep(dq), axis=1) + own[0]
+    dk, dv = with_own(dk, own[1]), with_own(dv, own[2])
+  else:
+    dq = jnp.sum(dq, axis=1)
+  home = lambda g: jax.lax.psum_scatter(g.reshape(b, -1, *g.shape[3:]), axis_name,
+                                        scatter_dimension=1, tiled=True)
   return dq, home(dk), home(dv)
 
 
@@ -567,7 +610,7 @@ def _ring_backward(st, q, k, v, dout, lse, delta, axis_name, ids=None):
                                      rows[0])
 
   def step_grads(kv, step):
-    return _if_visible(_visible(plan, st.causal, step, axis_name),
+    return _if_visible(plan, _visible(plan, st.causal, step, axis_name),
                        lambda kv: st.backward(rows[0], *kv[:2], *rows[1:], False,
                                               _pair(qi, kv)), zeros, kv)
 
@@ -795,17 +838,17 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   names = backends.candidates(implementation)
   backends.check_config(config)
   fn = _sharded(pattern, mesh, axis_name, batch_axes or None, scale, names, config,
-                segment_ids is not None, _gather_limit())
+                segment_ids is not None, (_gather_limit(), SMALL_STEP_ROWS))
   out, lse = fn(q, k, v) if segment_ids is None else fn(q, k, v, segment_ids)
   return (out, lse) if return_lse else out
 
 
 @functools.lru_cache(maxsize=64)
-def _sharded(pattern, mesh, axis_name, batch_axes, scale, names, config, packed, gather_limit):
+def _sharded(pattern, mesh, axis_name, batch_axes, scale, names, config, packed, settings):
   """The jitted shard_map of one configuration (cached: eager calls reuse its compilation);
-  `packed`: it takes segment ids, `(q, k, v, segment_ids)`; `gather_limit`: the gather
-  limit (`_gather_limit`) it was traced with."""
-  del gather_limit  # a key of the cache only
+  `packed`: it takes segment ids, `(q, k, v, segment_ids)`; `settings`: the module settings
+  it was traced with (`_gather_limit()`, `SMALL_STEP_ROWS`)."""
+  del settings  # a key of the cache only
   spec = jax.P(batch_axes, axis_name)
   explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
   inner = lambda q, k, v, *ids: ring_dilated_attention(

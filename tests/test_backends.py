@@ -403,7 +403,7 @@ def test_supports_declines_without_tracing(monkeypatch):
 def test_ring_traces_each_step_once(monkeypatch):
   """A ring pass traces each branch's step calls only, never a probe: resolving a step's
   backend asks `supports`, it does not trace (3 branches, 4 shards: one local, two spanning
-  ones with causal zigzag steps, the whole one gathered)."""
+  ones with small causal steps in natural order, the whole one gathered)."""
   traces = {"forward": 0, "backward": 0}
   for name in traces:
     original = getattr(xla, name)
@@ -420,12 +420,12 @@ def test_ring_traces_each_step_once(monkeypatch):
   loss = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh,
                                                    axis_name="seq").sum()
   jax.jit(loss).trace(x, x, x)
-  # local: 1 call; g = 2 zigzag ring: 3 + 2 per extra step; g = 4, a whole zigzag ring
-  # gathered at once: 2 (rotating, 3 + 3 x 3).
-  assert traces == {"forward": 8, "backward": 0}
+  # local: 1 call; g = 2 ring: 1 + 1 per extra step; g = 4, a whole ring gathered at once:
+  # 2 (the other shards' keys, then the own shard's).
+  assert traces == {"forward": 5, "backward": 0}
   traces.update(forward=0)
   jax.jit(jax.grad(loss)).trace(x, x, x)
-  assert traces == {"forward": 8, "backward": 8}
+  assert traces == {"forward": 5, "backward": 5}
 
 
 def test_configs_are_validated_keyword_only_and_routed():

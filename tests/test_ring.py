@@ -43,15 +43,16 @@ CASES = {
 
 
 def test_cases_cover_every_plan():
-  """The cases above exercise each way a branch can run (see ring.py's module docstring)."""
+  """The cases above exercise each way a branch can run (see ring.py's module docstring):
+  their shards are small, so are their rings (natural order)."""
   kinds = set()
   for p, n, h, hkv, pattern in CASES.values():
     for plan in _plans(pattern, n // p, p, h, h // hkv):
-      kinds.add((plan.kind, plan.compact, plan.zigzag, plan.shards % plan.span != 0))
+      kinds.add((plan.kind, plan.compact, plan.shards % plan.span != 0, plan.gatherable))
   assert {("local", False, False, False), ("gather", False, False, False),
+          ("ring", True, False, False), ("ring", False, False, False),
           ("ring", True, True, False), ("ring", False, True, False),
-          ("ring", False, False, False), ("ring", True, True, True),
-          ("ring", False, True, True), ("ring", True, False, True)} <= kinds, kinds
+          ("ring", True, False, True), ("ring", False, False, True)} <= kinds, kinds
 
 
 def mesh(p):
@@ -170,17 +171,27 @@ def test_uncompacting_is_the_exact_transpose_of_compacting(heads, kv_heads):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_zigzag_sub_rings_of_two_move_only_odd_chunks():
+def test_zigzag_sub_rings_of_two_move_only_odd_chunks(monkeypatch):
   """A causal sub-ring of 2 shards in zigzag order (chunks 0, 1 | 2, 3 -> 0, 3 | 1, 2)
   swaps only the odd chunks: one collective-permute for each of q, k, v and o (not two;
   lse, unused, is not sent), besides the step's rotation of k and v. A permute that moves
   nothing still synchronises the devices (docs/performance.md, "LongNet at 8K tokens a GPU
   on 4 x H200")."""
+  monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)  # 16 rows a shard: zigzag order
   found = _collectives(DilatedPattern((32,), (1,), causal=True))  # 16 tokens a shard
   assert {kind for _, kind in found} == {"collective-permute"}
   # q, k, v, o: half-shards of 8 rows; the rotation: whole shards of k and v.
   assert sorted(re.sub(r"\{.*\}", "", shape) for shape, _ in found) == sorted(
       ["f32[1,8,2,16]"] * 4 + ["f32[1,16,2,16]"] * 2)
+
+
+def test_small_causal_rings_move_only_keys():
+  """Small causal rings keep natural order (`SMALL_STEP_ROWS`): no queries or outputs
+  travel. A sub-ring of 2 shards shifts k and v once (one collective-permute each, to the
+  later shard only); a ring over the whole axis gathers them (one all-gather each)."""
+  found = _collectives(DilatedPattern((32, 64), (1, 1), causal=True))  # 16 tokens a shard
+  assert sorted((re.sub(r"\{.*\}", "", shape), kind) for shape, kind in found) == sorted(
+      [("f32[1,16,2,16]", "collective-permute")] * 2 + [("f32[1,64,2,16]", "all-gather")] * 2)
 
 
 @pytest.mark.parametrize("rotate", [False, True])
@@ -249,8 +260,8 @@ def test_each_step_takes_the_first_backend_that_runs_it(monkeypatch):
   load = base.load
   for module in (base, backends):
     monkeypatch.setattr(module, "load", lambda name: picky if name == "triton" else load(name))
-  # 512 tokens a shard: 512/1 local (the picky backend), 2048/2 a compact zigzag ring of
-  # half-shard steps of 128 residue rows (declined: "xla").
+  # 512 tokens a shard: 512/1 local (the picky backend), 2048/2 a compact ring of steps of
+  # 256 residue rows (declined: "xla").
   pattern = DilatedPattern((512, 2048), (1, 2), causal=True)
   case = helpers.Case(2048, 2, 2, pattern.segment_lengths, pattern.dilation_rates, head_dim=8)
   q, k, v, *_ = inputs = helpers.random_inputs(case, jnp.float32, 24)
@@ -353,12 +364,16 @@ def _random_ring_configs(count, seed):
     # branches (3 above), causal or not, both offsets, MQA and GQA, head dims 64 and 128.
     *_random_ring_configs(6, 5),
 ])
+@pytest.mark.parametrize("order", ["natural", "zigzag"])
 def test_mosaic_runs_every_ring_step_it_runs_on_one_device(monkeypatch, pattern, shards,
-                                                           q_shape, hkv):
+                                                           q_shape, hkv, order):
   """Wherever the mosaic kernels' geometry takes the whole problem on one device, it takes
   every step the ring makes of it (zigzag half-shards and compact residue rows included,
-  partial row blocks in one-segment steps), forward and backward: no refusal on a mesh."""
+  partial row blocks in one-segment steps), forward and backward: no refusal on a mesh.
+  The shards here are small (natural order); "zigzag": no ring is small."""
   from hilbert_ring_jax.backends import mosaic  # pylint: disable=g-import-not-at-top
+  if order == "zigzag":
+    monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)
   b, n, h, d = q_shape
   config = mosaic.Config().resolved(d)
   assert mosaic.geometry_problem(pattern, n, h, hkv, None, config, b) is None
@@ -523,29 +538,36 @@ def test_ring_random_configurations_on_gpus_mosaic_only(index):
 # Shard sizes users run: >= 1024 keys per device, so every step walks several key blocks
 # ("xla": 512 keys a block by default; the cases marked 128 ask for blocks of 128 so that
 # short compact and zigzag steps walk several too). Heads and head dims stay small for CI,
-# and each case adds a plan kind or a mesh the others lack.
+# and each case adds a plan kind or a mesh the others lack. Their steps are small, so their
+# causal rings keep natural order; a name ending in "_zigzag" runs its case with no ring small
+# (`SMALL_STEP_ROWS = 0`: zigzag order, as causal rings of 4096 rows a shard and more run).
 # (data, seq, tokens per device, H, Hkv, pattern over N = seq x tokens, key block or None)
 REALISTIC = {
     # Ring attention itself, on 4 devices (8 did 4x the work through the same code; rings of 8
     # shards: SMALL's spanning_all_gqa, and 8 devices in data2_seq4_causal).
     "full": (1, 4, 1024, 2, 1, lambda n: DilatedPattern((n,), (1,)), None),
-    # Compact zigzag sub-rings of two shards, two key blocks a half-shard step (a compact zigzag
-    # ring over all shards, 4096 / 4 here before: the user's shard_map case, 8192 / 4).
+    # Compact sub-rings of two shards (zigzag: two key blocks a half-shard step; a compact ring
+    # over all shards, 4096 / 4 here before: the user's shard_map case, 8192 / 4).
     "longnet_causal": (1, 4, 1024, 2, 2, lambda n: DilatedPattern(
         (1024, 2048), (1, 2), causal=True), 128),
     "longnet_gqa": (1, 4, 1024, 4, 2, lambda n: DilatedPattern(
         (1024, 2048, 4096), (1, 2, 4)), None),
     "gather": (1, 4, 1024, 2, 1, lambda n: DilatedPattern((512, 1536), (1, 3), causal=True),
                None),
-    "partial_sub_rings_no_zigzag": (1, 4, 1200, 1, 1, lambda n: DilatedPattern(
+    "partial_sub_rings_r16": (1, 4, 1200, 1, 1, lambda n: DilatedPattern(
         (3600,), (16,), causal=True, offsets="all"), 128),
-    # A zigzag sub-ring of two shards (2048 / 1) beside a whole zigzag ring, gathered (4096 / 2).
+    # A sub-ring of two shards (2048 / 1) beside a whole ring, gathered (4096 / 2).
     "data2_seq4_causal": (2, 4, 1024, 2, 1, lambda n: DilatedPattern(
         (1024, 2048, 4096), (1, 1, 2), causal=True), None),
 }
 
 
-def _realistic(name):
+def _realistic(name, monkeypatch=None):
+  """`(case, pattern, mesh, config)` of a REALISTIC name (with "_zigzag": no ring small, the
+  setting patched for the test)."""
+  if name.endswith("_zigzag"):
+    name = name[:-len("_zigzag")]
+    monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)
   data, seq, per, h, hkv, make, key_block = REALISTIC[name]
   n = seq * per
   pattern = make(n)
@@ -558,38 +580,51 @@ def _realistic(name):
   return case, pattern, m, config
 
 
-def test_realistic_cases_cover_every_plan():
-  kinds = set()
-  for name in REALISTIC:
-    case, pattern, m, _ = _realistic(name)
-    seq = m.shape["seq"]
-    for plan in _plans(pattern, case.n // seq, seq, case.heads, case.heads // case.kv_heads):
-      kinds.add((plan.kind, plan.compact, plan.zigzag, plan.shards % plan.span != 0,
-                 plan.whole))
-  assert {("local", False, False, False, False), ("gather", False, False, False, False),
-          ("ring", True, True, False, False), ("ring", False, True, False, False),
-          ("ring", False, True, False, True), ("ring", False, False, False, False),
-          ("ring", True, False, False, True),
-          ("ring", False, False, False, True), ("ring", False, False, True, False)} <= kinds, \
-      kinds
+# The names the tests below run, on the ring alone and packed.
+RUN = [*(name for name in REALISTIC if name != "longnet_causal"), "data2_seq4_causal_zigzag"]
+RUN_PACKED = ["longnet_causal_zigzag", "longnet_gqa", "gather", "partial_sub_rings_r16",
+              "data2_seq4_causal", "data2_seq4_causal_zigzag"]
 
 
-# On the oldest JAX too: the plain ring and data x sequence with zigzag (the compact zigzag
-# ring meets it in the user's shard_map below). "longnet_causal" runs packed below; without
-# ids its compact zigzag ring runs in the user's shard_map (2048 keys a shard, blocks of 128).
+def test_realistic_cases_cover_every_plan(monkeypatch):
+  """(kind, compact, zigzag, partial sub-rings, gathered whole, causal): every plan runs, and
+  every causal one packed too."""
+  kinds = {False: set(), True: set()}
+  for packed, names in ((False, RUN), (True, RUN_PACKED)):
+    for name in names:
+      with monkeypatch.context() as patch:
+        case, pattern, m, _ = _realistic(name, patch)
+        seq = m.shape["seq"]
+        for plan in _plans(pattern, case.n // seq, seq, case.heads, case.heads // case.kv_heads):
+          kinds[packed].add((plan.kind, plan.compact, plan.zigzag, plan.shards % plan.span != 0,
+                             plan.gatherable, plan.branch.causal))
+  want = {("local", False, False, False, False, True), ("gather", False, False, False, False, True),
+          ("ring", True, True, False, False, True), ("ring", False, True, False, False, True),
+          ("ring", False, True, False, True, True), ("ring", False, False, False, True, False),
+          ("ring", False, False, False, False, True), ("ring", False, False, False, True, True),
+          ("ring", False, False, True, False, True)}
+  assert want <= kinds[False] | kinds[True], want - kinds[False] - kinds[True]
+  causal = {kind for kind in want if kind[-1]}
+  assert causal <= kinds[True], causal - kinds[True]  # every causal plan packed
+
+
+# On the oldest JAX too: the plain ring and data x sequence, causal in natural and zigzag
+# order (a compact ring meets it in the user's shard_map below). "longnet_causal" runs packed
+# below (zigzag); without ids a compact causal ring runs in the user's shard_map (2048 keys a
+# shard, blocks of 128).
 @pytest.mark.parametrize("name", [pytest.param(name, marks=OLD_JAX) if name in (
-    "full", "data2_seq4_causal") else name for name in REALISTIC if name != "longnet_causal"]
+    "full", "data2_seq4_causal", "data2_seq4_causal_zigzag") else name for name in RUN]
     + ["full_rotating"])
 def test_ring_at_realistic_shard_sizes(monkeypatch, name):
   """Forward, lse and gradients of the ring equal one device's, every plan kind, data x
   sequence meshes included (the scans over key blocks meet mesh-varying data here); the
-  whole rings gathered ("full", "longnet_gqa"; causal in zigzag order: "data2_seq4_causal")
-  and rotated ("full_rotating")."""
+  whole rings gathered ("full", "longnet_gqa"; causal: "data2_seq4_causal", in natural and
+  zigzag order) and rotated ("full_rotating")."""
   rotating = name == "full_rotating"
   if rotating:
     monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
     name = "full"
-  case, pattern, m, config = _realistic(name)
+  case, pattern, m, config = _realistic(name, monkeypatch)
   inputs = helpers.random_inputs(case, jnp.float32, 21)
   batch_axis = "data" if "data" in m.shape else None
   ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
@@ -597,7 +632,7 @@ def test_ring_at_realistic_shard_sizes(monkeypatch, name):
       config=config))
   single = jax.jit(lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True))
   _assert_ring_equals(ring, single, inputs)
-  if name in ("full", "data2_seq4_causal"):  # a whole ring's keys gathered, or rotating
+  if name.startswith(("full", "data2_seq4_causal")):  # a whole ring's keys gathered, or rotating
     assert ("all_gather" in str(jax.make_jaxpr(ring)(*inputs[:3]))) != rotating
 
 
@@ -609,13 +644,12 @@ def _documents(batch, n, seed):
                      jnp.int32)
 
 
-@pytest.mark.parametrize("name", ["longnet_causal", "longnet_gqa", "gather",
-                                  "partial_sub_rings_no_zigzag", "data2_seq4_causal"])
-def test_packed_ring_at_realistic_shard_sizes(name):
+@pytest.mark.parametrize("name", RUN_PACKED)
+def test_packed_ring_at_realistic_shard_sizes(monkeypatch, name):
   """Packed sequences on the ring (the keys' document ids travel with them, or are gathered
-  with them) equal one device's packed call: compact and zigzag rings, a whole ring gathered
-  at once, gather, partial sub-rings, data x seq."""
-  case, pattern, m, config = _realistic(name)
+  with them) equal one device's packed call: compact and zigzag rings, rings in natural
+  order, a whole ring gathered at once, gather, partial sub-rings, data x seq."""
+  case, pattern, m, config = _realistic(name, monkeypatch)
   inputs = helpers.random_inputs(case, jnp.float32, 24)
   ids = _documents(case.batch, case.n, 25)
   batch_axis = "data" if "data" in m.shape else None
@@ -630,8 +664,9 @@ def test_packed_ring_at_realistic_shard_sizes(name):
 @OLD_JAX
 def test_ring_inside_user_shard_map_at_2048_keys_per_shard():
   """The inner entry in the caller's own shard_map, at a shard size users run, gradients
-  through the caller's jit too: a compact zigzag ring whose half-shard steps walk two key
-  blocks of 128 (the local branch sixteen), outputs, lse and gradients."""
+  through the caller's jit too: a compact causal ring over the whole axis, gathered in
+  natural order, whose steps walk four key blocks of 128 (the local branch sixteen),
+  outputs, lse and gradients."""
   pattern = DilatedPattern((2048, 8192), (1, 4), causal=True)
   case = helpers.Case(8192, 2, 2, pattern.segment_lengths, pattern.dilation_rates, head_dim=8)
   spec, config = jax.P(None, "seq"), xla.Config(key_block=128)
