@@ -22,8 +22,9 @@ Each branch `(w, r)` of the pattern runs in one of three ways, chosen on the hos
 - gather (any other shape): the branch runs on all-gathered inputs (exact, not fast).
 
 Every step is a call to a single-device backend with the global `lse` (the kernel contract),
-combined with the one `merge`; the backward rotates `(k, v, dk, dv)` together (a gathered
-ring reduce-scatters dk and dv) and keeps `dq` local, so gradients are exact.
+combined with the one `merge`; the backward moves k, v as the forward does and sends each
+step's dk, dv straight back to the keys' device (a gathered ring reduce-scatters dk and dv),
+keeping `dq` local, so gradients are exact.
 """
 
 from __future__ import annotations
@@ -576,21 +577,33 @@ def _zigzag_forward(st, qs, qi, kv, axis_name):
           _to_zigzag(lse, plan, axis_name, inverse=True))
 
 
-def _backward_steps(plan, kv, grads, step_grads, axis_name):
-  """Steps 1..g-1 of a ring backward, then one more hop.
+def _returns(plan, hop, shift):
+  """`ppermute` pairs sending what each device computed against the keys it holds after
+  `hop` hops (`_rotation`; `shift`: its causal forward's shifts) to the keys' own device."""
+  pairs = []
+  for base in range(0, plan.shards, plan.span):
+    size = min(plan.span, plan.shards - base)
+    for j in range(size):
+      if shift and j >= hop:
+        pairs.append((base + j, base + j - hop))
+      elif not shift and hop < size:
+        pairs.append((base + j, base + (j - hop) % size))
+  return pairs
 
-  Keys and values travel with the dk, dv they accumulate, which are home again after g hops;
-  dq stays. `step_grads(kv, step)` gives a step's `(dq, dk, dv)` contributions.
-  """
+
+def _backward_steps(plan, kv, grads, step_grads, axis_name, shift=False):
+  """Steps 1..g-1 of a ring backward.
+
+  Keys and values travel as in the forward (`shift`: a causal forward's shifts, which
+  deliver keys only where they are visible); each step's dk, dv go straight back to the keys'
+  own device, while the next step runs; dq stays. `step_grads(kv, step)` gives a step's
+  `(dq, dk, dv)` contributions."""
   dq, dk, dv = grads
-  for step in range(1, plan.span + 1):
-    perm = _rotation(plan, step)
-    if step < plan.span:
-      kv = jax.lax.ppermute(kv, axis_name, perm)
-    dk, dv = jax.lax.ppermute((dk, dv), axis_name, perm)
-    if step < plan.span:
-      part = step_grads(kv, step)
-      dq, dk, dv = dq + part[0], dk + part[1], dv + part[2]
+  for step in range(1, plan.span):
+    kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step, causal_forward=shift))
+    part = step_grads(kv, step)
+    back = jax.lax.ppermute(part[1:], axis_name, _returns(plan, step, shift))
+    dq, dk, dv = dq + part[0], dk + back[0], dv + back[1]
   return dq, dk, dv
 
 
@@ -614,7 +627,7 @@ def _ring_backward(st, q, k, v, dout, lse, delta, axis_name, ids=None):
                        lambda kv: st.backward(rows[0], *kv[:2], *rows[1:], False,
                                               _pair(qi, kv)), zeros, kv)
 
-  return _backward_steps(plan, kv, grads, step_grads, axis_name)
+  return _backward_steps(plan, kv, grads, step_grads, axis_name, shift=st.causal)
 
 
 def _zigzag_backward(st, rows, kv, axis_name):

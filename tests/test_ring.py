@@ -194,6 +194,25 @@ def test_small_causal_rings_move_only_keys():
       [("f32[1,16,2,16]", "collective-permute")] * 2 + [("f32[1,64,2,16]", "all-gather")] * 2)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_backward_sends_each_steps_key_gradients_home_once(monkeypatch, causal):
+  """A rotating ring's backward moves k, v as its forward does and sends each step's dk, dv
+  straight back to the keys' device: in sub-rings of 2 shards, one permute of the pair each
+  (accumulators travelling with the keys took two hops). Causal: k, v go to the later shard
+  only, and dk, dv come back from it only."""
+  moves, permute = [], jax.lax.ppermute
+  monkeypatch.setattr(jax.lax, "ppermute", lambda x, axis_name, perm: (
+      moves.append((len(jax.tree.leaves(x)), sorted(perm))), permute(x, axis_name, perm))[1])
+  pattern = DilatedPattern((32,), (1,), causal=causal)  # 16 tokens a shard: sub-rings of 2
+  spec, x = jax.P(None, "seq"), jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
+  f = jax.shard_map(lambda q, k, v: ring_dilated_attention(q, k, v, pattern, axis_name="seq"),
+                    mesh=mesh(4), in_specs=(spec,) * 3, out_specs=spec)
+  jax.eval_shape(jax.grad(lambda *a: f(*a).sum(), (0, 1, 2)), x, x, x)
+  there = [(0, 1), (2, 3)] if causal else [(0, 1), (1, 0), (2, 3), (3, 2)]
+  back = [(1, 0), (3, 2)] if causal else there
+  assert moves == [(2, there), (2, there), (2, back)], moves  # forward; backward: k, v, dk, dv
+
+
 @pytest.mark.parametrize("rotate", [False, True])
 def test_spanning_branches_send_only_dilated_rows(monkeypatch, rotate):
   """A non-causal ring over the whole axis gathers its keys at once (`GATHER_LIMIT_BYTES`
