@@ -36,6 +36,11 @@ def parse_config(text):
   return mosaic.Config(**{k: words[v] if v in words else int(v) for k, v in fields.items()})
 
 
+# The ring's settings, read when a call is traced and part of the key its compiled programs are
+# cached under (a setting outside that key would leave both variants one program).
+SETTINGS = ("GATHER_LIMIT_BYTES", "SMALL_STEP_ROWS")
+
+
 def with_setting(fn, name, value):
   """`fn` run (so traced, on its first call) with the ring module's `name` set to `value`."""
   def call(*args):
@@ -59,11 +64,13 @@ def main():
   ap.add_argument("--config", default="persistent=True", help="the other variant's Config")
   ap.add_argument("--set", default=None, metavar="NAME=VALUE",
                   help="the other variant: the defaults with the ring module's setting NAME "
-                       "(GATHER_LIMIT_BYTES, SMALL_STEP_ROWS) = VALUE (an int)")
+                       f"({', '.join(SETTINGS)}) = VALUE (an int)")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
-  setting = None if args.set is None else args.set.split("=")
+  setting = None if args.set is None else args.set.split("=", 1)
+  if setting and (len(setting) != 2 or setting[0] not in SETTINGS):
+    ap.error(f"--set takes NAME=VALUE with NAME one of {SETTINGS}, got {args.set!r}")
   other = None if setting else parse_config(args.config)
   label = args.config if other else args.set
   p = jax.device_count()

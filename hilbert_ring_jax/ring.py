@@ -12,13 +12,13 @@ Each branch `(w, r)` of the pattern runs in one of three ways, chosen on the hos
   segment; the step against the own shard is the branch itself. With `offsets="head"`
   (and fewer query heads per key/value head than `r`), only each head's residue rows, `1/r`
   of the keys and values, are compacted and sent. For causal patterns, steps whose keys lie in
-  the future are skipped, and the forward's shifts leave out the pairs nobody needs. A
+  the future are skipped, and the shifts leave out the pairs nobody needs. A
   ring over the whole axis (non-causal, or causal in zigzag order) gathers its keys at once
   instead, where that fits in `GATHER_LIMIT_BYTES`: one all-gather, its steps as one backend
   call (causal: a second for the diagonal). A ring of small steps (fewer rows a shard than
   `SMALL_STEP_ROWS`, compact rows counted) keeps natural order: over the whole axis it
-  gathers its keys, causal or not; in a sub-ring it computes its invisible steps and drops
-  them rather than branching around them;
+  gathers its keys, causal or not; rotating, it computes its invisible steps and drops them
+  rather than branching around them;
 - gather (any other shape): the branch runs on all-gathered inputs (exact, not fast).
 
 Every step is a call to a single-device backend with the global `lse` (the kernel contract),
@@ -44,8 +44,8 @@ from .merge import merge
 from .pattern import Branch, DilatedPattern, heads_per_kv
 
 
-# A ring over the whole axis (non-causal, or zigzag) gathers its keys at once (one all-gather)
-# when that takes at most this much extra memory per device (see `_gathers`); None: 6 GiB,
+# A ring over the whole axis (non-causal, causal in zigzag order, or small: see
+# `SMALL_STEP_ROWS`) gathers its keys at once (one all-gather) when that takes at most this much extra memory per device (see `_gathers`); None: 6 GiB,
 # or an eighth of a device's memory where that is less; 0: rotate keys step by step. Read
 # when a call is traced.
 GATHER_LIMIT_BYTES: int | None = None
@@ -106,23 +106,23 @@ def _plans(pattern: DilatedPattern, n: int, shards: int, num_heads: int, per_kv:
       yield _Plan(br, "gather", n, shards)
 
 
-def _rotation(plan: _Plan, hop: int, causal_forward: bool = False):
+def _rotation(plan: _Plan, hop: int, shift: bool = False):
   """`ppermute` pairs moving buffers one place on in every sub-ring, for step `hop`.
 
-  A sub-ring of `size` devices (the last may be short) rotates for its first `size` hops, so
-  buffers are home after `size` hops, and holds still afterwards. A causal forward only
-  shifts, without wrapping: a device only needs keys from earlier shards, so the pairs that
-  would deliver later ones are left out.
+  A sub-ring of `size` devices (the last may be short) rotates for its first `size - 1`
+  hops and holds still afterwards (its later steps see nothing new). `shift` (causal rings
+  outside zigzag order): without wrapping; a device only needs keys from earlier shards, so
+  the pairs that would deliver later ones are left out.
   """
   pairs = []
   for base in range(0, plan.shards, plan.span):
     size = min(plan.span, plan.shards - base)
     for j in range(size):
-      if causal_forward:
+      if shift:
         if j >= max(hop, 1):
           pairs.append((base + j - 1, base + j))
       else:
-        pairs.append((base + j, base + ((j + 1) % size if hop <= size else j)))
+        pairs.append((base + j, base + ((j + 1) % size if hop < size else j)))
   return pairs
 
 
@@ -382,7 +382,7 @@ def _ring_forward(st, q, k, v, axis_name, ids=None):
                                       jnp.full(acc[1].shape, -jnp.inf, acc[1].dtype)), qs)
   for step in range(1, plan.span):
     # Issued before the previous step's compute is consumed, so XLA overlaps the two.
-    kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step, causal_forward=st.causal))
+    kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step, shift=st.causal))
     part = _if_visible(plan, _visible(plan, st.causal, step, axis_name),
                        lambda kv: st.forward(qs, *kv[:2], False, _pair(qi, kv)), zeros, kv)
     acc = _merge2(acc, part)
@@ -427,9 +427,9 @@ def _fold(x):
   return x.reshape(-1, *x.shape[2:])
 
 
-def _repeat_rows(x, shards):
-  """`[B, n, ...]` -> `[B P, n, ...]`: each batch row once per shard's block."""
-  return None if x is None else jnp.repeat(x, shards, axis=0)
+def _repeat_rows(x, count):
+  """`[B, n, ...]` -> `[B count, n, ...]`: each batch row once per key block of a call."""
+  return None if x is None else jnp.repeat(x, count, axis=0)
 
 
 def _gathered_forward(st, qs, qi, kv, axis_name):
@@ -600,7 +600,7 @@ def _backward_steps(plan, kv, grads, step_grads, axis_name, shift=False):
   `(dq, dk, dv)` contributions."""
   dq, dk, dv = grads
   for step in range(1, plan.span):
-    kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step, causal_forward=shift))
+    kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step, shift))
     part = step_grads(kv, step)
     back = jax.lax.ppermute(part[1:], axis_name, _returns(plan, step, shift))
     dq, dk, dv = dq + part[0], dk + back[0], dv + back[1]
@@ -631,7 +631,8 @@ def _ring_backward(st, q, k, v, dout, lse, delta, axis_name, ids=None):
 
 
 def _zigzag_backward(st, rows, kv, axis_name):
-  """The backward of `_zigzag_forward`: the same blocks; dk, dv travel home in zigzag order.
+  """The backward of `_zigzag_forward`: the same blocks; each step's dk, dv go back to the
+  keys' device (`_backward_steps`), then out of zigzag order.
   `rows`: `(q, dout, lse, delta)`, then the queries' ids if any; `kv`: `(k, v[, kv_ids])`."""
   plan = st.plan
   rows = [_to_zigzag(x, plan, axis_name) for x in rows]

@@ -99,6 +99,24 @@ def test_ring_matches_reference(name):
                                  helpers.random_inputs(case, jnp.float32, 7))
 
 
+@pytest.mark.parametrize("name", ["full_attention", "partial_sub_rings", "spanning_all_gqa"])
+def test_rotating_rings_match_reference_as_large_rings_run(monkeypatch, name):
+  """Rings rotating their keys (`GATHER_LIMIT_BYTES = 0`) with no ring small (`SMALL_STEP_ROWS
+  = 0`): causal ones in zigzag order, a whole ring of 8 shards and partial sub-rings of 3, and
+  a non-causal whole ring of 8; each step's dk, dv sent back up to 7 places."""
+  monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
+  monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)
+  p, n, h, hkv, pattern = CASES[name]
+  plans = list(_plans(pattern, n // p, p, h, h // hkv))
+  assert any(plan.kind == "ring" and plan.zigzag == pattern.causal for plan in plans)
+  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
+                      pattern.offsets, pattern.head_groups)
+  ring = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh(p),
+                                                   axis_name="seq", return_lse=True)
+  _assert_ring_matches_reference(ring, case, pattern.causal,
+                                 helpers.random_inputs(case, jnp.float32, 9))
+
+
 @OLD_JAX
 def test_ring_bf16_and_explicit_mesh():
   p, n, h, hkv, pattern = CASES["spanning_head"]
@@ -194,23 +212,42 @@ def test_small_causal_rings_move_only_keys():
       [("f32[1,16,2,16]", "collective-permute")] * 2 + [("f32[1,64,2,16]", "all-gather")] * 2)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_ring_backward_sends_each_steps_key_gradients_home_once(monkeypatch, causal):
+@pytest.mark.parametrize("segment,causal", [(32, False), (32, True), (64, False)])
+def test_ring_backward_sends_each_steps_key_gradients_home_once(monkeypatch, segment, causal):
   """A rotating ring's backward moves k, v as its forward does and sends each step's dk, dv
-  straight back to the keys' device: in sub-rings of 2 shards, one permute of the pair each
-  (accumulators travelling with the keys took two hops). Causal: k, v go to the later shard
-  only, and dk, dv come back from it only."""
+  straight back to the keys' device, one permute of the pair a step (accumulators travelling
+  with the keys took `g` hops): sub-rings of 2 shards (causal: k, v go to the later shard
+  only, dk, dv come back from it only), and a ring of 4 rotating its keys."""
+  monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
   moves, permute = [], jax.lax.ppermute
   monkeypatch.setattr(jax.lax, "ppermute", lambda x, axis_name, perm: (
       moves.append((len(jax.tree.leaves(x)), sorted(perm))), permute(x, axis_name, perm))[1])
-  pattern = DilatedPattern((32,), (1,), causal=causal)  # 16 tokens a shard: sub-rings of 2
+  pattern = DilatedPattern((segment,), (1,), causal=causal)  # 16 tokens a shard
   spec, x = jax.P(None, "seq"), jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
   f = jax.shard_map(lambda q, k, v: ring_dilated_attention(q, k, v, pattern, axis_name="seq"),
                     mesh=mesh(4), in_specs=(spec,) * 3, out_specs=spec)
   jax.eval_shape(jax.grad(lambda *a: f(*a).sum(), (0, 1, 2)), x, x, x)
-  there = [(0, 1), (2, 3)] if causal else [(0, 1), (1, 0), (2, 3), (3, 2)]
-  back = [(1, 0), (3, 2)] if causal else there
-  assert moves == [(2, there), (2, there), (2, back)], moves  # forward; backward: k, v, dk, dv
+  g = segment // 16
+  ring = lambda hop: sorted((b + j, b + (j + hop) % g) for b in range(0, 4, g) for j in range(g))
+  there = [(0, 1), (2, 3)] if causal else ring(1)
+  back = lambda hop: [(1, 0), (3, 2)] if causal else ring(-hop)
+  assert moves == [(2, there)] * (g - 1) + [m for hop in range(1, g)
+                                            for m in ((2, there), (2, back(hop)))], moves
+
+
+def test_small_steps_are_selected_not_branched():
+  """A causal ring outside zigzag order skips the steps a device does not see with a
+  `lax.cond` (a host round trip on GPUs), except where its steps are small: computed and
+  selected instead."""
+  p, n, h, hkv, pattern = CASES["causal_without_zigzag"]
+  spec, x = jax.P(None, "seq"), jax.ShapeDtypeStruct((1, n, h, 16), jnp.float32)
+  f = lambda q, k, v: ring_dilated_attention(q, k, v, pattern, axis_name="seq")
+  jaxpr = lambda: str(jax.make_jaxpr(jax.shard_map(f, mesh=mesh(p), in_specs=(spec,) * 3,
+                                                   out_specs=spec))(x, x, x))
+  assert " cond[" not in jaxpr()
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(ring_module, "SMALL_STEP_ROWS", 0)
+    assert " cond[" in jaxpr()
 
 
 @pytest.mark.parametrize("rotate", [False, True])
@@ -558,8 +595,9 @@ def test_ring_random_configurations_on_gpus_mosaic_only(index):
 # ("xla": 512 keys a block by default; the cases marked 128 ask for blocks of 128 so that
 # short compact and zigzag steps walk several too). Heads and head dims stay small for CI,
 # and each case adds a plan kind or a mesh the others lack. Their steps are small, so their
-# causal rings keep natural order; a name ending in "_zigzag" runs its case with no ring small
-# (`SMALL_STEP_ROWS = 0`: zigzag order, as causal rings of 4096 rows a shard and more run).
+# causal rings keep natural order; a name ending in "_large" runs its case with no ring small
+# (`SMALL_STEP_ROWS = 0`, as rings of 4096 rows a shard and more run: zigzag order where the
+# half-shards allow it, else a conditional per step).
 # (data, seq, tokens per device, H, Hkv, pattern over N = seq x tokens, key block or None)
 REALISTIC = {
     # Ring attention itself, on 4 devices (8 did 4x the work through the same code; rings of 8
@@ -581,11 +619,11 @@ REALISTIC = {
 }
 
 
-def _realistic(name, monkeypatch=None):
-  """`(case, pattern, mesh, config)` of a REALISTIC name (with "_zigzag": no ring small, the
+def _realistic(name, monkeypatch):
+  """`(case, pattern, mesh, config)` of a REALISTIC name (with "_large": no ring small, the
   setting patched for the test)."""
-  if name.endswith("_zigzag"):
-    name = name[:-len("_zigzag")]
+  if name.endswith("_large"):
+    name = name[:-len("_large")]
     monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)
   data, seq, per, h, hkv, make, key_block = REALISTIC[name]
   n = seq * per
@@ -600,14 +638,15 @@ def _realistic(name, monkeypatch=None):
 
 
 # The names the tests below run, on the ring alone and packed.
-RUN = [*(name for name in REALISTIC if name != "longnet_causal"), "data2_seq4_causal_zigzag"]
-RUN_PACKED = ["longnet_causal_zigzag", "longnet_gqa", "gather", "partial_sub_rings_r16",
-              "data2_seq4_causal", "data2_seq4_causal_zigzag"]
+RUN = [*(name for name in REALISTIC if name not in ("longnet_causal", "partial_sub_rings_r16")),
+       "partial_sub_rings_r16_large", "data2_seq4_causal_large"]
+RUN_PACKED = ["longnet_causal_large", "longnet_gqa", "gather", "partial_sub_rings_r16",
+              "data2_seq4_causal", "data2_seq4_causal_large"]
 
 
 def test_realistic_cases_cover_every_plan(monkeypatch):
-  """(kind, compact, zigzag, partial sub-rings, gathered whole, causal): every plan runs, and
-  every causal one packed too."""
+  """(kind, compact, zigzag, partial sub-rings, gathered whole, causal, small): every plan
+  runs, and every causal one packed too."""
   kinds = {False: set(), True: set()}
   for packed, names in ((False, RUN), (True, RUN_PACKED)):
     for name in names:
@@ -616,15 +655,17 @@ def test_realistic_cases_cover_every_plan(monkeypatch):
         seq = m.shape["seq"]
         for plan in _plans(pattern, case.n // seq, seq, case.heads, case.heads // case.kv_heads):
           kinds[packed].add((plan.kind, plan.compact, plan.zigzag, plan.shards % plan.span != 0,
-                             plan.gatherable, plan.branch.causal))
-  want = {("local", False, False, False, False, True), ("gather", False, False, False, False, True),
-          ("ring", True, True, False, False, True), ("ring", False, True, False, False, True),
-          ("ring", False, True, False, True, True), ("ring", False, False, False, True, False),
-          ("ring", False, False, False, False, True), ("ring", False, False, False, True, True),
-          ("ring", False, False, True, False, True)}
+                             plan.gatherable, plan.branch.causal, plan.small))
+  small = {("local", False, False, False, False, True), ("gather", False, False, False, False, True),
+           ("ring", False, False, False, True, False), ("ring", False, False, False, False, True),
+           ("ring", False, False, False, True, True), ("ring", False, False, True, False, True)}
+  large = {("ring", True, True, False, False, True), ("ring", False, True, False, False, True),
+           ("ring", False, True, False, True, True), ("ring", False, False, True, False, True)}
+  want = {(*kind, False) for kind in small if kind[0] != "ring"} | {
+      (*kind, True) for kind in small if kind[0] == "ring"} | {(*kind, False) for kind in large}
   assert want <= kinds[False] | kinds[True], want - kinds[False] - kinds[True]
-  causal = {kind for kind in want if kind[-1]}
-  assert causal <= kinds[True], causal - kinds[True]  # every causal plan packed
+  causal = {kind for kind in want if kind[-2]} - {("ring", False, False, True, False, True, False)}
+  assert causal <= kinds[True], causal - kinds[True]  # every causal plan packed (but the cond)
 
 
 # On the oldest JAX too: the plain ring and data x sequence, causal in natural and zigzag
@@ -632,7 +673,7 @@ def test_realistic_cases_cover_every_plan(monkeypatch):
 # below (zigzag); without ids a compact causal ring runs in the user's shard_map (2048 keys a
 # shard, blocks of 128).
 @pytest.mark.parametrize("name", [pytest.param(name, marks=OLD_JAX) if name in (
-    "full", "data2_seq4_causal", "data2_seq4_causal_zigzag") else name for name in RUN]
+    "full", "data2_seq4_causal", "data2_seq4_causal_large") else name for name in RUN]
     + ["full_rotating"])
 def test_ring_at_realistic_shard_sizes(monkeypatch, name):
   """Forward, lse and gradients of the ring equal one device's, every plan kind, data x
