@@ -45,9 +45,9 @@ from .pattern import Branch, DilatedPattern, heads_per_kv
 
 
 # A ring over the whole axis (non-causal, causal in zigzag order, or small: see
-# `SMALL_STEP_ROWS`) gathers its keys at once (one all-gather) when that takes at most this much extra memory per device (see `_gathers`); None: 6 GiB,
-# or an eighth of a device's memory where that is less; 0: rotate keys step by step. Read
-# when a call is traced.
+# `SMALL_STEP_ROWS`) gathers its keys at once (one all-gather) when that takes at most this
+# much extra memory per device (see `_gathers`); None: 6 GiB, or an eighth of a device's
+# memory where that is less; 0: rotate keys step by step. Read when a call is traced.
 GATHER_LIMIT_BYTES: int | None = None
 
 
@@ -61,10 +61,22 @@ GATHER_LIMIT_BYTES: int | None = None
 SMALL_STEP_ROWS: int = 4096
 
 
+def _count(name, value):
+  """`value`, the module setting `name`, checked to be an int >= 0."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    raise ValueError(f"ring.{name} must be an int >= 0, got {value!r}")
+  return int(value)
+
+
+def _small_step_rows() -> int:
+  """`SMALL_STEP_ROWS`, checked."""
+  return _count("SMALL_STEP_ROWS", SMALL_STEP_ROWS)
+
+
 def _gather_limit() -> int:
-  """`GATHER_LIMIT_BYTES`, its default resolved for the default backend's devices."""
+  """`GATHER_LIMIT_BYTES`, checked, its default resolved for the default backend's devices."""
   if GATHER_LIMIT_BYTES is not None:
-    return GATHER_LIMIT_BYTES
+    return _count("GATHER_LIMIT_BYTES", GATHER_LIMIT_BYTES)
   memory = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
   return 6 << 30 if memory is None else min(6 << 30, memory // 8)
 
@@ -92,12 +104,13 @@ class _Plan:
 
 
 def _plans(pattern: DilatedPattern, n: int, shards: int, num_heads: int, per_kv: int):
+  small_rows = _small_step_rows()
   for br in pattern.layout(n * shards, num_heads):
     if n % br.w == 0:
       yield _Plan(br, "local", n, shards)
     elif br.w % n == 0 and n % br.r == 0:
       compact = br.per_head and per_kv < br.r
-      small = (n // br.r if compact else n) < SMALL_STEP_ROWS
+      small = (n // br.r if compact else n) < small_rows
       # Zigzag needs half-shards that keep whole residue classes: n / 2 (compact: n / 2r) rows.
       zigzag = br.causal and not small and (
           n // br.r % 2 == 0 if compact else (n // 2) % br.r == 0)
@@ -852,7 +865,7 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   names = backends.candidates(implementation)
   backends.check_config(config)
   fn = _sharded(pattern, mesh, axis_name, batch_axes or None, scale, names, config,
-                segment_ids is not None, (_gather_limit(), SMALL_STEP_ROWS))
+                segment_ids is not None, (_gather_limit(), _small_step_rows()))
   out, lse = fn(q, k, v) if segment_ids is None else fn(q, k, v, segment_ids)
   return (out, lse) if return_lse else out
 

@@ -269,6 +269,21 @@ def test_spanning_branches_send_only_dilated_rows(monkeypatch, rotate):
     assert f"f32[1,{16 * hops},2,16]" in shape, shape
 
 
+@pytest.mark.parametrize("name", ["GATHER_LIMIT_BYTES", "SMALL_STEP_ROWS"])
+def test_bad_settings_raise_naming_them(monkeypatch, name):
+  x = jnp.zeros((1, 32, 2, 8))
+  pattern = DilatedPattern((8, 32), (1, 2), causal=True)  # a ring of 4 shards
+  for bad in (-1, 1.5, "4096", True):
+    monkeypatch.setattr(ring_module, name, bad)
+    with pytest.raises(ValueError, match=f"ring.{name} must be an int >= 0"):
+      sharded_dilated_attention(x, x, x, pattern, mesh=mesh(4), axis_name="seq")
+    with pytest.raises(ValueError, match=f"ring.{name}"):
+      jax.eval_shape(jax.shard_map(
+          lambda q, k, v: ring_dilated_attention(q, k, v, pattern, axis_name="seq"),
+          mesh=mesh(4), in_specs=(jax.P(None, "seq"),) * 3, out_specs=jax.P(None, "seq")),
+          x, x, x)
+
+
 def test_gather_limit_default_follows_device_memory(monkeypatch):
   """`GATHER_LIMIT_BYTES=None`: 6 GiB, or an eighth of what JAX may allocate on a device
   where that is less (none reported, as on CPUs: 6 GiB); a number is taken as it is."""
@@ -656,9 +671,10 @@ def test_realistic_cases_cover_every_plan(monkeypatch):
         for plan in _plans(pattern, case.n // seq, seq, case.heads, case.heads // case.kv_heads):
           kinds[packed].add((plan.kind, plan.compact, plan.zigzag, plan.shards % plan.span != 0,
                              plan.gatherable, plan.branch.causal, plan.small))
-  small = {("local", False, False, False, False, True), ("gather", False, False, False, False, True),
-           ("ring", False, False, False, True, False), ("ring", False, False, False, False, True),
-           ("ring", False, False, False, True, True), ("ring", False, False, True, False, True)}
+  small = {("local", False, False, False, False, True),
+           ("gather", False, False, False, False, True), ("ring", False, False, False, True, False),
+           ("ring", False, False, False, False, True), ("ring", False, False, False, True, True),
+           ("ring", False, False, True, False, True)}
   large = {("ring", True, True, False, False, True), ("ring", False, True, False, False, True),
            ("ring", False, True, False, True, True), ("ring", False, False, True, False, True)}
   want = {(*kind, False) for kind in small if kind[0] != "ring"} | {
