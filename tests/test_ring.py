@@ -88,33 +88,29 @@ def _assert_ring_matches_reference(ring, case, causal, inputs):
   return out
 
 
-@pytest.mark.parametrize("name", SMALL)
-def test_ring_matches_reference(name):
+# Rings of the reference cases rotating their keys (`GATHER_LIMIT_BYTES = 0`) with no ring
+# small (`SMALL_STEP_ROWS = 0`): causal ones in zigzag order, compact, a whole ring of 4 shards
+# beside sub-rings of 2, and partial sub-rings of 3; a non-causal whole ring of 8. Each step's
+# dk, dv are sent back up to 7 places.
+LARGE = ["spanning_head", "partial_sub_rings", "spanning_all_gqa"]
+
+
+@pytest.mark.parametrize("name,large", [(name, False) for name in SMALL]
+                         + [(name, True) for name in LARGE],
+                         ids=SMALL + [f"{name}-large" for name in LARGE])
+def test_ring_matches_reference(monkeypatch, name, large):
   p, n, h, hkv, pattern = CASES[name]
+  if large:
+    monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
+    monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)
+    plans = list(_plans(pattern, n // p, p, h, h // hkv))
+    assert any(plan.kind == "ring" and plan.zigzag == pattern.causal for plan in plans)
   case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
                       pattern.offsets, pattern.head_groups)
   ring = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh(p),
                                                    axis_name="seq", return_lse=True)
   _assert_ring_matches_reference(ring, case, pattern.causal,
-                                 helpers.random_inputs(case, jnp.float32, 7))
-
-
-@pytest.mark.parametrize("name", ["full_attention", "partial_sub_rings", "spanning_all_gqa"])
-def test_rotating_rings_match_reference_as_large_rings_run(monkeypatch, name):
-  """Rings rotating their keys (`GATHER_LIMIT_BYTES = 0`) with no ring small (`SMALL_STEP_ROWS
-  = 0`): causal ones in zigzag order, a whole ring of 8 shards and partial sub-rings of 3, and
-  a non-causal whole ring of 8; each step's dk, dv sent back up to 7 places."""
-  monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
-  monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)
-  p, n, h, hkv, pattern = CASES[name]
-  plans = list(_plans(pattern, n // p, p, h, h // hkv))
-  assert any(plan.kind == "ring" and plan.zigzag == pattern.causal for plan in plans)
-  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
-                      pattern.offsets, pattern.head_groups)
-  ring = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh(p),
-                                                   axis_name="seq", return_lse=True)
-  _assert_ring_matches_reference(ring, case, pattern.causal,
-                                 helpers.random_inputs(case, jnp.float32, 9))
+                                 helpers.random_inputs(case, jnp.float32, 9 if large else 7))
 
 
 @OLD_JAX
@@ -654,7 +650,7 @@ def _realistic(name, monkeypatch):
 
 # The names the tests below run, on the ring alone and packed.
 RUN = [*(name for name in REALISTIC if name not in ("longnet_causal", "partial_sub_rings_r16")),
-       "partial_sub_rings_r16_large", "data2_seq4_causal_large"]
+       "partial_sub_rings_r16_large"]
 RUN_PACKED = ["longnet_causal_large", "longnet_gqa", "gather", "partial_sub_rings_r16",
               "data2_seq4_causal", "data2_seq4_causal_large"]
 
@@ -684,18 +680,18 @@ def test_realistic_cases_cover_every_plan(monkeypatch):
   assert causal <= kinds[True], causal - kinds[True]  # every causal plan packed (but the cond)
 
 
-# On the oldest JAX too: the plain ring and data x sequence, causal in natural and zigzag
-# order (a compact ring meets it in the user's shard_map below). "longnet_causal" runs packed
-# below (zigzag); without ids a compact causal ring runs in the user's shard_map (2048 keys a
-# shard, blocks of 128).
+# On the oldest JAX too: the plain ring and data x sequence, causal in natural order here and
+# in zigzag order packed below (a compact ring meets it in the user's shard_map below).
+# "longnet_causal" runs packed below (zigzag); without ids a compact causal ring runs in the
+# user's shard_map (2048 keys a shard, blocks of 128).
 @pytest.mark.parametrize("name", [pytest.param(name, marks=OLD_JAX) if name in (
-    "full", "data2_seq4_causal", "data2_seq4_causal_large") else name for name in RUN]
+    "full", "data2_seq4_causal") else name for name in RUN]
     + ["full_rotating"])
 def test_ring_at_realistic_shard_sizes(monkeypatch, name):
   """Forward, lse and gradients of the ring equal one device's, every plan kind, data x
   sequence meshes included (the scans over key blocks meet mesh-varying data here); the
-  whole rings gathered ("full", "longnet_gqa"; causal: "data2_seq4_causal", in natural and
-  zigzag order) and rotated ("full_rotating")."""
+  whole rings gathered ("full", "longnet_gqa"; causal: "data2_seq4_causal", in natural order,
+  and packed below in zigzag order) and rotated ("full_rotating")."""
   rotating = name == "full_rotating"
   if rotating:
     monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
@@ -720,7 +716,8 @@ def _documents(batch, n, seed):
                      jnp.int32)
 
 
-@pytest.mark.parametrize("name", RUN_PACKED)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=OLD_JAX) if name == (
+    "data2_seq4_causal_large") else name for name in RUN_PACKED])
 def test_packed_ring_at_realistic_shard_sizes(monkeypatch, name):
   """Packed sequences on the ring (the keys' document ids travel with them, or are gathered
   with them) equal one device's packed call: compact and zigzag rings, rings in natural
