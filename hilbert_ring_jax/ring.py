@@ -119,6 +119,12 @@ def _plans(pattern: DilatedPattern, n: int, shards: int, num_heads: int, per_kv:
       yield _Plan(br, "gather", n, shards)
 
 
+def _sub_rings(plan: _Plan):
+  """`(first device, size)` of each sub-ring of `span` devices (the last may be short)."""
+  return [(base, min(plan.span, plan.shards - base))
+          for base in range(0, plan.shards, plan.span)]
+
+
 def _rotation(plan: _Plan, hop: int, shift: bool = False):
   """`ppermute` pairs moving buffers one place on in every sub-ring, for step `hop`.
 
@@ -128,8 +134,7 @@ def _rotation(plan: _Plan, hop: int, shift: bool = False):
   the pairs that would deliver later ones are left out.
   """
   pairs = []
-  for base in range(0, plan.shards, plan.span):
-    size = min(plan.span, plan.shards - base)
+  for base, size in _sub_rings(plan):
     for j in range(size):
       if shift:
         if j >= max(hop, 1):
@@ -334,8 +339,7 @@ def _zigzag_pairs(plan):
   the even-numbered chunks and for the odd-numbered ones (each a permutation).
   """
   even, odd = [], []
-  for base in range(0, plan.shards, plan.span):
-    size = min(plan.span, plan.shards - base)
+  for base, size in _sub_rings(plan):
     for i in range(size):
       even.append((base + i, base + (2 * i if 2 * i < size else 2 * size - 1 - 2 * i)))
       odd.append((base + i, base + (2 * i + 1 if 2 * i + 1 < size else 2 * size - 2 - 2 * i)))
@@ -445,13 +449,28 @@ def _repeat_rows(x, count):
   return None if x is None else jnp.repeat(x, count, axis=0)
 
 
+def _home(g, axis_name):
+  """Key gradients by key block of the whole axis, `[B, blocks, n', ...]`, added up over the
+  devices, each device's own shard of them: one reduce-scatter."""
+  return jax.lax.psum_scatter(g.reshape(g.shape[0], -1, *g.shape[3:]), axis_name,
+                              scatter_dimension=1, tiled=True)
+
+
+def _natural_blocks(st, kv, axis_name):
+  """`(m, blocks)`: the key blocks of a gathered ring's non-causal call in natural order, each
+  of `kv` gathered over the axis and its first `m` shards folded into the batch (all `P`;
+  causal: the `P - 1` that come before some device's own)."""
+  shards = st.plan.shards
+  m = shards - 1 if st.causal else shards
+  return m, tuple(_fold(_gathered_blocks(x, axis_name, shards)[:, :m]) for x in kv)
+
+
 def _gathered_forward(st, qs, qi, kv, axis_name):
   """`_ring_forward` of a branch that `_gathers` in natural order: one all-gather, one
   non-causal call for the shards' keys folded into the batch (causal: the `P - 1` first, those
   before this one visible, and a second, causal call for the own shard's), one merge."""
-  b, shards = qs.shape[0], st.plan.shards
-  m = shards - 1 if st.causal else shards
-  blocks = tuple(_fold(_gathered_blocks(x, axis_name, shards)[:, :m]) for x in kv)
+  b = qs.shape[0]
+  m, blocks = _natural_blocks(st, kv, axis_name)
   o, lse = st.forward(_repeat_rows(qs, m), *blocks[:2], False,
                       _pair(_repeat_rows(qi, m), blocks))
   o, lse = (x.reshape(b, m, *x.shape[1:]) for x in (o, lse))
@@ -467,9 +486,8 @@ def _gathered_forward(st, qs, qi, kv, axis_name):
 def _gathered_backward(st, rows, qi, kv, axis_name):
   """The backward of `_gathered_forward`: the same calls; dk and dv of every shard go home
   by one reduce-scatter."""
-  b, shards = rows[0].shape[0], st.plan.shards
-  m = shards - 1 if st.causal else shards
-  blocks = tuple(_fold(_gathered_blocks(x, axis_name, shards)[:, :m]) for x in kv)
+  b = rows[0].shape[0]
+  m, blocks = _natural_blocks(st, kv, axis_name)
   rep = [_repeat_rows(x, m) for x in rows]
   grads = st.backward(rep[0], *blocks[:2], *rep[1:], False, _pair(_repeat_rows(qi, m), blocks))
   dq, dk, dv = (x.reshape(b, m, *x.shape[1:]) for x in grads)
@@ -484,9 +502,7 @@ def _gathered_backward(st, rows, qi, kv, axis_name):
     dk, dv = with_own(dk, own[1]), with_own(dv, own[2])
   else:
     dq = jnp.sum(dq, axis=1)
-  home = lambda g: jax.lax.psum_scatter(g.reshape(b, -1, *g.shape[3:]), axis_name,
-                                        scatter_dimension=1, tiled=True)
-  return dq, home(dk), home(dv)
+  return dq, _home(dk, axis_name), _home(dv, axis_name)
 
 
 def _zigzag_calls(st, rows, qi, kv, axis_name):
@@ -554,9 +570,7 @@ def _gathered_zigzag_backward(st, rows, qi, kv, axis_name):
 
   def home(g, d):
     total = jnp.zeros((b, 2 * plan.shards) + g.shape[2:], g.dtype)
-    total = total.at[:, index].add(g).at[:, own].add(d)
-    return jax.lax.psum_scatter(total.reshape(b, -1, *total.shape[3:]), axis_name,
-                                scatter_dimension=1, tiled=True)
+    return _home(total.at[:, index].add(g).at[:, own].add(d), axis_name)
 
   return _to_zigzag(dq, plan, axis_name, inverse=True), home(dk, ddk), home(dv, ddv)
 
@@ -594,8 +608,7 @@ def _returns(plan, hop, shift):
   """`ppermute` pairs sending what each device computed against the keys it holds after
   `hop` hops (`_rotation`; `shift`: its causal forward's shifts) to the keys' own device."""
   pairs = []
-  for base in range(0, plan.shards, plan.span):
-    size = min(plan.span, plan.shards - base)
+  for base, size in _sub_rings(plan):
     for j in range(size):
       if shift and j >= hop:
         pairs.append((base + j, base + j - hop))
