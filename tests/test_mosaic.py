@@ -222,7 +222,8 @@ def test_declines_off_hopper_and_on_unaligned_rows():
 
 
 def _aligned_case(data):
-  """A random configuration whose strided rows come in whole blocks of 128 positions."""
+  """A random configuration whose strided rows come in whole blocks of 128 positions, at the
+  head dims the kernels run both passes for."""
   rates = sorted(data.draw(st.sets(st.sampled_from([1, 2, 4]), min_size=1, max_size=3), "r"))
   lcm = math.lcm(*rates)
   segs = tuple(128 * lcm * 2 ** i for i in range(len(rates)))
@@ -231,7 +232,7 @@ def _aligned_case(data):
   n = segs[-1] + data.draw(st.sampled_from([0, 128 * lcm, 3]), "extra")  # 3: padded copy
   groups = heads >= len(rates) and data.draw(st.booleans(), "head_groups")
   return Case(n, heads, kv, segs, tuple(rates), data.draw(st.sampled_from(["head", "all"])),
-              groups, head_dim=data.draw(st.sampled_from([64, 128, 256]), "d"))
+              groups, head_dim=data.draw(st.sampled_from([64, 128]), "d"))
 
 
 @pytest.mark.gpu
@@ -239,9 +240,8 @@ def test_random_configurations_gpu():
   @settings(max_examples=10)
   @given(data=st.data())
   def check(data):
-    case = _aligned_case(data)
-    dtype = data.draw(st.sampled_from([jnp.bfloat16, jnp.float16]), "dtype")
-    helpers.check_case(case, data.draw(st.booleans(), "causal"), dtype, "mosaic")
+    case = _aligned_case(data)  # bf16: the backward's only dtype (`mosaic.supports`)
+    helpers.check_case(case, data.draw(st.booleans(), "causal"), jnp.bfloat16, "mosaic")
 
   check()
 

@@ -204,9 +204,9 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
   over key rows (the transposed schedule) that also adds dq (`Config.fused_backward`), or
   with a dq kernel over query rows (the forward's schedule); each launch's kernels add the
   earlier launches' gradients to their own in their epilogues (fused: dk, dv; dq added to
-  the float32 accumulators' sum). With `grad_dtype` bfloat16 the separate kernels write the
-  gradients in bfloat16 (no float32 copy; the earlier launches' read in bfloat16 and added
-  in float32). Head dims 64 and 128 (`supports`). `segment_ids`: packed rows, as in
+  the float32 accumulators' sum). With `grad_dtype` bfloat16 the kernels write dk and dv in
+  bfloat16 (the separate ones dq too; no float32 copy; the earlier launches' read in
+  bfloat16 and added in float32), and the gradients come back in bfloat16. Head dims 64 and 128 (`supports`). `segment_ids`: packed rows, as in
   `forward`."""
   config = (config or Config()).resolved(q.shape[-1], q.dtype.itemsize,
                                          packed=segment_ids is not None)
@@ -243,13 +243,13 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config, final
     transposed = schedule.build(pattern, n, num_heads, num_kv, fused, True)
     stats = (flat[0], strided[0], flat[1], strided[1])
     cfg = config.backward_for(L, q.shape[-1], q.dtype.itemsize, packed=ids is not None)
-    if grads is not None:  # in the dtype of this launch's outputs (float32 when fused)
-      dtype = jnp.float32 if cfg.fused_backward else out_dtype
-      grads = tuple(g.astype(dtype)
-                    for g in _to_rows(grads, out_length(sched, n_pad, ROW_BLOCK), (0.0,) * 3))
+    if grads is not None:  # in the dtypes of this launch's outputs (fused: dq in float32)
+      dtypes = ((jnp.float32,) if cfg.fused_backward else (out_dtype,)) + (out_dtype,) * 2
+      grads = tuple(g.astype(dtype) for g, dtype in zip(
+          _to_rows(grads, out_length(sched, n_pad, ROW_BLOCK), (0.0,) * 3), dtypes))
     if cfg.fused_backward:
       dq, dk, dv = _fused_backward(x, stats, transposed, n, pattern.causal, scale, cfg,
-                                   grads, k_ids)
+                                   out_dtype, grads, k_ids)
     else:
       dq = mosaic_backward.dq_launch(*x, *strided, sched.arrays(), sched, n, pattern.causal,
                                      scale, cfg, out_dtype, None if grads is None else grads[0],
@@ -259,15 +259,16 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config, final
                                            prior=None if grads is None else grads[1:],
                                            ids=k_ids)
     grads = dq, dk, dv
-  return tuple(g[:, :n] for g in grads)
+  return tuple(g[:, :n].astype(out_dtype) for g in grads)
 
 
 def _fused_backward(x, stats, transposed: schedule.Schedule, n, causal, scale, config,
-                    prior=None, ids=None):
+                    out_dtype, prior=None, ids=None):
   """dq, dk, dv of one launch from the dk/dv kernel alone: dq added into zeroed float32
   accumulators (a second one in the strided view when L > 1: TMA cannot address one array
-  through both; one per consumer in interpret mode), summed here; plus `prior` (float32
-  `(dq, dk, dv)` of the earlier launches, `[B, No, ...]`)."""
+  through both; one per consumer in interpret mode), summed here, in float32; dk, dv in
+  `out_dtype`; plus `prior` (`(dq, dk, dv)` of the earlier launches, `[B, No, ...]`, in
+  those dtypes)."""
   batch, n_pad, num_heads, d = x[0].shape
   L = transposed.stride
   copies = 2 if config.interpret else 1
@@ -278,7 +279,7 @@ def _fused_backward(x, stats, transposed: schedule.Schedule, n, causal, scale, c
     shapes.append((copies * batch, n_acc // L, L, num_heads, d))
   accs = [jax.new_ref(jnp.zeros(shape, jnp.float32)) for shape in shapes]
   dk, dv = mosaic_backward.dkdv_launch(*x, stats, transposed.arrays(), transposed, n, causal,
-                                       scale, config, dq_accs=accs,
+                                       scale, config, dq_accs=accs, out_dtype=out_dtype,
                                        prior=None if prior is None else prior[1:], ids=ids)
   dq = sum(acc[...].reshape(copies, batch, n_acc, num_heads, d).sum(0) for acc in accs)
   dq = dq[:, :dk.shape[1]] * scale

@@ -259,8 +259,8 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   fused = dq_accs is not None
   query_ranges = Ranges(False, n, L, causal, block_rows, bq)
   work = Work.of(sched, batch, config, False, query_ranges)  # causal: heaviest first
-  assert not fused or out_dtype == jnp.float32, "the fused kernel stages dq in float32"
-  # 16-bit outputs: dk and dv in tiles of their own, in the bytes of two float32 tiles.
+  # 16-bit outputs: dk and dv in tiles of their own, in the bytes of the consumer's float32
+  # tile (fused: which stages dq between items).
   two_tiles = jnp.dtype(out_dtype).itemsize == 2
   id_tiles = IdTiles.of(ids, n_out, L, bk)
   packed = id_tiles is not None
@@ -269,6 +269,8 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
              do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, id_refs, dq_refs,
              prior_refs, dk_ref, dv_ref, smem, bars, free):
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem, kid_smem, qid_smem = smem[:9]
+    # fused with 16-bit outputs: one allocation, viewed as 2 float32 tiles and 4 16-bit ones
+    o_smem, o16_smem = o_smem if fused and two_tiles else (o_smem, o_smem)
     row_bars, q_bar, do_bar, lse_bar, delta_bar, prior_bars, kid_bar, qid_bar = bars[:8]
     ds_smem, ds_bars = (smem[9], bars[8]) if fused else (None, None)
     q_free, do_free, stat_free = free
@@ -451,10 +453,10 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
         def _():
           if two_tiles:  # dk and dv each in a tile of its own: one wait, two stores
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            grads, tiles = [dk * scale, dv], [o_smem.at[wg + 2 * t] for t in range(2)]
+            grads, tiles = [dk * scale, dv], [o16_smem.at[2 * wg + t] for t in range(2)]
             _add_prior(prior_refs, b, k_rows, cls, head, tiles, prior_bars, wg, grads)
             for tile, grad in zip(tiles, grads):
-              tile[...] = grad.astype(o_tile.dtype)
+              tile[...] = grad.astype(out_dtype)
             plgpu.commit_smem()
             for tile, out_ref in zip(tiles, (dk_ref, dv_ref)):
               plgpu.copy_smem_to_gmem(tile, out_ref.at[b, k_rows, cls, head])
@@ -488,13 +490,17 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
     if L == 1 and fused:
       dq_refs = (*dq_refs, None)
     tiles = swizzled(dtype)
+    out_tiles = plgpu.SMEM((4 if two_tiles else 2, bk, d), out_dtype,
+                           transforms=swizzled(out_dtype))
+    if fused and two_tiles:  # the same bytes staging dq (float32) and dk, dv: see `kernel`
+      out_tiles = plgpu.RefUnion(
+          plgpu.SMEM((2, bk, d), jnp.float32, transforms=swizzled(jnp.float32)), out_tiles)
     smem = [plgpu.SMEM((2, bk, d), dtype, transforms=tiles),
             plgpu.SMEM((2, bk, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq, d), dtype, transforms=tiles),
             plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
-            plgpu.SMEM((4 if two_tiles else 2, bk, d), out_dtype,
-                       transforms=swizzled(out_dtype)),
+            out_tiles,
             plgpu.SMEM((2, bk), jnp.int32) if packed else None,
             plgpu.SMEM((stages, bq), jnp.int32) if packed else None]
     bars = [(plgpu.Barrier(num_barriers=2),) * 2, *(plgpu.Barrier(num_barriers=stages),) * 4,
