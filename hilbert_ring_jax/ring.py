@@ -144,6 +144,19 @@ def _rotation(plan: _Plan, hop: int, shift: bool = False):
   return pairs
 
 
+def _together(fn, xs, plan: _Plan):
+  """`fn` (a collective) over each of the arrays `xs`: `(k, v[, kv_ids])` or `(dk, dv)`. A
+  compact ring moves the first two as one buffer, joined along the head dim: one collective
+  for both instead of two, each a wait for the peers (docs/performance.md, "Keys and values
+  in one buffer"). Its compaction copies them anyway; other rings' are the inputs, whose
+  copy would cost more than the collective saves."""
+  if not plan.compact:
+    return tuple(fn(x) for x in xs)
+  d = xs[0].shape[-1]
+  both = fn(jnp.concatenate(xs[:2], axis=-1))
+  return (both[..., :d], both[..., d:], *(fn(x) for x in xs[2:]))
+
+
 def _compact(x, branch, head_of):
   """`[B, n, X, ...]` -> `[B, n / r, E, ...]`: head `h` keeps the rows of its residue class."""
   r = branch.r
@@ -399,7 +412,8 @@ def _ring_forward(st, q, k, v, axis_name, ids=None):
                                       jnp.full(acc[1].shape, -jnp.inf, acc[1].dtype)), qs)
   for step in range(1, plan.span):
     # Issued before the previous step's compute is consumed, so XLA overlaps the two.
-    kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step, shift=st.causal))
+    pairs = _rotation(plan, step, shift=st.causal)
+    kv = _together(lambda x: jax.lax.ppermute(x, axis_name, pairs), kv, plan)
     part = _if_visible(plan, _visible(plan, st.causal, step, axis_name),
                        lambda kv: st.forward(qs, *kv[:2], False, _pair(qi, kv)), zeros, kv)
     acc = _merge2(acc, part)
@@ -462,7 +476,8 @@ def _natural_blocks(st, kv, axis_name):
   causal: the `P - 1` that come before some device's own)."""
   shards = st.plan.shards
   m = shards - 1 if st.causal else shards
-  return m, tuple(_fold(_gathered_blocks(x, axis_name, shards)[:, :m]) for x in kv)
+  return m, _together(lambda x: _fold(_gathered_blocks(x, axis_name, shards)[:, :m]), kv,
+                      st.plan)
 
 
 def _gathered_forward(st, qs, qi, kv, axis_name):
@@ -502,7 +517,7 @@ def _gathered_backward(st, rows, qi, kv, axis_name):
     dk, dv = with_own(dk, own[1]), with_own(dv, own[2])
   else:
     dq = jnp.sum(dq, axis=1)
-  return dq, _home(dk, axis_name), _home(dv, axis_name)
+  return (dq, *_together(lambda g: _home(g, axis_name), (dk, dv), st.plan))
 
 
 def _zigzag_calls(st, rows, qi, kv, axis_name):
@@ -589,7 +604,8 @@ def _zigzag_forward(st, qs, qi, kv, axis_name):
   hi = _merge2(fwd(q1, i1, kv0, False), fwd(q1, i1, kv1, True))
   place, size = _step_position(plan, axis_name)
   for step in range(1, plan.span):
-    kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step))
+    pairs = _rotation(plan, step)
+    kv = _together(lambda x: jax.lax.ppermute(x, axis_name, pairs), kv, plan)
     kv0, kv1 = split(kv)
     # Keys from an earlier device: both query chunks see its early chunk. From a later one
     # (wrapped): the late query chunk sees both of its chunks. Either way two blocks.
@@ -626,9 +642,10 @@ def _backward_steps(plan, kv, grads, step_grads, axis_name, shift=False):
   `(dq, dk, dv)` contributions."""
   dq, dk, dv = grads
   for step in range(1, plan.span):
-    kv = jax.lax.ppermute(kv, axis_name, _rotation(plan, step, shift))
+    pairs, home = _rotation(plan, step, shift), _returns(plan, step, shift)
+    kv = _together(lambda x: jax.lax.ppermute(x, axis_name, pairs), kv, plan)
     part = step_grads(kv, step)
-    back = jax.lax.ppermute(part[1:], axis_name, _returns(plan, step, shift))
+    back = _together(lambda x: jax.lax.ppermute(x, axis_name, home), part[1:], plan)
     dq, dk, dv = dq + part[0], dk + back[0], dv + back[1]
   return dq, dk, dv
 

@@ -127,15 +127,17 @@ def test_ring_bf16_and_explicit_mesh():
   assert helpers.rel_err(out, ref_out) < helpers.TOL[jnp.bfloat16]
 
 
-def _collectives(pattern, p=4, n=64, h=2, hkv=2):
-  """Shapes of the operands of every collective in the compiled ring program."""
+def _collectives(pattern, p=4, n=64, h=2, hkv=2, grad=False):
+  """Shapes of the results of every collective in the compiled ring program (`grad`: its
+  forward and backward)."""
   x = jax.ShapeDtypeStruct((1, n, h, 16), jnp.float32)
   kv = jax.ShapeDtypeStruct((1, n, hkv, 16), jnp.float32)
-  f = jax.jit(lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh(p),
-                                                        axis_name="seq"))
-  hlo = f.lower(x, kv, kv).compile().as_text()
-  return re.findall(r"= (\S+) (collective-permute|all-gather|all-reduce|all-to-all)"
-                    r"(?:-start)?\(", hlo)
+  call = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh(p),
+                                                   axis_name="seq")
+  f = jax.grad(lambda *a: call(*a).sum(), (0, 1, 2)) if grad else call
+  hlo = jax.jit(f).lower(x, kv, kv).compile().as_text()
+  return re.findall(r"= (\S+) (collective-permute|all-gather|all-reduce|all-to-all|"
+                    r"reduce-scatter)(?:-start)?\(", hlo)
 
 
 def test_local_patterns_send_nothing():
@@ -208,10 +210,26 @@ def test_small_causal_rings_move_only_keys():
       [("f32[1,16,2,16]", "collective-permute")] * 2 + [("f32[1,64,2,16]", "all-gather")] * 2)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_compact_rings_move_keys_and_values_as_one_buffer(causal):
+  """A compact ring (residue rows) moves k and v, and sends dk and dv home, as one buffer
+  joined along the head dim (16 + 16): each collective synchronises the devices. A sub-ring
+  of 2 shards (w = 32, r = 2) permutes them, the ring over all 4 (w = 64, r = 4) gathers
+  them: one collective each in the forward, and none in the backward moves a lone one."""
+  pattern = DilatedPattern((32, 64), (2, 4), causal=causal)  # 16 tokens a shard, 4 heads
+  found = _collectives(pattern, h=4, hkv=4)
+  assert sorted(kind for _, kind in found) == ["all-gather", "collective-permute"], found
+  backward = _collectives(pattern, h=4, hkv=4, grad=True)
+  assert {kind for _, kind in backward} == {"all-gather", "collective-permute",
+                                            "reduce-scatter"}, backward
+  assert all(re.fullmatch(r"f32\[.*,32\](\{.*\})?", shape) for shape, _ in found + backward), \
+      found + backward
+
+
 @pytest.mark.parametrize("segment,causal", [(32, False), (32, True), (64, False)])
 def test_ring_backward_sends_each_steps_key_gradients_home_once(monkeypatch, segment, causal):
   """A rotating ring's backward moves k, v as its forward does and sends each step's dk, dv
-  straight back to the keys' device, one permute of the pair a step (accumulators travelling
+  straight back to the keys' device, one move of the pair a step (accumulators travelling
   with the keys took `g` hops): sub-rings of 2 shards (causal: k, v go to the later shard
   only, dk, dv come back from it only), and a ring of 4 rotating its keys."""
   monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
@@ -227,8 +245,11 @@ def test_ring_backward_sends_each_steps_key_gradients_home_once(monkeypatch, seg
   ring = lambda hop: sorted((b + j, b + (j + hop) % g) for b in range(0, 4, g) for j in range(g))
   there = [(0, 1), (2, 3)] if causal else ring(1)
   back = lambda hop: [(1, 0), (3, 2)] if causal else ring(-hop)
-  assert moves == [(2, there)] * (g - 1) + [m for hop in range(1, g)
-                                            for m in ((2, there), (2, back(hop)))], moves
+  # k and v (dk and dv) each a permute of their own: uncompacted, they are the inputs, which
+  # a ring does not copy into one buffer (`ring._together`).
+  pair = lambda perm: [(1, perm)] * 2
+  assert moves == pair(there) * (g - 1) + [m for hop in range(1, g)
+                                            for m in pair(there) + pair(back(hop))], moves
 
 
 def test_small_steps_are_selected_not_branched():
@@ -254,12 +275,12 @@ def test_spanning_branches_send_only_dilated_rows(monkeypatch, rotate):
     monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
   kind, hops = ("collective-permute", 1) if rotate else ("all-gather", 4)
   # n = 16 tokens per shard; w = 64 spans all 4 shards; r = 4 with one kv head per query
-  # head: k and v of 16 / 4 = 4 rows for each of the 2 heads travel (an all-gather's result
-  # holds those of the 4 shards).
+  # head: k and v of 16 / 4 = 4 rows for each of the 2 heads travel, as one buffer of head
+  # dim 16 + 16 (an all-gather's result holds those of the 4 shards).
   found = _collectives(DilatedPattern((64,), (4,)))
   assert found and {k for _, k in found} == {kind}
   for shape, _ in found:
-    assert re.fullmatch(rf"(\(?f32\[1,{4 * hops},2,16\][^ ]*,? ?)+\)?", shape), shape
+    assert re.fullmatch(rf"(\(?f32\[1,{4 * hops},2,32\][^ ]*,? ?)+\)?", shape), shape
   # Undilated: the whole shard travels.
   for shape, _ in _collectives(DilatedPattern((64,), (1,))):
     assert f"f32[1,{16 * hops},2,16]" in shape, shape
