@@ -8,7 +8,8 @@ given by `--config` (e.g. `persistent=True`, the persistent programs ring steps 
 `SMALL_STEP_ROWS`: 0, no ring is small) set to VALUE. Each round times every
 variant once (10 calls back to back, 3 where one GPU takes over 50 ms a call), so that drifts
 between processes and over time hit them alike; medians over `--rounds`. Efficiency as in
-`ring_scaling.py`: `T_1 / (P T_P)`.
+`ring_scaling.py`: `T_1 / (P T_P)`. "dispatch" is the host's time to issue a call (the loop
+of calls until it returns, before the wait): near the call's time, the host sets the pace.
 
   python benchmarks/ring_ab.py --per-gpu 8192,32768 --config persistent=True --json ab.json
   python benchmarks/ring_ab.py --per-gpu 8192,32768 --set GATHER_LIMIT_BYTES=0 --json ab.json
@@ -98,12 +99,13 @@ def main():
         start = time.perf_counter()
         jax.block_until_ready(variants["one GPU"][0](*alone))
         calls = 10 if time.perf_counter() - start < 0.05 else 3
-        times = {v: [] for v in variants}
+        times, issued = {v: [] for v in variants}, {v: [] for v in variants}
         for _ in range(args.rounds):
           for v, (fn, x) in variants.items():
             start = time.perf_counter()
             for _ in range(calls):
               out = fn(*x)
+            issued[v].append(1e3 * (time.perf_counter() - start) / calls)
             jax.block_until_ready(out)
             times[v].append(1e3 * (time.perf_counter() - start) / calls)
         one = statistics.median(times["one GPU"])
@@ -111,9 +113,11 @@ def main():
           ms = statistics.median(times[v])
           result["rows"].append(dict(pattern=name, causal=args.causal, pass_=pass_, n=n, p=p,
                                      variant=v, ms=ms, one_gpu_ms=one, eff_whole=one / (p * ms),
-                                     runs=times[v], one_gpu_runs=times["one GPU"]))
+                                     runs=times[v], one_gpu_runs=times["one GPU"],
+                                     dispatch_ms=statistics.median(issued[v])))
           print(f"{name:8} {pass_:7} {t:>7} per GPU  {v:18} {ms:9.3f} ms  one GPU {one:9.3f} "
-                f"ms  efficiency {one / (p * ms):.1%}", flush=True)
+                f"ms  efficiency {one / (p * ms):.1%}  dispatch "
+                f"{statistics.median(issued[v]):.3f} ms", flush=True)
         if args.json:
           with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

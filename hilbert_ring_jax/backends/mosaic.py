@@ -206,8 +206,8 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
   earlier launches' gradients to their own in their epilogues (fused: dk, dv; dq added to
   the float32 accumulators' sum). With `grad_dtype` bfloat16 the kernels write dk and dv in
   bfloat16 (the separate ones dq too; no float32 copy; the earlier launches' read in
-  bfloat16 and added in float32), and the gradients come back in bfloat16. Head dims 64 and 128 (`supports`). `segment_ids`: packed rows, as in
-  `forward`."""
+  bfloat16 and added in float32), and the gradients come back in bfloat16. Head dims 64 and
+  128 (`supports`). `segment_ids`: packed rows, as in `forward`."""
   config = (config or Config()).resolved(q.shape[-1], q.dtype.itemsize,
                                          packed=segment_ids is not None)
   final = grad_dtype is not None and jnp.dtype(grad_dtype) == jnp.bfloat16
