@@ -110,14 +110,13 @@ def main():
             times[v].append(1e3 * (time.perf_counter() - start) / calls)
         one = statistics.median(times["one GPU"])
         for v in list(variants)[1:]:
-          ms = statistics.median(times[v])
+          ms, dispatch = statistics.median(times[v]), statistics.median(issued[v])
           result["rows"].append(dict(pattern=name, causal=args.causal, pass_=pass_, n=n, p=p,
                                      variant=v, ms=ms, one_gpu_ms=one, eff_whole=one / (p * ms),
                                      runs=times[v], one_gpu_runs=times["one GPU"],
-                                     dispatch_ms=statistics.median(issued[v])))
+                                     dispatch_ms=dispatch))
           print(f"{name:8} {pass_:7} {t:>7} per GPU  {v:18} {ms:9.3f} ms  one GPU {one:9.3f} "
-                f"ms  efficiency {one / (p * ms):.1%}  dispatch "
-                f"{statistics.median(issued[v]):.3f} ms", flush=True)
+                f"ms  efficiency {one / (p * ms):.1%}  dispatch {dispatch:.3f} ms", flush=True)
         if args.json:
           with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

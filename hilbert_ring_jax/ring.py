@@ -157,6 +157,11 @@ def _together(fn, xs, plan: _Plan):
   return (both[..., :d], both[..., d:], *(fn(x) for x in xs[2:]))
 
 
+def _send(xs, pairs, plan: _Plan, axis_name):
+  """The arrays `xs` permuted by `pairs` (`_together`)."""
+  return _together(lambda x: jax.lax.ppermute(x, axis_name, pairs), xs, plan)
+
+
 def _compact(x, branch, head_of):
   """`[B, n, X, ...]` -> `[B, n / r, E, ...]`: head `h` keeps the rows of its residue class."""
   r = branch.r
@@ -412,8 +417,7 @@ def _ring_forward(st, q, k, v, axis_name, ids=None):
                                       jnp.full(acc[1].shape, -jnp.inf, acc[1].dtype)), qs)
   for step in range(1, plan.span):
     # Issued before the previous step's compute is consumed, so XLA overlaps the two.
-    pairs = _rotation(plan, step, shift=st.causal)
-    kv = _together(lambda x: jax.lax.ppermute(x, axis_name, pairs), kv, plan)
+    kv = _send(kv, _rotation(plan, step, shift=st.causal), plan, axis_name)
     part = _if_visible(plan, _visible(plan, st.causal, step, axis_name),
                        lambda kv: st.forward(qs, *kv[:2], False, _pair(qi, kv)), zeros, kv)
     acc = _merge2(acc, part)
@@ -604,8 +608,7 @@ def _zigzag_forward(st, qs, qi, kv, axis_name):
   hi = _merge2(fwd(q1, i1, kv0, False), fwd(q1, i1, kv1, True))
   place, size = _step_position(plan, axis_name)
   for step in range(1, plan.span):
-    pairs = _rotation(plan, step)
-    kv = _together(lambda x: jax.lax.ppermute(x, axis_name, pairs), kv, plan)
+    kv = _send(kv, _rotation(plan, step), plan, axis_name)
     kv0, kv1 = split(kv)
     # Keys from an earlier device: both query chunks see its early chunk. From a later one
     # (wrapped): the late query chunk sees both of its chunks. Either way two blocks.
@@ -642,10 +645,9 @@ def _backward_steps(plan, kv, grads, step_grads, axis_name, shift=False):
   `(dq, dk, dv)` contributions."""
   dq, dk, dv = grads
   for step in range(1, plan.span):
-    pairs, home = _rotation(plan, step, shift), _returns(plan, step, shift)
-    kv = _together(lambda x: jax.lax.ppermute(x, axis_name, pairs), kv, plan)
+    kv = _send(kv, _rotation(plan, step, shift), plan, axis_name)
     part = step_grads(kv, step)
-    back = _together(lambda x: jax.lax.ppermute(x, axis_name, home), part[1:], plan)
+    back = _send(part[1:], _returns(plan, step, shift), plan, axis_name)
     dq, dk, dv = dq + part[0], dk + back[0], dv + back[1]
   return dq, dk, dv
 

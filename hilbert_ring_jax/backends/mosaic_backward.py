@@ -262,6 +262,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   # 16-bit outputs: dk and dv in tiles of their own, in the bytes of the consumer's float32
   # tile (fused: which stages dq between items).
   two_tiles = jnp.dtype(out_dtype).itemsize == 2
+  shared_tiles = fused and two_tiles  # one allocation: 2 float32 tiles, or 4 16-bit ones
   id_tiles = IdTiles.of(ids, n_out, L, bk)
   packed = id_tiles is not None
 
@@ -269,8 +270,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
              do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, id_refs, dq_refs,
              prior_refs, dk_ref, dv_ref, smem, bars, free):
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem, kid_smem, qid_smem = smem[:9]
-    # fused with 16-bit outputs: one allocation, viewed as 2 float32 tiles and 4 16-bit ones
-    o_smem, o16_smem = o_smem if fused and two_tiles else (o_smem, o_smem)
+    o_smem, o16_smem = o_smem if shared_tiles else (o_smem, o_smem)
     row_bars, q_bar, do_bar, lse_bar, delta_bar, prior_bars, kid_bar, qid_bar = bars[:8]
     ds_smem, ds_bars = (smem[9], bars[8]) if fused else (None, None)
     q_free, do_free, stat_free = free
@@ -492,7 +492,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
     tiles = swizzled(dtype)
     out_tiles = plgpu.SMEM((4 if two_tiles else 2, bk, d), out_dtype,
                            transforms=swizzled(out_dtype))
-    if fused and two_tiles:  # the same bytes staging dq (float32) and dk, dv: see `kernel`
+    if shared_tiles:  # the same bytes staging dq (float32) and dk, dv: see `kernel`
       out_tiles = plgpu.RefUnion(
           plgpu.SMEM((2, bk, d), jnp.float32, transforms=swizzled(jnp.float32)), out_tiles)
     smem = [plgpu.SMEM((2, bk, d), dtype, transforms=tiles),
