@@ -46,8 +46,10 @@ from .pattern import Branch, DilatedPattern, heads_per_kv
 
 # A ring over the whole axis (non-causal, causal in zigzag order, or small: see
 # `SMALL_STEP_ROWS`) gathers its keys at once (one all-gather) when that takes at most this
-# much extra memory per device (see `_gathers`); None: 6 GiB, or an eighth of a device's
-# memory where that is less; 0: rotate keys step by step. Read when a call is traced.
+# much extra memory per device (see `_gathers`); None: 12 GiB, or a sixth of a device's
+# memory where that is less (a causal ring of 32K tokens a GPU, H = 16, D = 128, needs 8.6
+# GiB, and gathered runs 8 points nearer one GPU's speed: docs/performance.md, "Causal rings
+# of 32K tokens a GPU gathered"); 0: rotate keys step by step. Read when a call is traced.
 GATHER_LIMIT_BYTES: int | None = None
 
 
@@ -78,7 +80,7 @@ def _gather_limit() -> int:
   if GATHER_LIMIT_BYTES is not None:
     return _count("GATHER_LIMIT_BYTES", GATHER_LIMIT_BYTES)
   memory = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-  return 6 << 30 if memory is None else min(6 << 30, memory // 8)
+  return 12 << 30 if memory is None else min(12 << 30, memory // 6)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -302,15 +302,15 @@ def test_bad_settings_raise_naming_them(monkeypatch, name):
 
 
 def test_gather_limit_default_follows_device_memory(monkeypatch):
-  """`GATHER_LIMIT_BYTES=None`: 6 GiB, or an eighth of what JAX may allocate on a device
-  where that is less (none reported, as on CPUs: 6 GiB); a number is taken as it is."""
+  """`GATHER_LIMIT_BYTES=None`: 12 GiB, or a sixth of what JAX may allocate on a device
+  where that is less (none reported, as on CPUs: 12 GiB); a number is taken as it is."""
   def device_with(stats):
     monkeypatch.setattr(ring_module.jax, "devices",
                         lambda: [types.SimpleNamespace(memory_stats=lambda: stats)])
 
   monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", None)
-  for stats, limit in (({"bytes_limit": 16 << 30}, 2 << 30), ({"bytes_limit": 60 << 30}, 6 << 30),
-                       (None, 6 << 30)):
+  for stats, limit in (({"bytes_limit": 60 << 30}, 10 << 30),
+                       ({"bytes_limit": 105 << 30}, 12 << 30), (None, 12 << 30)):
     device_with(stats)
     assert ring_module._gather_limit() == limit  # pylint: disable=protected-access
   monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 123)
