@@ -544,7 +544,7 @@ def _zigzag_calls(st, rows, qi, kv, axis_name):
   index, own = jnp.where(early, t, t - j), jnp.stack([j, 2 * shards - 1 - j])
   halves = [_halves(_to_zigzag(x, st.plan, axis_name))[0]
             for x in (*rows, qi) if x is not None]  # (early, late) chunks
-  chunks = [_gathered_blocks(x, axis_name, 2 * shards) for x in kv]
+  chunks = _together(lambda x: _gathered_blocks(x, axis_name, 2 * shards), kv, st.plan)
   pick = lambda a, b: jnp.where(early.reshape((1, -1) + (1,) * (a.ndim - 1)), a[:, None],
                                 b[:, None])
   pairs = ([_fold(pick(a, b)) for a, b in halves],
@@ -589,11 +589,13 @@ def _gathered_zigzag_backward(st, rows, qi, kv, axis_name):
                               axis=1)
   dq = jnp.concatenate([mine(early) + ddq[:, 0], mine(~early) + ddq[:, 1]], axis=1)
 
-  def home(g, d):
+  def by_key_chunk(g, d):
     total = jnp.zeros((b, 2 * plan.shards) + g.shape[2:], g.dtype)
-    return _home(total.at[:, index].add(g).at[:, own].add(d), axis_name)
+    return total.at[:, index].add(g).at[:, own].add(d)
 
-  return _to_zigzag(dq, plan, axis_name, inverse=True), home(dk, ddk), home(dv, ddv)
+  return (_to_zigzag(dq, plan, axis_name, inverse=True),
+          *_together(lambda g: _home(g, axis_name), (by_key_chunk(dk, ddk),
+                                                     by_key_chunk(dv, ddv)), plan))
 
 
 def _zigzag_forward(st, qs, qi, kv, axis_name):
@@ -601,7 +603,7 @@ def _zigzag_forward(st, qs, qi, kv, axis_name):
   `qi`: the queries' ids or None; `kv`: `(k, v)`, or `(k, v, kv_ids)`."""
   plan = st.plan
   zig = lambda x: None if x is None else _to_zigzag(x, plan, axis_name)
-  qs, qi, kv = zig(qs), zig(qi), tuple(zig(x) for x in kv)
+  qs, qi, kv = zig(qs), zig(qi), _together(zig, kv, plan)
   halves = lambda x: (None, None) if x is None else _halves(x)[0]
   split = lambda kv: tuple(zip(*_halves(*kv)))  # ((k0, v0, ...), (k1, v1, ...))
   (q0, q1), (i0, i1), (kv0, kv1) = halves(qs), halves(qi), split(kv)  # 0: early, 1: late
@@ -683,7 +685,7 @@ def _zigzag_backward(st, rows, kv, axis_name):
   `rows`: `(q, dout, lse, delta)`, then the queries' ids if any; `kv`: `(k, v[, kv_ids])`."""
   plan = st.plan
   rows = [_to_zigzag(x, plan, axis_name) for x in rows]
-  kv = tuple(_to_zigzag(x, plan, axis_name) for x in kv)
+  kv = _together(lambda x: _to_zigzag(x, plan, axis_name), kv, plan)
   (r0, r1) = zip(*_halves(*rows))  # (q, dout, lse, delta) of the early and late query chunks
   bwd = lambda r, kv, causal: st.backward(r[0], *kv[:2], *r[1:4], causal,
                                           _pair(r[4] if len(r) > 4 else None, kv))
@@ -707,8 +709,9 @@ def _zigzag_backward(st, rows, kv, axis_name):
               for i in (1, 2))
     return dq, dk, dv
 
-  grads = _backward_steps(plan, kv, grads, step_grads, axis_name)
-  return tuple(_to_zigzag(x, plan, axis_name, inverse=True) for x in grads)
+  dq, dk, dv = _backward_steps(plan, kv, grads, step_grads, axis_name)
+  home = lambda x: _to_zigzag(x, plan, axis_name, inverse=True)
+  return (home(dq), *_together(home, (dk, dv), plan))
 
 
 def _gather(x, axis_name):

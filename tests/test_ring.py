@@ -91,17 +91,20 @@ def _assert_ring_matches_reference(ring, case, causal, inputs):
 # Rings of the reference cases rotating their keys (`GATHER_LIMIT_BYTES = 0`) with no ring
 # small (`SMALL_STEP_ROWS = 0`): causal ones in zigzag order, compact, a whole ring of 4 shards
 # beside sub-rings of 2, and partial sub-rings of 3; a non-causal whole ring of 8. Each step's
-# dk, dv are sent back up to 7 places.
+# dk, dv are sent back up to 7 places. "gathered": the compact whole ring of 4 gathered in
+# zigzag order (k and v as one buffer) beside a compact sub-ring of 2 rotating in it.
 LARGE = ["spanning_head", "partial_sub_rings", "spanning_all_gqa"]
 
 
 @pytest.mark.parametrize("name,large", [(name, False) for name in SMALL]
-                         + [(name, True) for name in LARGE],
-                         ids=SMALL + [f"{name}-large" for name in LARGE])
+                         + [(name, True) for name in LARGE] + [("spanning_head", "gathered")],
+                         ids=SMALL + [f"{name}-large" for name in LARGE]
+                         + ["spanning_head-gathered"])
 def test_ring_matches_reference(monkeypatch, name, large):
   p, n, h, hkv, pattern = CASES[name]
   if large:
-    monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
+    if large != "gathered":
+      monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
     monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)
     plans = list(_plans(pattern, n // p, p, h, h // hkv))
     assert any(plan.kind == "ring" and plan.zigzag == pattern.causal for plan in plans)
@@ -224,6 +227,27 @@ def test_compact_rings_move_keys_and_values_as_one_buffer(causal):
                                             "reduce-scatter"}, backward
   assert all(re.fullmatch(r"f32\[.*,32\](\{.*\})?", shape) for shape, _ in found + backward), \
       found + backward
+
+
+@pytest.mark.parametrize("gathered", [True, False])
+def test_compact_zigzag_rings_move_keys_and_values_as_one_buffer(monkeypatch, gathered):
+  """In zigzag order too (a causal ring of 4, no ring small), gathered or rotating, a compact
+  ring joins k and v (16 + 16): the forward's only 16-wide collectives are the queries' and
+  outputs' moves (two half-shard chunks each way); k, v enter zigzag order as one buffer (two
+  half-shard permutes), and dk, dv leave it, or are reduce-scattered, as one."""
+  monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)
+  monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", None if gathered else 0)
+  pattern = DilatedPattern((64,), (4,), causal=True)  # 16 tokens a shard, 4 rows a head
+  width = lambda shape: int(re.sub(r"\{.*\}", "", shape).rstrip("]").split(",")[-1])
+  found = _collectives(pattern, h=4, hkv=4)
+  assert [kind for shape, kind in found if width(shape) == 16] == ["collective-permute"] * 4
+  backward = _collectives(pattern, h=4, hkv=4, grad=True)
+  joined = [kind for shape, kind in backward if width(shape) == 32]
+  if gathered:
+    assert sorted(set(joined)) == ["all-gather", "reduce-scatter"], backward
+    assert all(width(shape) == 32 for shape, kind in backward if kind != "collective-permute")
+  else:  # k, v in and dk, dv out of zigzag order: half-shard chunks of 2 rows a head
+    assert sum(shape.startswith("f32[1,2,4,32]") for shape, _ in backward) == 4, backward
 
 
 @pytest.mark.parametrize("segment,causal", [(32, False), (32, True), (64, False)])
