@@ -469,11 +469,12 @@ def _repeat_rows(x, count):
   return None if x is None else jnp.repeat(x, count, axis=0)
 
 
-def _home(g, axis_name):
-  """Key gradients by key block of the whole axis, `[B, blocks, n', ...]`, added up over the
-  devices, each device's own shard of them: one reduce-scatter."""
-  return jax.lax.psum_scatter(g.reshape(g.shape[0], -1, *g.shape[3:]), axis_name,
-                              scatter_dimension=1, tiled=True)
+def _home(grads, plan: _Plan, axis_name):
+  """`(dk, dv)` by key block of the whole axis, `[B, blocks, n', ...]` each, added up over the
+  devices, each device's own shard of them: one reduce-scatter (for both, `_together`)."""
+  scatter = lambda g: jax.lax.psum_scatter(g.reshape(g.shape[0], -1, *g.shape[3:]), axis_name,
+                                           scatter_dimension=1, tiled=True)
+  return _together(scatter, grads, plan)
 
 
 def _natural_blocks(st, kv, axis_name):
@@ -523,7 +524,7 @@ def _gathered_backward(st, rows, qi, kv, axis_name):
     dk, dv = with_own(dk, own[1]), with_own(dv, own[2])
   else:
     dq = jnp.sum(dq, axis=1)
-  return (dq, *_together(lambda g: _home(g, axis_name), (dk, dv), st.plan))
+  return (dq, *_home((dk, dv), st.plan, axis_name))
 
 
 def _zigzag_calls(st, rows, qi, kv, axis_name):
@@ -594,8 +595,7 @@ def _gathered_zigzag_backward(st, rows, qi, kv, axis_name):
     return total.at[:, index].add(g).at[:, own].add(d)
 
   return (_to_zigzag(dq, plan, axis_name, inverse=True),
-          *_together(lambda g: _home(g, axis_name), (by_key_chunk(dk, ddk),
-                                                     by_key_chunk(dv, ddv)), plan))
+          *_home((by_key_chunk(dk, ddk), by_key_chunk(dv, ddv)), plan, axis_name))
 
 
 def _zigzag_forward(st, qs, qi, kv, axis_name):
