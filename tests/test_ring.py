@@ -91,20 +91,17 @@ def _assert_ring_matches_reference(ring, case, causal, inputs):
 # Rings of the reference cases rotating their keys (`GATHER_LIMIT_BYTES = 0`) with no ring
 # small (`SMALL_STEP_ROWS = 0`): causal ones in zigzag order, compact, a whole ring of 4 shards
 # beside sub-rings of 2, and partial sub-rings of 3; a non-causal whole ring of 8. Each step's
-# dk, dv are sent back up to 7 places. "gathered": the compact whole ring of 4 gathered in
-# zigzag order (k and v as one buffer) beside a compact sub-ring of 2 rotating in it.
+# dk, dv are sent back up to 7 places.
 LARGE = ["spanning_head", "partial_sub_rings", "spanning_all_gqa"]
 
 
 @pytest.mark.parametrize("name,large", [(name, False) for name in SMALL]
-                         + [(name, True) for name in LARGE] + [("spanning_head", "gathered")],
-                         ids=SMALL + [f"{name}-large" for name in LARGE]
-                         + ["spanning_head-gathered"])
+                         + [(name, True) for name in LARGE],
+                         ids=SMALL + [f"{name}-large" for name in LARGE])
 def test_ring_matches_reference(monkeypatch, name, large):
   p, n, h, hkv, pattern = CASES[name]
   if large:
-    if large != "gathered":
-      monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
+    monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
     monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)
     plans = list(_plans(pattern, n // p, p, h, h // hkv))
     assert any(plan.kind == "ring" and plan.zigzag == pattern.causal for plan in plans)
@@ -672,6 +669,10 @@ REALISTIC = {
                None),
     "partial_sub_rings_r16": (1, 4, 1200, 1, 1, lambda n: DilatedPattern(
         (3600,), (16,), causal=True, offsets="all"), 128),
+    # Compact: a sub-ring of two shards beside a whole ring of four, which "_large" gathers
+    # in zigzag order (k and v as one buffer), 256 residue rows a shard.
+    "longnet_causal_whole": (1, 4, 1024, 2, 2, lambda n: DilatedPattern(
+        (1024, 2048, 4096), (1, 2, 4), causal=True), 128),
     # A sub-ring of two shards (2048 / 1) beside a whole ring, gathered (4096 / 2).
     "data2_seq4_causal": (2, 4, 1024, 2, 1, lambda n: DilatedPattern(
         (1024, 2048, 4096), (1, 1, 2), causal=True), None),
@@ -697,8 +698,9 @@ def _realistic(name, monkeypatch):
 
 
 # The names the tests below run, on the ring alone and packed.
-RUN = [*(name for name in REALISTIC if name not in ("longnet_causal", "partial_sub_rings_r16")),
-       "partial_sub_rings_r16_large"]
+RUN = [*(name for name in REALISTIC if name not in ("longnet_causal", "partial_sub_rings_r16",
+                                                    "longnet_causal_whole")),
+       "partial_sub_rings_r16_large", "longnet_causal_whole_large"]
 RUN_PACKED = ["longnet_causal_large", "longnet_gqa", "gather", "partial_sub_rings_r16",
               "data2_seq4_causal", "data2_seq4_causal_large"]
 
@@ -739,7 +741,8 @@ def test_ring_at_realistic_shard_sizes(monkeypatch, name):
   """Forward, lse and gradients of the ring equal one device's, every plan kind, data x
   sequence meshes included (the scans over key blocks meet mesh-varying data here); the
   whole rings gathered ("full", "longnet_gqa"; causal: "data2_seq4_causal", in natural order,
-  and packed below in zigzag order) and rotated ("full_rotating")."""
+  and packed below in zigzag order; compact in zigzag order: "longnet_causal_whole_large")
+  and rotated ("full_rotating")."""
   rotating = name == "full_rotating"
   if rotating:
     monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
