@@ -5,7 +5,8 @@ over all GPUs as the defaults run it ("default"), and the ring with the mosaic `
 given by `--config` (e.g. `persistent=True`, the persistent programs ring steps ran before
 2026-11-27) or, with `--set NAME=VALUE`, the defaults with the ring module's setting NAME
 (`GATHER_LIMIT_BYTES`: 0, whole rings rotate their keys instead of gathering them;
-`SMALL_STEP_ROWS`: 0, no ring is small) set to VALUE. Each round times every
+`SMALL_STEP_ROWS`: 0, no ring is small; `KERNEL_GATHER`: True, whole rings of full attention
+gather their keys inside the kernel) set to VALUE. Each round times every
 variant once (10 calls back to back, 3 where one GPU takes over 50 ms a call), so that drifts
 between processes and over time hit them alike; medians over `--rounds`. Efficiency as in
 `ring_scaling.py`: `T_1 / (P T_P)`. "dispatch" is the host's time to issue a call (the loop
@@ -39,7 +40,12 @@ def parse_config(text):
 
 # The ring's settings, read when a call is traced and part of the key its compiled programs are
 # cached under (a setting outside that key would leave both variants one program).
-SETTINGS = ("GATHER_LIMIT_BYTES", "SMALL_STEP_ROWS")
+SETTINGS = ("GATHER_LIMIT_BYTES", "SMALL_STEP_ROWS", "KERNEL_GATHER")
+
+
+def setting_value(text):
+  """A setting's value as `--set` gives it: True, False or an int."""
+  return {"True": True, "False": False}[text] if text in ("True", "False") else int(text)
 
 
 def with_setting(fn, name, value):
@@ -65,7 +71,7 @@ def main():
   ap.add_argument("--config", default="persistent=True", help="the other variant's Config")
   ap.add_argument("--set", default=None, metavar="NAME=VALUE",
                   help="the other variant: the defaults with the ring module's setting NAME "
-                       f"({', '.join(SETTINGS)}) = VALUE (an int)")
+                       f"({', '.join(SETTINGS)}) = VALUE (an int, True or False)")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
@@ -91,7 +97,8 @@ def main():
                     "default": (attention_fn(pattern, mesh, None, backward), sharded),
                     label: (attention_fn(pattern, mesh, None, backward, other), sharded)}
         if other is None:
-          variants[label] = (with_setting(variants[label][0], setting[0], int(setting[1])),
+          value = setting_value(setting[1])
+          variants[label] = (with_setting(variants[label][0], setting[0], value),
                              sharded)
         for fn, x in variants.values():  # compile, warm up
           for _ in range(2):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 import warnings
 
 import jax
@@ -63,6 +64,17 @@ GATHER_LIMIT_BYTES: int | None = None
 SMALL_STEP_ROWS: int = 4096
 
 
+# A gathered ring of full attention, non-causal, over every device of one process (the
+# call's only branch), runs as one kernel that gathers its keys itself where the step's
+# backend has one ("mosaic": `mosaic_gather`): each device's peers' keys travel while it
+# attends to its own, instead of an all-gather before (docs/performance.md, "Keys gathered
+# inside the kernel"). Off by default: the kernel's programs wait on their peers', so it
+# needs every one of them resident on every device at once, which a collective XLA runs
+# beside it on another stream (an FSDP weight gather, say) can prevent: a hang, not a wrong
+# answer. Read when a call is traced.
+KERNEL_GATHER: bool = False
+
+
 def _count(name, value):
   """`value`, the module setting `name`, checked to be an int >= 0."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
@@ -73,6 +85,13 @@ def _count(name, value):
 def _small_step_rows() -> int:
   """`SMALL_STEP_ROWS`, checked."""
   return _count("SMALL_STEP_ROWS", SMALL_STEP_ROWS)
+
+
+def _kernel_gather() -> bool:
+  """`KERNEL_GATHER`, checked."""
+  if not isinstance(KERNEL_GATHER, bool):
+    raise ValueError(f"ring.KERNEL_GATHER must be a bool, got {KERNEL_GATHER!r}")
+  return KERNEL_GATHER
 
 
 def _gather_limit() -> int:
@@ -244,6 +263,22 @@ class _RingBranch:
     return backend, backends.config_for(backend, self.config,
                                         ring_step=self.plan.kind == "ring" and not self.gathers)
 
+  def gathering_kernel(self, q, k):
+    """`(backend, config)` whose kernel gathers this branch's keys itself (`KERNEL_GATHER`),
+    or None: a gathered ring of plain full attention (dilation 1, every head, non-causal)
+    over every device of the process, its step's backend one that has such a kernel and
+    runs these shapes."""
+    plan, br = self.plan, self.plan.branch
+    if not (_kernel_gather() and self.gathers and not plan.compact and not self.causal
+            and br.r == 1 and len(br.heads) == q.shape[2] and not self.packed
+            and plan.shards == jax.device_count() == jax.local_device_count()):
+      return None
+    backend, config = self.backend(q, k, False)
+    gathers = getattr(backend, "gathers", None)
+    if gathers is None or not gathers(q.shape, k.shape, q.dtype, plan.shards, self.scale):
+      return None
+    return backend, config
+
   # Layout: compaction for the "compact" ring, identity otherwise.
   def query(self, x):
     return _compact(x, self.plan.branch, lambda h: h) if self.plan.compact else x
@@ -401,6 +436,15 @@ def _merge2(a, b):
   return merge([a[0], b[0]], [a[1], b[1]])
 
 
+def _kernel_gathered_forward(st, kernel, q, k, v, axis_name):
+  """`(o, lse, (k, v) gathered)` of a ring branch that the backend's kernel gathers itself
+  (`_RingBranch.gathering_kernel`, whose `(backend, config)` is `kernel`)."""
+  backend, config = kernel
+  out, lse, gathered = backend.gathered_forward(q, k, v, st.scale, axis_name=axis_name,
+                                                shards=st.plan.shards, config=config)
+  return (*backends.vary_like((out, lse), q, k, v), backends.vary_like(gathered, q, k, v))
+
+
 def _ring_forward(st, q, k, v, axis_name, ids=None):
   """`(o, lse)` of a ring branch on the local queries, in the step layout. `ids`: None or
   the shard's `(q_ids, kv_ids)` (`[B, n]`); the keys' travel with the keys."""
@@ -477,12 +521,15 @@ def _home(grads, plan: _Plan, axis_name):
   return _together(scatter, grads, plan)
 
 
-def _natural_blocks(st, kv, axis_name):
+def _natural_blocks(st, kv, axis_name, gathered=None):
   """`(m, blocks)`: the key blocks of a gathered ring's non-causal call in natural order, each
   of `kv` gathered over the axis and its first `m` shards folded into the batch (all `P`;
-  causal: the `P - 1` that come before some device's own)."""
+  causal: the `P - 1` that come before some device's own). `gathered`: `kv` already
+  gathered (`[B, P n, ...]` each), or None."""
   shards = st.plan.shards
   m = shards - 1 if st.causal else shards
+  if gathered is not None:
+    return m, [_fold(x.reshape(x.shape[0], shards, -1, *x.shape[2:])[:, :m]) for x in gathered]
   return m, _together(lambda x: _fold(_gathered_blocks(x, axis_name, shards)[:, :m]), kv,
                       st.plan)
 
@@ -505,11 +552,12 @@ def _gathered_forward(st, qs, qi, kv, axis_name):
   return merge(outs, lses)
 
 
-def _gathered_backward(st, rows, qi, kv, axis_name):
-  """The backward of `_gathered_forward`: the same calls; dk and dv of every shard go home
-  by one reduce-scatter."""
+def _gathered_backward(st, rows, qi, kv, axis_name, gathered=None):
+  """The backward of `_gathered_forward` (or of `_kernel_gathered_forward`, whose
+  `gathered` keys it reads instead of gathering them again): the same calls; dk and dv of
+  every shard go home by one reduce-scatter."""
   b = rows[0].shape[0]
-  m, blocks = _natural_blocks(st, kv, axis_name)
+  m, blocks = _natural_blocks(st, kv, axis_name, gathered)
   rep = [_repeat_rows(x, m) for x in rows]
   grads = st.backward(rep[0], *blocks[:2], *rep[1:], False, _pair(_repeat_rows(qi, m), blocks))
   dq, dk, dv = (x.reshape(b, m, *x.shape[1:]) for x in grads)
@@ -656,15 +704,17 @@ def _backward_steps(plan, kv, grads, step_grads, axis_name, shift=False):
   return dq, dk, dv
 
 
-def _ring_backward(st, q, k, v, dout, lse, delta, axis_name, ids=None):
-  """`(dq, dk, dv)` of a ring branch, in the step layout."""
+def _ring_backward(st, q, k, v, dout, lse, delta, axis_name, ids=None, gathered=None):
+  """`(dq, dk, dv)` of a ring branch, in the step layout. `gathered`: the keys and values
+  the forward's kernel gathered (`_kernel_gathered_forward`), or None."""
   plan = st.plan
   qs, dos, lses, deltas = (st.query(x) for x in (q, dout, lse[..., None], delta[..., None]))
   rows = (qs, dos, lses[..., 0], deltas[..., 0])
   qi, kv = _with_ids(st, ids, q, k, (st.key(k), st.key(v)))
   if st.gathers:
-    gathered = _gathered_zigzag_backward if plan.zigzag else _gathered_backward
-    return gathered(st, rows, qi, kv, axis_name)
+    if plan.zigzag:
+      return _gathered_zigzag_backward(st, rows, qi, kv, axis_name)
+    return _gathered_backward(st, rows, qi, kv, axis_name, gathered)
   if plan.zigzag:
     return _zigzag_backward(st, rows + (() if qi is None else (qi,)), kv, axis_name)
   grads = st.backward(rows[0], *kv[:2], *rows[1:], st.causal, _pair(qi, kv))
@@ -732,6 +782,7 @@ class _Ring:
   axis_name: str
   names: tuple[str, ...]
   config: object = None
+  saves: typing.ClassVar[bool] = True  # a branch's kernel may gather keys (`KERNEL_GATHER`)
 
   def _branches(self, q, k, packed):
     """`(plan, _RingBranch)` pairs, one per branch; the local branches as one pair (the
@@ -750,11 +801,14 @@ class _Ring:
         pairs = [(local[0][0], together)] + [(p, st) for p, st in pairs if p.kind != "local"]
     return pairs
 
-  def forward(self, q, k, v, segment_ids=None):
+  def forward(self, q, k, v, segment_ids=None, save=False):
+    """`(out, lse)`, and with `save` the keys each branch's kernel gathered (None where it
+    gathered none) for the backward (`saves`)."""
     n, num_heads, axis_name = q.shape[1], q.shape[2], self.axis_name
-    outs, lses = [], []
+    outs, lses, saved = [], [], []
     pairs = self._branches(q, k, segment_ids is not None)
     for plan, st in pairs:
+      kernel = None
       if plan.kind == "local":  # all branches local: the call's result, in q's dtype
         o, lse = st.forward(q, k, v, st.causal, _ids_per_head(segment_ids, q, k),
                             final=len(pairs) == 1)
@@ -763,6 +817,8 @@ class _Ring:
         ids = None if segment_ids is None else [_gather(x, axis_name) for x in segment_ids]
         o, lse = st.forward(*full, st.causal, _ids_per_head(ids, full[0], full[1]))
         o, lse = _local_rows(o, axis_name, n), _local_rows(lse, axis_name, n)
+      elif len(pairs) == 1 and (kernel := st.gathering_kernel(q, k)):
+        o, lse, gathered = _kernel_gathered_forward(st, kernel, q, k, v, axis_name)
       else:
         o, lse = _ring_forward(st, q, k, v, axis_name, segment_ids)
         if plan.compact:  # a compact row sees at least itself, so its lse is finite
@@ -771,14 +827,16 @@ class _Ring:
                           st.unquery(lse[..., None], q[..., :1])[..., 0], -jnp.inf)
       outs.append(o)
       lses.append(lse)
-    return merge(outs, lses)
+      saved.append(gathered if kernel else None)
+    out, lse = merge(outs, lses)
+    return (out, lse, tuple(saved)) if save else (out, lse)
 
-  def backward(self, q, k, v, dout, lse, delta, segment_ids=None):
+  def backward(self, q, k, v, dout, lse, delta, segment_ids=None, saved=None):
     n, axis_name = q.shape[1], self.axis_name
     acc = jnp.promote_types(q.dtype, jnp.float32)
     grads = None
     pairs = self._branches(q, k, segment_ids is not None)
-    for plan, st in pairs:
+    for i, (plan, st) in enumerate(pairs):
       if plan.kind == "local":  # all branches local: the call's gradients, in q's dtype
         g = st.backward(q, k, v, dout, lse, delta, st.causal, _ids_per_head(segment_ids, q, k),
                         final=len(pairs) == 1)
@@ -788,7 +846,8 @@ class _Ring:
         g = [_local_rows(x, axis_name, n) for x in st.backward(
             *full, st.causal, _ids_per_head(ids, full[0], full[1]))]
       else:
-        gq, gk, gv = _ring_backward(st, q, k, v, dout, lse, delta, axis_name, segment_ids)
+        gq, gk, gv = _ring_backward(st, q, k, v, dout, lse, delta, axis_name, segment_ids,
+                                    None if saved is None else saved[i])
         g = (st.unquery(gq, q), st.unkey(gk, k), st.unkey(gv, v))
       grads = g if grads is None else tuple(a.astype(acc) + b for a, b in zip(grads, g))
     return grads
@@ -902,7 +961,8 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   names = backends.candidates(implementation)
   backends.check_config(config)
   fn = _sharded(pattern, mesh, axis_name, batch_axes or None, scale, names, config,
-                segment_ids is not None, (_gather_limit(), _small_step_rows()))
+                segment_ids is not None,
+                (_gather_limit(), _small_step_rows(), _kernel_gather()))
   out, lse = fn(q, k, v) if segment_ids is None else fn(q, k, v, segment_ids)
   return (out, lse) if return_lse else out
 
@@ -911,7 +971,7 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
 def _sharded(pattern, mesh, axis_name, batch_axes, scale, names, config, packed, settings):
   """The jitted shard_map of one configuration (cached: eager calls reuse its compilation);
   `packed`: it takes segment ids, `(q, k, v, segment_ids)`; `settings`: the module settings
-  it was traced with (`_gather_limit()`, `SMALL_STEP_ROWS`)."""
+  it was traced with (`_gather_limit()`, `SMALL_STEP_ROWS`, `KERNEL_GATHER`)."""
   del settings  # a key of the cache only
   spec = jax.P(batch_axes, axis_name)
   explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)

@@ -35,7 +35,11 @@ A backend is a module of `hilbert_ring_jax.backends` that provides (see `Backend
 
 A backend may also provide `ring_step_config(config) -> Config`: the config its ring steps
 run with (`config`: the caller's, or None), where other work (the next step's transfers)
-shares the device with them.
+shares the device with them; and a kernel that gathers a ring's keys itself (the ring's
+`KERNEL_GATHER`): `gathers(q_shape, kv_shape, dtype, shards, scale) -> Support` and
+`gathered_forward(q, k, v, scale, *, axis_name, shards, config=None)` -> `(out, lse, (k, v))`,
+full non-causal attention of a device's queries over every device's keys (inside shard_map),
+out in q's dtype, and the keys and values gathered `[B, P n, Hkv, D]`.
 
 `resolve` picks the first candidate whose `supports` says yes, once per call (or per ring
 branch): forward and backward are resolved from the same facts, and when every candidate
@@ -227,7 +231,12 @@ def _loaded(name):
 
 class Kernel(Protocol):
   """The two halves `attention` differentiates: any computation following the contract.
-  A kernel called with `segment_ids` (`attention`'s argument) gets them as a keyword."""
+  A kernel called with `segment_ids` (`attention`'s argument) gets them as a keyword. A
+  kernel whose `saves` is true keeps residuals of its own for its backward: differentiated,
+  its forward is called with `save=True` and returns `(out, lse, saved)`, and its backward
+  gets `saved=` (the ring: keys its forward gathered, which the backward then need not)."""
+
+  saves: bool = False
 
   def forward(self, q, k, v): ...  # -> (out, lse)
 
@@ -248,27 +257,38 @@ def attention(q, k, v, kernel: Kernel, segment_ids=None):
   the one row statistic every backward needs. `segment_ids` (None, or integer arrays: the
   documents of packed sequences) go to both halves as a keyword and get no gradient.
   """
+  return _forward(q, k, v, kernel, segment_ids, save=False)[:2]
+
+
+def _forward(q, k, v, kernel, segment_ids, save: bool):
+  """`(out, lse, saved)`: `saved` the kernel's own residuals where `save` and it keeps some
+  (`Kernel.saves`), else None."""
   # Inside shard_map the operands may vary over different mesh axes (q sharded, k and v
   # replicated): the kernel gets them typed alike, and the backward sums the gradients back.
   leaves, tree = jax.tree.flatten(segment_ids)
   q, k, v, *leaves = vary_alike(q, k, v, *leaves)
-  out, lse = kernel.forward(q, k, v, **_ids(jax.tree.unflatten(tree, leaves)))
-  return vary_alike(out.astype(q.dtype), lse.astype(jnp.float32), q)[:2]
+  ids = _ids(jax.tree.unflatten(tree, leaves))
+  if save and getattr(kernel, "saves", False):
+    out, lse, saved = kernel.forward(q, k, v, save=True, **ids)
+  else:
+    (out, lse), saved = kernel.forward(q, k, v, **ids), None
+  return (*vary_alike(out.astype(q.dtype), lse.astype(jnp.float32), q)[:2], saved)
 
 
 def _attention_fwd(q, k, v, kernel, segment_ids):
-  out, lse = attention(q, k, v, kernel, segment_ids)
-  return (out, lse), (q, k, v, out, lse, segment_ids)
+  out, lse, saved = _forward(q, k, v, kernel, segment_ids, save=True)
+  return (out, lse), (q, k, v, out, lse, segment_ids, saved)
 
 
 def _attention_bwd(kernel, res, cotangents):
-  q, k, v, out, lse, segment_ids = res
+  q, k, v, out, lse, segment_ids, saved = res
   dout, dlse = cotangents
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   delta = delta - dlse.astype(jnp.float32)
   leaves, tree = jax.tree.flatten(segment_ids)
   operands = vary_alike(q, k, v, dout, lse, delta, *leaves)
-  grads = kernel.backward(*operands[:6], **_ids(jax.tree.unflatten(tree, operands[6:])))
+  ids = _ids(jax.tree.unflatten(tree, operands[6:]))
+  grads = kernel.backward(*operands[:6], **ids, **({} if saved is None else {"saved": saved}))
   # Integer ids get no cotangent (None: zero).
   return (*(_saturate(cotangent_like(g, x), x.dtype) for g, x in zip(grads, (q, k, v))),
           jax.tree.map(lambda _: None, segment_ids))

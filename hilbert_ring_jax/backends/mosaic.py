@@ -26,6 +26,8 @@ The backend's modules, in reading order:
 - `mosaic_pipeline.py`: the producer/consumer pipeline the three kernels share;
 - `mosaic_forward.py`: the forward kernel;
 - `mosaic_backward.py`: the dq and dk/dv kernels;
+- `mosaic_gather.py`: the ring's forward kernel that gathers its keys itself (`gathers`,
+  `gathered_forward`; `ring.KERNEL_GATHER`);
 - `mosaic_decode.py`: the decoding token step's kernel (`step`).
 The Hopper building blocks (limits, tile layouts, wgmma products, turns, the launcher) are
 `hopper.py`'s, shared by all of them.
@@ -57,15 +59,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..pattern import DilatedPattern
-from . import common, mosaic_backward, mosaic_decode, mosaic_forward, schedule
+from . import common, mosaic_backward, mosaic_decode, mosaic_forward, mosaic_gather, schedule
 from .base import YES, Problem, Support, no
 from .common import batched
 from .hopper import LOG2E, is_hopper
 from .mosaic_plan import (BWD_BLOCK, ROW_BLOCK, Config, geometry_problem, launches,
                           long_key_rows, out_length)
 
-__all__ = ["Config", "backward", "forward", "geometry_problem", "ring_step_config", "step",
-           "supports"]
+__all__ = ["Config", "backward", "forward", "gathered_forward", "gathers", "geometry_problem",
+           "ring_step_config", "step", "supports"]
 
 
 def supports(problem: Problem) -> Support:
@@ -101,6 +103,34 @@ def supports(problem: Problem) -> Support:
                              Config().resolved(d), b):
     return no(why)
   return YES
+
+
+def gathers(q_shape, kv_shape, dtype, shards: int, scale: float) -> Support:
+  """Whether `gathered_forward` runs these shard shapes: Hopper, JAX >= 0.11, bf16 or f16,
+  head dim 64 or 128, a positive scale, shards of whole blocks (`mosaic_gather.fits`), over
+  `shards >= 2` devices."""
+  if not is_hopper() or jax.__version_info__ < (0, 11):
+    return no("the gathering kernel runs on Hopper GPUs (sm_90) with JAX >= 0.11")
+  if not any(jnp.dtype(dtype) == t for t in (jnp.bfloat16, jnp.float16)):
+    return no(f"the gathering kernel runs bf16 and f16, got {dtype}")
+  n, d = q_shape[1], q_shape[3]
+  if (shards < 2 or d not in (64, 128) or not scale > 0 or kv_shape[1] != n
+      or not mosaic_gather.fits(n, d, jnp.dtype(dtype).itemsize)):
+    return no(f"the gathering kernel needs 2 or more shards of whole blocks, head dim 64 or "
+              f"128 and a positive scale; got shards of {n} at head dim {d} over {shards}, "
+              f"scale {scale}")
+  return YES
+
+
+def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, config=None):
+  """`(out [B, n, H, D] in q's dtype, lse [B, n, H], (k, v) gathered [B, P n, Hkv, D])`:
+  full attention, non-causal, of this device's queries over the keys of all `shards`
+  devices of `axis_name` (inside shard_map), gathered inside the kernel (`mosaic_gather`;
+  `gathers` says which shapes run)."""
+  del config  # the kernel's blocks are its own
+  out, lse, k_all, v_all = mosaic_gather.gathered_forward(q, k, v, scale, axis_name=axis_name,
+                                                          shards=shards)
+  return out, lse, (k_all, v_all)
 
 
 def ring_step_config(config: Config | None) -> Config:

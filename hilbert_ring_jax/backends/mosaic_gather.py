@@ -1,0 +1,255 @@
+"""The "mosaic" backend's gathering ring kernel: full attention of each device's queries over
+the keys of every device of a mesh axis, the all-gather done by the kernel itself.
+
+One launch per device, persistent (a program per SM, co-resident: programs wait on their
+peers'). Each program's producer warpgroup streams its items' key/value blocks, its own
+device's first and then the `P - 1` peers', and meanwhile pushes its share of the device's
+own key/value blocks into every peer's receive buffers (a TMA load into a staging tile, then
+TMA stores through `plgpu.remote_ref`), one block per pipeline step; once its share has
+landed it signals each peer's semaphore. Before its first peer block, a producer waits until
+every program of every peer has signalled: so the transfers run beside the attention over
+the device's own keys, instead of an all-gather before it. The consumers are the forward's
+(`mosaic_forward`): two warpgroups of `block_q` query rows taking turns on the tensor cores,
+an online base-2 softmax; no mask (every key is visible), so rows of whole blocks only.
+
+The receive buffers, `[B, P, n, Hkv, D]`, hold device `i`'s keys in slot `i` (its own too,
+copied by its pushes): an all-gather's result, an output of the launch (the ring's backward
+reads them instead of gathering again). The walk's key order, its own device's first, is not
+global order, which full non-causal attention does not see.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .hopper import (LN2, LOG2E, REGISTERS, SMEM_BYTES, accumulate, ceil_div, products, run,
+                     sm_count, swizzled, turns)
+
+PUSH_ROWS = 64  # rows of the staging tile a push moves
+
+
+def smem_bytes(d: int, itemsize: int, block_q: int, block_k: int, stages: int,
+               q_buffers: int, out_itemsize: int) -> int:
+  """The kernel's shared memory (outputs in the inputs' dtype reuse the query tiles)."""
+  tiles = 2 * q_buffers * block_q + 2 * stages * block_k + PUSH_ROWS
+  out = 0 if out_itemsize == itemsize else 2 * block_q * d * out_itemsize
+  return tiles * d * itemsize + out + 2 * block_q * 4 + 2048
+
+
+def fits(n: int, d: int, itemsize: int, block_q: int = 64, block_k: int = 128,
+         stages: int = 2, out_itemsize: int | None = None) -> bool:
+  """Whether the kernel runs a shard of `n` rows at head dim `d`: whole blocks, and its
+  tiles in shared memory."""
+  smem = smem_bytes(d, itemsize, block_q, block_k, stages, 1, out_itemsize or itemsize)
+  return (n % (2 * block_q) == 0 and n % block_k == 0 and n % PUSH_ROWS == 0
+          and smem <= SMEM_BYTES)
+
+
+def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: int = 64,
+                     block_k: int = 128, stages: int = 2, out_dtype=None):
+  """`(out [B, n, H, D], lse [B, n, H])` of `q [B, n, H, D]` over the keys `k, v [B, n, Hkv,
+  D]` of all `shards` devices of `axis_name` (inside `shard_map`), non-causal, `scale > 0`;
+  `out` in `out_dtype` (default q's). Also returns every device's keys and values as
+  gathered, `[B, P n, Hkv, D]` each in natural order (an all-gather's result)."""
+  batch, n, num_heads, d = q.shape
+  kv_heads = k.shape[2]
+  per_kv = num_heads // kv_heads
+  dtype = q.dtype
+  out_dtype = jnp.dtype(out_dtype or dtype)
+  same = out_dtype == dtype
+  bq, bk = block_q, block_k
+  assert scale > 0 and fits(n, d, dtype.itemsize, bq, bk, stages, out_dtype.itemsize), (
+      n, d, bq, bk, stages)
+  peers = shards - 1
+  q_blocks, k_blocks = n // (2 * bq), n // bk
+  items = batch * num_heads * q_blocks
+  programs = min(items, sm_count())
+  # The pushes: every (k or v, batch row, head, PUSH_ROWS block) of this device, dealt to
+  # the programs in turn.
+  push_blocks = n // PUSH_ROWS
+  pushes = 2 * batch * kv_heads * push_blocks
+  arrivals = peers * programs  # signals each device waits for
+  qk_scale = scale * LOG2E
+  # Two query tiles per consumer where they fit: the next item's queries load meanwhile.
+  buffers = 2 if smem_bytes(d, dtype.itemsize, bq, bk, stages, 2,
+                            out_dtype.itemsize) <= SMEM_BYTES else 1
+
+  def kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, k_recv, v_recv, smem, bars, free):
+    q_smem, k_smem, v_smem, o_smem, lse_smem, stage = smem
+    q_bar, k_bar, v_bar, stage_bar = bars
+    (k_free, v_free), turn = free
+    wg = lax.axis_index("wg")
+    pid = lax.axis_index("row")
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    me = lax.axis_index(axis_name)
+    count = ceil_div(items - pid, programs)
+
+    def decode(i):  # item i of this program: (batch row, head, query block)
+      item = pid + i * programs
+      return lax.div(item, num_heads * q_blocks), lax.rem(lax.div(item, q_blocks), num_heads), \
+          lax.rem(item, q_blocks)
+
+    def producer():
+      plgpu.set_max_registers(REGISTERS[0], action="decrease")
+      share = ceil_div(pushes - pid, programs)
+
+      def push(idx):
+        """This program's push `idx`: one block to its own slot and every peer's."""
+        t = pid + idx * programs
+        kind, t = lax.div(t, pushes // 2), lax.rem(t, pushes // 2)
+        b, t = lax.div(t, kv_heads * push_blocks), lax.rem(t, kv_heads * push_blocks)
+        head, blk = lax.div(t, push_blocks), lax.rem(t, push_blocks)
+        rows = pl.ds(blk * PUSH_ROWS, PUSH_ROWS)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores before have read it
+        for src_kind, (src, recv) in enumerate(((k_ref, k_recv), (v_ref, v_recv))):
+          @pl.when(kind == src_kind)
+          def _():
+            plgpu.copy_gmem_to_smem(src.at[b, rows, head], stage, stage_bar)
+            plgpu.barrier_wait(stage_bar)
+            plgpu.copy_smem_to_gmem(stage, recv.at[b, me, rows, head])  # its own slot
+            for o in range(1, shards):
+              dest = plgpu.remote_ref(recv, {axis_name: lax.rem(me + o, shards)})
+              plgpu.copy_smem_to_gmem(stage, dest.at[b, me, rows, head])
+
+      def finish_pushes(pushed):
+        """The rest of this program's pushes, their landing, and the signals."""
+        lax.fori_loop(pushed, share, lambda idx, c: (push(idx), c)[1], 0)
+        plgpu.wait_smem_to_gmem(0)
+        for o in range(1, shards):
+          pl.semaphore_signal(sem, device_id={axis_name: lax.rem(me + o, shards)})
+
+      def per_item(i, carry):
+        b, h, _ = decode(i)
+        kv_head = lax.div(h, per_kv)
+
+        def per_block(j, carry):
+          step, pushed = carry
+          section, jj = lax.div(j, k_blocks), lax.rem(j, k_blocks)
+          device = lax.rem(me + section, shards)  # whose keys: its own first
+
+          @pl.when((i == 0) & (j == k_blocks))  # the first peer block of the program
+          def _():
+            finish_pushes(pushed)
+            pl.semaphore_wait(sem, value=arrivals, decrement=False)
+
+          slot = lax.rem(step, stages)
+          rows = pl.ds(jj * bk, bk)
+          for own, recv, smem, bar, free_ in ((k_ref, k_recv, k_smem, k_bar, k_free),
+                                              (v_ref, v_recv, v_smem, v_bar, v_free)):
+            pl.when(step >= stages)(lambda: plgpu.barrier_wait(free_.at[slot]))
+            pl.when(section == 0)(lambda: plgpu.copy_gmem_to_smem(
+                own.at[b, rows, kv_head], smem.at[slot], bar.at[slot]))
+            pl.when(section > 0)(lambda: plgpu.copy_gmem_to_smem(
+                recv.at[b, device, rows, kv_head], smem.at[slot], bar.at[slot]))
+          more = (i == 0) & (pushed < share) & (j < k_blocks)
+          pl.when(more)(lambda: push(pushed))
+          return step + 1, jnp.where(more, pushed + 1, pushed)
+
+        return lax.fori_loop(0, shards * k_blocks, per_block, carry)
+
+      steps, _ = lax.fori_loop(0, count, per_item, (jnp.int32(0), jnp.int32(0)))
+      for s in range(stages):  # observe every phase of the free barriers before exiting
+        step = steps - stages + s
+
+        @pl.when(step >= 0)
+        def _():
+          plgpu.barrier_wait(k_free.at[lax.rem(step, stages)])
+          plgpu.barrier_wait(v_free.at[lax.rem(step, stages)])
+
+      plgpu.wait_smem_to_gmem(0)
+
+    def consumer():
+      plgpu.set_max_registers(REGISTERS[1], action="increase")
+      row_stat = plgpu.Layout.WGMMA.reduce(1)
+      rows_of = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
+      take_turn, give_turn, start_turns, end_turns = turns(turn, wg)
+      tile = lambda i: lax.rem(i, buffers) * 2 + wg  # this consumer's query tile of item i
+
+      def load_q(i):
+        b, h, qb = decode(i)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds((2 * qb + wg) * bq, bq), h],
+                                q_smem.at[tile(i)], q_bar.at[tile(i)])
+
+      if buffers == 2:
+        load_q(0)
+
+      def per_item(i, step):
+        b, h, qb = decode(i)
+        rows = pl.ds((2 * qb + wg) * bq, bq)
+        # The stores of the item before have read their tiles (the output's may be the
+        # query tile the next item's queries load into).
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if buffers == 2:
+          pl.when(i + 1 < count)(lambda: load_q(i + 1))
+        else:
+          load_q(i)
+        q_tile = q_smem.at[tile(i)]
+        o_tile = q_tile if same else o_smem.at[wg]
+        plgpu.barrier_wait(q_bar.at[tile(i)])
+
+        def block(_, carry):
+          acc, m_i, l_i, step = carry
+          slot = lax.rem(step, stages)
+          plgpu.barrier_wait(k_bar.at[slot])
+          s, = products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
+          plgpu.barrier_arrive(k_free.at[slot])
+          m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
+          alpha = jnp.exp2(m_i - m_new)
+          p_ = jnp.exp2(s * qk_scale - rows_of(m_new, s.shape))
+          acc = acc * rows_of(alpha, acc.shape)
+          l_i = l_i * alpha + p_.sum(axis=1)
+          give_turn(lambda: plgpu.barrier_wait(v_bar.at[slot]))
+          acc, = accumulate([acc], [(p_.astype(dtype), v_smem.at[slot])], False)
+          plgpu.barrier_arrive(v_free.at[slot])
+          return acc, m_new, l_i, step + 1
+
+        acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+        m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_stat)
+        l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_stat)
+        start_turns()
+        acc, m_i, l_i, step = lax.fori_loop(0, shards * k_blocks, block, (acc, m_i, l_i, step))
+        end_turns()
+        o_tile[...] = (acc / rows_of(l_i, acc.shape)).astype(o_tile.dtype)
+        lse_smem.at[wg][...] = (m_i + jnp.log2(l_i)) * LN2
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, rows, h])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
+        return step
+
+      lax.fori_loop(0, count, per_item, jnp.int32(0))
+      plgpu.wait_smem_to_gmem(0)
+
+    pl.when(wg < 2)(consumer)
+    pl.when(wg == 2)(producer)
+
+  def entry(origin_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, k_recv, v_recv):
+    del origin_ref
+    tiles = swizzled(dtype)
+    smem = [plgpu.SMEM((2 * buffers, bq, d), dtype, transforms=tiles),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
+            None if same else plgpu.SMEM((2, bq, d), out_dtype, transforms=swizzled(out_dtype)),
+            plgpu.SMEM((2, bq), jnp.float32),
+            plgpu.SMEM((PUSH_ROWS, d), dtype, transforms=tiles)]
+    pl.run_scoped(
+        lambda smem, bars, free: kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, k_recv, v_recv,
+                                        smem, bars, free),
+        smem,
+        (plgpu.Barrier(num_barriers=2 * buffers), plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=1)),
+        ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+         plgpu.Barrier(num_arrivals=2)),
+        collective_axes="wg")
+
+  recv = jax.ShapeDtypeStruct((batch, shards, n, kv_heads, d), dtype)
+  out_type = (jax.ShapeDtypeStruct((batch, n, num_heads, d), out_dtype),
+              jax.ShapeDtypeStruct((batch, num_heads, n), jnp.float32), recv, recv)
+  out, lse, k_all, v_all = run(entry, out_type, (programs, 1), (q, k, v), False)
+  gathered = lambda x: x.reshape(batch, shards * n, kv_heads, d)
+  return out, lse.transpose(0, 2, 1), gathered(k_all), gathered(v_all)

@@ -1,0 +1,185 @@
+"""The ring's keys gathered inside the kernel (`ring.KERNEL_GATHER`, `mosaic_gather`): which
+rings take it, what it computes, and that the kernel lowers for the GPU on a CPU."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+from hilbert_ring_jax import DilatedPattern, dilated_attention
+from hilbert_ring_jax import ring as ring_module
+from hilbert_ring_jax.backends import hopper, mosaic, mosaic_gather, xla
+from hilbert_ring_jax.ring import sharded_dilated_attention
+
+AUTO = jax.sharding.AxisType.Auto
+
+
+def test_the_kernel_lowers_for_the_gpu_on_a_cpu():
+  """Through Mosaic GPU's own lowering, for the CUDA platform, on 4 CPU devices: the remote
+  stores into each peer's receive buffers and the semaphores included; GQA (2 query heads
+  a key/value head), and an output tile of its own (float32)."""
+  mesh = jax.make_mesh((4,), ("seq",), axis_types=(AUTO,), devices=jax.devices()[:4])
+  spec = jax.P(None, "seq")
+  q = jax.ShapeDtypeStruct((1, 4 * 1024, 4, 128), jnp.bfloat16,
+                           sharding=jax.NamedSharding(mesh, spec))
+  kv = jax.ShapeDtypeStruct((1, 4 * 1024, 2, 128), jnp.bfloat16,
+                            sharding=jax.NamedSharding(mesh, spec))
+  for out_dtype in (None, jnp.float32):
+    fn = jax.shard_map(functools.partial(
+        mosaic_gather.gathered_forward, scale=0.1, axis_name="seq", shards=4,
+        out_dtype=out_dtype, block_k=64), mesh=mesh, in_specs=(spec,) * 3,
+        out_specs=(spec, spec, spec, spec),
+        check_vma=False)
+    text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_the_kernel_declines_what_it_does_not_run():
+  """`mosaic.gathers`: shards of whole blocks, 2 or more of them, head dims 64 and 128, a
+  positive scale, 16-bit inputs; each refusal says why (and off Hopper, everything)."""
+  ok = ((1, 1024, 4, 128), (1, 1024, 2, 128), jnp.bfloat16, 4, 0.1)
+  assert mosaic_gather.fits(1024, 128, 2) and not mosaic_gather.fits(1000, 128, 2)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(mosaic, "is_hopper", lambda: True)
+    patch.setattr(jax, "__version_info__", (0, 11, 2))
+    assert mosaic.gathers(*ok)
+    for bad in ((1, 1000, 4, 128), (1, 1024, 4, 256)):
+      support = mosaic.gathers(bad, bad, jnp.bfloat16, 4, 0.1)
+      assert not support and "whole blocks" in support.reason
+    assert not mosaic.gathers(*ok[:3], 1, 0.1) and not mosaic.gathers(*ok[:4], -0.1)
+    assert "bf16" in mosaic.gathers(*ok[:2], jnp.float32, 4, 0.1).reason
+  assert not mosaic.gathers(*ok) or hopper.is_hopper()
+
+
+def _recording_xla(monkeypatch, calls):
+  """The "xla" backend given a gathering kernel of its own (an all-gather, then attention
+  over the gathered keys in jnp), so that the ring's choice of it runs on a CPU; `calls`
+  records each use."""
+
+  def gathered_forward(q, k, v, scale, *, axis_name, shards, config=None):
+    del config
+    calls.append(shards)
+    per_kv = q.shape[2] // k.shape[2]
+    gathered = tuple(jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))
+    k, v = (jnp.repeat(x, per_kv, axis=2) for x in gathered)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    lse = jax.nn.logsumexp(s, axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - lse[..., None]), v)
+    return out.astype(q.dtype), lse.transpose(0, 2, 1), gathered
+
+  monkeypatch.setattr(xla, "gathers", lambda *args: True, raising=False)
+  monkeypatch.setattr(xla, "gathered_forward", gathered_forward, raising=False)
+
+
+# (pattern over N, Hkv): "full_gqa" is the one a gathering kernel runs.
+ROUTES = {
+    "full_gqa": (lambda n: DilatedPattern((n,), (1,)), 1),
+    "full_causal": (lambda n: DilatedPattern((n,), (1,), causal=True), 2),
+    "dilated_whole_ring": (lambda n: DilatedPattern((n,), (2,)), 2),
+    "longnet": (lambda n: DilatedPattern((1024, n), (1, 1)), 2),
+}
+
+
+def _ring_case(monkeypatch, name, calls):
+  """`(ring, single, inputs)` of a ROUTES case at 1024 tokens a device on all 8 (the
+  kernel needs a ring over every device), `KERNEL_GATHER` set, on the recording backend."""
+  make, hkv = ROUTES[name]
+  _recording_xla(monkeypatch, calls)
+  monkeypatch.setattr(ring_module, "KERNEL_GATHER", True)
+  n = 8 * 1024
+  pattern = make(n)
+  case = helpers.Case(n, 2, hkv, pattern.segment_lengths, pattern.dilation_rates,
+                      pattern.offsets, head_dim=8)
+  m = jax.make_mesh((8,), ("seq",), axis_types=(AUTO,))
+  ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
+      q, k, v, pattern, mesh=m, axis_name="seq", return_lse=True))
+  single = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
+  return ring, single, helpers.random_inputs(case, jnp.float32, 5)
+
+
+@pytest.mark.parametrize("name", ROUTES)
+def test_rings_take_the_kernel_only_where_it_applies(monkeypatch, name):
+  """With `KERNEL_GATHER` set, a whole ring of plain full attention, non-causal and the
+  call's only branch, runs as the backend's gathering kernel; causal, dilated or one branch
+  of several, the ring runs as before (traced only: the next test computes)."""
+  calls = []
+  ring, _, (q, k, v, _, _) = _ring_case(monkeypatch, name, calls)
+  jax.make_jaxpr(ring)(q, k, v)
+  assert set(calls) == ({8} if name == "full_gqa" else set())
+
+
+def test_a_ring_through_the_kernel_equals_one_device(monkeypatch):
+  """The kernel's partials go back into the ring's layout (lse per row and head) and its
+  backward, on the keys the kernel gathered (no all-gather of its own), matches: output,
+  lse and gradients equal one device's."""
+  calls = []
+  ring, single, (q, k, v, dout, dlse) = _ring_case(monkeypatch, "full_gqa", calls)
+  (out, lse), vjp = jax.vjp(ring, q, k, v)
+  assert calls
+  backward = str(jax.make_jaxpr(vjp)((dout, dlse)))
+  assert "all_gather" not in backward and "reduce_scatter" in backward
+  (ref_out, ref_lse), ref_vjp = jax.vjp(single, q, k, v)
+  tol = helpers.TOL[jnp.float32]
+  assert helpers.rel_err(out, ref_out) < tol
+  helpers.check_lse(lse, ref_lse, tol)
+  for g, ref in zip(vjp((dout, dlse)), ref_vjp((dout, dlse))):
+    assert helpers.rel_err(g, ref) < tol
+
+
+def test_the_setting_is_checked_and_off_by_default(monkeypatch):
+  calls = []
+  _recording_xla(monkeypatch, calls)
+  m = jax.make_mesh((8,), ("seq",), axis_types=(AUTO,))
+  x = jnp.ones((1, 8 * 256, 2, 8))
+  pattern = DilatedPattern((x.shape[1],), (1,))
+  sharded_dilated_attention(x, x, x, pattern, mesh=m, axis_name="seq")
+  assert ring_module.KERNEL_GATHER is False and not calls
+  monkeypatch.setattr(ring_module, "KERNEL_GATHER", 1)
+  with pytest.raises(ValueError, match="ring.KERNEL_GATHER must be a bool"):
+    sharded_dilated_attention(x, x, x, pattern, mesh=m, axis_name="seq")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hkv,d", [(4, 128), (2, 64)])
+def test_the_kernel_on_gpus(monkeypatch, hkv, d):
+  """On every GPU of the host (Hopper, two or more): the ring with `KERNEL_GATHER`, bf16,
+  2048 tokens a GPU, against one GPU's float32 result (output, lse, gradients through the
+  all-gathering backward), and the kernel ran; 20 calls on new queries equal the ring
+  without it (the semaphores start afresh in each launch)."""
+  gpus = jax.devices("gpu")
+  if len(gpus) < 2 or not hopper.is_hopper():
+    pytest.skip("needs two Hopper GPUs")
+  ran = []
+  kernel = mosaic_gather.gathered_forward
+  monkeypatch.setattr(mosaic_gather, "gathered_forward",
+                      lambda *a, **kw: (ran.append(1), kernel(*a, **kw))[1])
+  monkeypatch.setattr(ring_module, "KERNEL_GATHER", True)
+  n = len(gpus) * 2048
+  pattern = DilatedPattern((n,), (1,))
+  case = helpers.Case(n, 4, hkv, (n,), (1,), head_dim=d)
+  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 3)
+  m = jax.make_mesh((len(gpus),), ("seq",), axis_types=(AUTO,), devices=gpus)
+  call = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=m, axis_name="seq",
+                                                   return_lse=True)
+  (out, lse), vjp = jax.vjp(jax.jit(call), q, k, v)
+  assert ran
+  f32 = lambda *xs: [jax.device_put(x.astype(jnp.float32), gpus[0]) for x in xs]
+  (ref_out, ref_lse), ref_vjp = jax.vjp(
+      lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True,
+                                        implementation="xla"), *f32(q, k, v))
+  tol = helpers.TOL[jnp.bfloat16]
+  assert out.dtype == jnp.bfloat16 and helpers.rel_err(out, np.asarray(ref_out)) < tol
+  helpers.check_lse(lse, np.asarray(ref_lse), tol)
+  for g, ref in zip(vjp((dout, dlse)), ref_vjp(tuple(f32(dout, dlse)))):
+    assert helpers.rel_err(g, np.asarray(ref)) < tol
+  with_kernel = jax.jit(call)
+  with_kernel(q, k, v)  # traced with the setting on
+  monkeypatch.setattr(ring_module, "KERNEL_GATHER", False)
+  without = jax.jit(call)
+  for seed in range(20):
+    qi = jax.random.normal(jax.random.key(seed), q.shape, q.dtype)
+    a, b = with_kernel(qi, k, v)[0], without(qi, k, v)[0]
+    assert helpers.rel_err(a, np.asarray(b, np.float64)) < tol
