@@ -4,9 +4,10 @@ the keys of every device of a mesh axis, the all-gather done by the kernel itsel
 One launch per device, persistent (a program per SM, co-resident: programs wait on their
 peers'). Each program's producer warpgroup streams its items' key/value blocks, its own
 device's first and then the `P - 1` peers', and meanwhile pushes its share of the device's
-own key/value blocks into every peer's receive buffers (a TMA load into a staging tile, then
-TMA stores through `plgpu.remote_ref`), one block per pipeline step; once its share has
-landed it signals each peer's semaphore. Before its first peer block, a producer waits until
+own key/value blocks into every peer's receive buffers (a TMA load into one of two staging
+tiles, which lands while the other's stores go out through `plgpu.remote_ref`), one block per
+pipeline step; once its share has landed it signals each peer's semaphore. Before its first
+peer block, a producer waits until
 every program of every peer has signalled: so the transfers run beside the attention over
 the device's own keys, instead of an all-gather before it. The consumers are the forward's
 (`mosaic_forward`): two warpgroups of `block_q` query rows taking turns on the tensor cores,
@@ -37,7 +38,7 @@ PUSH_ROWS = 64  # rows of the staging tile a push moves
 def smem_bytes(d: int, itemsize: int, block_q: int, block_k: int, stages: int,
                q_buffers: int, out_itemsize: int) -> int:
   """The kernel's shared memory (outputs in the inputs' dtype reuse the query tiles)."""
-  tiles = 2 * q_buffers * block_q + 2 * stages * block_k + PUSH_ROWS
+  tiles = 2 * q_buffers * block_q + 2 * stages * block_k + 2 * PUSH_ROWS
   out = 0 if out_itemsize == itemsize else 2 * block_q * d * out_itemsize
   return tiles * d * itemsize + out + 2 * block_q * 4 + 2048
 
@@ -99,30 +100,54 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
       plgpu.set_max_registers(REGISTERS[0], action="decrease")
       share = ceil_div(pushes - pid, programs)
 
-      def push(idx):
-        """This program's push `idx`: one block to its own slot and every peer's."""
+      def pushed_block(idx):
+        """`(kind, b, rows, head)` of this program's push `idx`: k (0) or v, its box."""
         t = pid + idx * programs
         kind, t = lax.div(t, pushes // 2), lax.rem(t, pushes // 2)
         b, t = lax.div(t, kv_heads * push_blocks), lax.rem(t, kv_heads * push_blocks)
         head, blk = lax.div(t, push_blocks), lax.rem(t, push_blocks)
-        rows = pl.ds(blk * PUSH_ROWS, PUSH_ROWS)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores before have read it
-        for src_kind, (src, recv) in enumerate(((k_ref, k_recv), (v_ref, v_recv))):
-          @pl.when(kind == src_kind)
-          def _():
-            plgpu.copy_gmem_to_smem(src.at[b, rows, head], stage, stage_bar)
-            plgpu.barrier_wait(stage_bar)
-            plgpu.copy_smem_to_gmem(stage, recv.at[b, me, rows, head])  # its own slot
-            for o in range(1, shards):
-              dest = plgpu.remote_ref(recv, {axis_name: lax.rem(me + o, shards)})
-              plgpu.copy_smem_to_gmem(stage, dest.at[b, me, rows, head])
+        return kind, b, pl.ds(blk * PUSH_ROWS, PUSH_ROWS), head
+
+      def by_kind(kind, use):
+        """`use(src, recv)` of the k or the v push."""
+        for src_kind, refs in enumerate(((k_ref, k_recv), (v_ref, v_recv))):
+          pl.when(kind == src_kind)(lambda refs=refs: use(*refs))
+
+      def begin(idx):
+        """Push `idx`'s load into its staging tile, once the stores of push `idx - 2` (the
+        tile's last) have read it: at most one push's stores, the last, still reading."""
+        kind, b, rows, head = pushed_block(idx)
+        slot = lax.rem(idx, 2)
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        by_kind(kind, lambda src, _: plgpu.copy_gmem_to_smem(
+            src.at[b, rows, head], stage.at[slot], stage_bar.at[slot]))
+
+      def finish(idx):
+        """Push `idx`'s stores, once its block is in: to its own slot and every peer's, one
+        bulk group; then the next push's load."""
+        kind, b, rows, head = pushed_block(idx)
+        slot = lax.rem(idx, 2)
+        plgpu.barrier_wait(stage_bar.at[slot])
+
+        def store(_, recv):
+          plgpu.copy_smem_to_gmem(stage.at[slot], recv.at[b, me, rows, head],
+                                  commit_group=False)
+          for o in range(1, shards):
+            dest = plgpu.remote_ref(recv, {axis_name: lax.rem(me + o, shards)})
+            plgpu.copy_smem_to_gmem(stage.at[slot], dest.at[b, me, rows, head],
+                                    commit_group=o == shards - 1)
+
+        by_kind(kind, store)
+        pl.when(idx + 1 < share)(lambda: begin(idx + 1))
 
       def finish_pushes(pushed):
         """The rest of this program's pushes, their landing, and the signals."""
-        lax.fori_loop(pushed, share, lambda idx, c: (push(idx), c)[1], 0)
+        lax.fori_loop(pushed, share, lambda idx, c: (finish(idx), c)[1], 0)
         plgpu.wait_smem_to_gmem(0)
         for o in range(1, shards):
           pl.semaphore_signal(sem, device_id={axis_name: lax.rem(me + o, shards)})
+
+      pl.when(share > 0)(lambda: begin(0))
 
       def per_item(i, carry):
         b, h, _ = decode(i)
@@ -148,7 +173,7 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
             pl.when(section > 0)(lambda: plgpu.copy_gmem_to_smem(
                 recv.at[b, device, rows, kv_head], smem.at[slot], bar.at[slot]))
           more = (i == 0) & (pushed < share) & (j < k_blocks)
-          pl.when(more)(lambda: push(pushed))
+          pl.when(more)(lambda: finish(pushed))
           return step + 1, jnp.where(more, pushed + 1, pushed)
 
         return lax.fori_loop(0, shards * k_blocks, per_block, carry)
@@ -236,13 +261,13 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
             None if same else plgpu.SMEM((2, bq, d), out_dtype, transforms=swizzled(out_dtype)),
             plgpu.SMEM((2, bq), jnp.float32),
-            plgpu.SMEM((PUSH_ROWS, d), dtype, transforms=tiles)]
+            plgpu.SMEM((2, PUSH_ROWS, d), dtype, transforms=tiles)]
     pl.run_scoped(
         lambda smem, bars, free: kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, k_recv, v_recv,
                                         smem, bars, free),
         smem,
         (plgpu.Barrier(num_barriers=2 * buffers), plgpu.Barrier(num_barriers=stages),
-         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=1)),
+         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2)),
         ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
          plgpu.Barrier(num_arrivals=2)),
         collective_axes="wg")
