@@ -21,7 +21,7 @@
 The output goes back through shared memory with TMA stores; lse is written as
 `[B, H, L, N/L]` (contiguous per row, so TMA can store it) and transposed outside. A launch
 after the first merges the earlier launches' output and lse into its own in its items'
-epilogues (`_merge_prior`).
+epilogues (`merge_prior`).
 """
 
 from __future__ import annotations
@@ -41,12 +41,14 @@ from .hopper import (LN2, LOG2E, REGISTERS, SMEM_BYTES, accumulate, products, ru
 from .mosaic_pipeline import IdTiles, produce_kv, walk
 from .mosaic_plan import Config, Ranges, Work, key_limit, out_length, smem_bytes, strided_view
 
-def _merge_prior(prior_refs, prog, rows, o_tile, lse_tile, bars, acc, m_i, l_i, rows_of,
-                 row_stat):
+def merge_prior(prior_refs, prog, rows, o_tile, lse_tile, bars, acc, m_i, l_i, rows_of,
+                row_stat):
   """An item's epilogue merging its partial (`acc` unnormalized, base-2 running max `m_i`,
-  sum `l_i`) with the earlier launches' `(out, lse)` of its rows (`prior_refs`, loaded into
-  the output's tiles): `lse = log(e^lse_p + e^lse_i)`, `out = (e^lse_p o_p + acc e^m_i) /
-  e^lse` in base 2, a row neither has seen 0 with lse -inf; written into the same tiles."""
+  sum `l_i`) with an earlier `(out, lse)` of its rows (`prior_refs`: `[B, N/L, L, H, D]` and
+  `[B, H, L, N/L]`, read at `prog.b`, `prog.cls`, `prog.head`: an earlier launch's, or
+  `mosaic_gather`'s first phase), loaded into the output's tiles: `lse = log(e^lse_p +
+  e^lse_i)`, `out = (e^lse_p o_p + acc e^m_i) / e^lse` in base 2, a row neither has seen 0
+  with lse -inf; written into the same tiles."""
   out_p, lse_p = prior_refs
   plgpu.copy_gmem_to_smem(out_p.at[prog.b, rows, prog.cls, prog.head], o_tile, bars[0])
   plgpu.copy_gmem_to_smem(lse_p.at[prog.b, prog.head, prog.cls, rows], lse_tile, bars[1])
@@ -232,7 +234,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
             o_tile[...] = (acc / rows_of(l_safe, acc.shape)).astype(o_tile.dtype)
             lse_smem.at[wg][...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
           else:
-            _merge_prior(prior_refs, prog, q_rows(prog), o_tile, lse_smem.at[wg],
+            merge_prior(prior_refs, prog, q_rows(prog), o_tile, lse_smem.at[wg],
                          [bar.at[wg] for bar in prior_bars], acc, m_i, l_i, rows_of, row_stat)
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(o_tile, out_ref.at[prog.b, q_rows(prog), prog.cls, prog.head])

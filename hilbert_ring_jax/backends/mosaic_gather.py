@@ -2,14 +2,16 @@
 the keys of every device of a mesh axis, the all-gather done by the kernel itself.
 
 One launch per device, persistent (a program per SM, co-resident: programs wait on their
-peers'). Each program's producer warpgroup streams its items' key/value blocks, its own
-device's first and then the `P - 1` peers', and meanwhile pushes its share of the device's
-own key/value blocks into every peer's receive buffers (a TMA load into one of two staging
-tiles, which lands while the other's stores go out through `plgpu.remote_ref`), one block per
-pipeline step; once its share has landed it signals each peer's semaphore. Before its first
-peer block, a producer waits until
-every program of every peer has signalled: so the transfers run beside the attention over
-the device's own keys, instead of an all-gather before it. The consumers are the forward's
+peers'), in two phases over the program's items:
+1. each item over the device's own keys, its result stored; meanwhile each program's producer
+   pushes its share of the device's own key/value blocks into every peer's receive buffers
+   (a TMA load into one of two staging tiles, which lands while the other's stores go out
+   through `plgpu.remote_ref`), spread evenly over the phase's pipeline steps; then it
+   signals each peer's semaphore and waits until every program of every peer has signalled;
+2. each item over the peers' keys, read from the receive buffers, its result merged with the
+   first phase's in its epilogue (`mosaic_forward.merge_prior`).
+So the transfers run beside a quarter of the work (on 4 devices) instead of before all of it,
+and a program waits only once the whole first phase is done. The consumers are the forward's
 (`mosaic_forward`): two warpgroups of `block_q` query rows taking turns on the tensor cores,
 an online base-2 softmax; no mask (every key is visible), so rows of whole blocks only.
 
@@ -21,7 +23,7 @@ global order, which full non-causal attention does not see.
 
 from __future__ import annotations
 
-import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .hopper import (LN2, LOG2E, REGISTERS, SMEM_BYTES, accumulate, ceil_div, products, run,
                      sm_count, swizzled, turns)
+from .mosaic_forward import merge_prior
 
 PUSH_ROWS = 64  # rows of the staging tile a push moves
 
@@ -83,7 +86,7 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
 
   def kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, k_recv, v_recv, smem, bars, free):
     q_smem, k_smem, v_smem, o_smem, lse_smem, stage = smem
-    q_bar, k_bar, v_bar, stage_bar = bars
+    q_bar, k_bar, v_bar, stage_bar, prior_bars = bars
     (k_free, v_free), turn = free
     wg = lax.axis_index("wg")
     pid = lax.axis_index("row")
@@ -99,6 +102,7 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
     def producer():
       plgpu.set_max_registers(REGISTERS[0], action="decrease")
       share = ceil_div(pushes - pid, programs)
+      own_steps = count * k_blocks
 
       def pushed_block(idx):
         """`(kind, b, rows, head)` of this program's push `idx`: k (0) or v, its box."""
@@ -140,45 +144,51 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
         by_kind(kind, store)
         pl.when(idx + 1 < share)(lambda: begin(idx + 1))
 
-      def finish_pushes(pushed):
-        """The rest of this program's pushes, their landing, and the signals."""
-        lax.fori_loop(pushed, share, lambda idx, c: (finish(idx), c)[1], 0)
-        plgpu.wait_smem_to_gmem(0)
-        for o in range(1, shards):
-          pl.semaphore_signal(sem, device_id={axis_name: lax.rem(me + o, shards)})
+      def load(step, box):
+        """A key block and its values into the ring's next slot (`box(own, recv)`: the box
+        of `k` or `v` they come from, given the own ref and the receive buffer)."""
+        slot = lax.rem(step, stages)
+        for own, recv, smem, bar, free_ in ((k_ref, k_recv, k_smem, k_bar, k_free),
+                                            (v_ref, v_recv, v_smem, v_bar, v_free)):
+          pl.when(step >= stages)(lambda: plgpu.barrier_wait(free_.at[slot]))
+          plgpu.copy_gmem_to_smem(box(own, recv), smem.at[slot], bar.at[slot])
 
+      # Phase 1: every item over the own keys; the pushes spread evenly over its steps.
       pl.when(share > 0)(lambda: begin(0))
 
-      def per_item(i, carry):
+      def own_item(i, carry):
         b, h, _ = decode(i)
-        kv_head = lax.div(h, per_kv)
 
-        def per_block(j, carry):
+        def per_block(jj, carry):
           step, pushed = carry
-          section, jj = lax.div(j, k_blocks), lax.rem(j, k_blocks)
-          device = lax.rem(me + section, shards)  # whose keys: its own first
+          load(step, lambda own, _: own.at[b, pl.ds(jj * bk, bk), lax.div(h, per_kv)])
+          due = (pushed < share) & (pushed * own_steps <= step * share)
+          pl.when(due)(lambda: finish(pushed))
+          return step + 1, jnp.where(due, pushed + 1, pushed)
 
-          @pl.when((i == 0) & (j == k_blocks))  # the first peer block of the program
-          def _():
-            finish_pushes(pushed)
-            pl.semaphore_wait(sem, value=arrivals, decrement=False)
+        return lax.fori_loop(0, k_blocks, per_block, carry)
 
-          slot = lax.rem(step, stages)
-          rows = pl.ds(jj * bk, bk)
-          for own, recv, smem, bar, free_ in ((k_ref, k_recv, k_smem, k_bar, k_free),
-                                              (v_ref, v_recv, v_smem, v_bar, v_free)):
-            pl.when(step >= stages)(lambda: plgpu.barrier_wait(free_.at[slot]))
-            pl.when(section == 0)(lambda: plgpu.copy_gmem_to_smem(
-                own.at[b, rows, kv_head], smem.at[slot], bar.at[slot]))
-            pl.when(section > 0)(lambda: plgpu.copy_gmem_to_smem(
-                recv.at[b, device, rows, kv_head], smem.at[slot], bar.at[slot]))
-          more = (i == 0) & (pushed < share) & (j < k_blocks)
-          pl.when(more)(lambda: finish(pushed))
-          return step + 1, jnp.where(more, pushed + 1, pushed)
+      step, pushed = lax.fori_loop(0, count, own_item, (jnp.int32(0), jnp.int32(0)))
+      # The rest of the pushes, their landing, the signals; then every peer's.
+      lax.fori_loop(pushed, share, lambda idx, c: (finish(idx), c)[1], 0)
+      plgpu.wait_smem_to_gmem(0)
+      for o in range(1, shards):
+        pl.semaphore_signal(sem, device_id={axis_name: lax.rem(me + o, shards)})
+      pl.semaphore_wait(sem, value=arrivals, decrement=False)
 
-        return lax.fori_loop(0, shards * k_blocks, per_block, carry)
+      # Phase 2: every item over the peers' keys, as they landed in the receive buffers.
+      def peer_item(i, step):
+        b, h, _ = decode(i)
 
-      steps, _ = lax.fori_loop(0, count, per_item, (jnp.int32(0), jnp.int32(0)))
+        def per_block(j, step):
+          device = lax.rem(me + 1 + lax.div(j, k_blocks), shards)
+          rows = pl.ds(lax.rem(j, k_blocks) * bk, bk)
+          load(step, lambda _, recv: recv.at[b, device, rows, lax.div(h, per_kv)])
+          return step + 1
+
+        return lax.fori_loop(0, peers * k_blocks, per_block, step)
+
+      steps = lax.fori_loop(0, count, peer_item, step)
       for s in range(stages):  # observe every phase of the free barriers before exiting
         step = steps - stages + s
 
@@ -186,8 +196,6 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
         def _():
           plgpu.barrier_wait(k_free.at[lax.rem(step, stages)])
           plgpu.barrier_wait(v_free.at[lax.rem(step, stages)])
-
-      plgpu.wait_smem_to_gmem(0)
 
     def consumer():
       plgpu.set_max_registers(REGISTERS[1], action="increase")
@@ -201,54 +209,66 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds((2 * qb + wg) * bq, bq), h],
                                 q_smem.at[tile(i)], q_bar.at[tile(i)])
 
-      if buffers == 2:
-        load_q(0)
+      def block(q_tile, carry):
+        """One key block: scores, online base-2 softmax, P @ V (no mask: all visible)."""
+        acc, m_i, l_i, step = carry
+        slot = lax.rem(step, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+        s, = products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
+        plgpu.barrier_arrive(k_free.at[slot])
+        m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
+        alpha = jnp.exp2(m_i - m_new)
+        p_ = jnp.exp2(s * qk_scale - rows_of(m_new, s.shape))
+        acc = acc * rows_of(alpha, acc.shape)
+        l_i = l_i * alpha + p_.sum(axis=1)
+        give_turn(lambda: plgpu.barrier_wait(v_bar.at[slot]))
+        acc, = accumulate([acc], [(p_.astype(dtype), v_smem.at[slot])], False)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l_i, step + 1
 
-      def per_item(i, step):
-        b, h, qb = decode(i)
-        rows = pl.ds((2 * qb + wg) * bq, bq)
-        # The stores of the item before have read their tiles (the output's may be the
-        # query tile the next item's queries load into).
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      def phase(blocks: int, merge: bool, step):
+        """Every item over `blocks` key blocks; its result stored, or (`merge`) merged with
+        the first phase's (`mosaic_forward.merge_prior`) and stored."""
         if buffers == 2:
-          pl.when(i + 1 < count)(lambda: load_q(i + 1))
-        else:
-          load_q(i)
-        q_tile = q_smem.at[tile(i)]
-        o_tile = q_tile if same else o_smem.at[wg]
-        plgpu.barrier_wait(q_bar.at[tile(i)])
+          load_q(0)
 
-        def block(_, carry):
-          acc, m_i, l_i, step = carry
-          slot = lax.rem(step, stages)
-          plgpu.barrier_wait(k_bar.at[slot])
-          s, = products([(q_tile, k_smem.at[slot].T)], (bq, bk), take_turn)
-          plgpu.barrier_arrive(k_free.at[slot])
-          m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
-          alpha = jnp.exp2(m_i - m_new)
-          p_ = jnp.exp2(s * qk_scale - rows_of(m_new, s.shape))
-          acc = acc * rows_of(alpha, acc.shape)
-          l_i = l_i * alpha + p_.sum(axis=1)
-          give_turn(lambda: plgpu.barrier_wait(v_bar.at[slot]))
-          acc, = accumulate([acc], [(p_.astype(dtype), v_smem.at[slot])], False)
-          plgpu.barrier_arrive(v_free.at[slot])
-          return acc, m_new, l_i, step + 1
+        def per_item(i, step):
+          b, h, qb = decode(i)
+          rows = pl.ds((2 * qb + wg) * bq, bq)
+          # The stores of the item before have read their tiles (the output's may be the
+          # query tile the next item's queries load into).
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          if buffers == 2:
+            pl.when(i + 1 < count)(lambda: load_q(i + 1))
+          else:
+            load_q(i)
+          q_tile = q_smem.at[tile(i)]
+          o_tile = q_tile if same else o_smem.at[wg]
+          plgpu.barrier_wait(q_bar.at[tile(i)])
+          acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+          m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_stat)
+          l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_stat)
+          start_turns()
+          acc, m_i, l_i, step = lax.fori_loop(0, blocks, lambda _, c: block(q_tile, c),
+                                              (acc, m_i, l_i, step))
+          end_turns()
+          if merge:
+            merge_prior((out_ref, lse_ref), types.SimpleNamespace(b=b, cls=0, head=h), rows,
+                        o_tile, lse_smem.at[wg], [bar.at[wg] for bar in prior_bars], acc, m_i,
+                        l_i, rows_of, row_stat)
+          else:
+            o_tile[...] = (acc / rows_of(l_i, acc.shape)).astype(o_tile.dtype)
+            lse_smem.at[wg][...] = (m_i + jnp.log2(l_i)) * LN2
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, rows, 0, h])
+          plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, 0, rows])
+          return step
 
-        acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
-        m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_stat)
-        l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_stat)
-        start_turns()
-        acc, m_i, l_i, step = lax.fori_loop(0, shards * k_blocks, block, (acc, m_i, l_i, step))
-        end_turns()
-        o_tile[...] = (acc / rows_of(l_i, acc.shape)).astype(o_tile.dtype)
-        lse_smem.at[wg][...] = (m_i + jnp.log2(l_i)) * LN2
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_tile, out_ref.at[b, rows, h])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
+        step = lax.fori_loop(0, count, per_item, step)
+        plgpu.wait_smem_to_gmem(0)  # landed: the second phase reads the first's results
         return step
 
-      lax.fori_loop(0, count, per_item, jnp.int32(0))
-      plgpu.wait_smem_to_gmem(0)
+      phase(peers * k_blocks, True, phase(k_blocks, False, jnp.int32(0)))
 
     pl.when(wg < 2)(consumer)
     pl.when(wg == 2)(producer)
@@ -267,14 +287,17 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
                                         smem, bars, free),
         smem,
         (plgpu.Barrier(num_barriers=2 * buffers), plgpu.Barrier(num_barriers=stages),
-         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2)),
+         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2),
+         (plgpu.Barrier(num_barriers=2),) * 2),
         ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
          plgpu.Barrier(num_arrivals=2)),
         collective_axes="wg")
 
   recv = jax.ShapeDtypeStruct((batch, shards, n, kv_heads, d), dtype)
-  out_type = (jax.ShapeDtypeStruct((batch, n, num_heads, d), out_dtype),
-              jax.ShapeDtypeStruct((batch, num_heads, n), jnp.float32), recv, recv)
+  # The output and lse as `merge_prior` reads them (the strided views of a stride of 1).
+  out_type = (jax.ShapeDtypeStruct((batch, n, 1, num_heads, d), out_dtype),
+              jax.ShapeDtypeStruct((batch, num_heads, 1, n), jnp.float32), recv, recv)
   out, lse, k_all, v_all = run(entry, out_type, (programs, 1), (q, k, v), False)
   gathered = lambda x: x.reshape(batch, shards * n, kv_heads, d)
-  return out, lse.transpose(0, 2, 1), gathered(k_all), gathered(v_all)
+  lse = lse.reshape(batch, num_heads, n).transpose(0, 2, 1)
+  return out.reshape(batch, n, num_heads, d), lse, gathered(k_all), gathered(v_all)
