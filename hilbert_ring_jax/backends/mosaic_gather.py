@@ -57,10 +57,11 @@ def fits(n: int, d: int, itemsize: int, block_q: int = 64, block_k: int = 128,
 
 def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: int = 64,
                      block_k: int = 128, stages: int = 2, out_dtype=None):
-  """`(out [B, n, H, D], lse [B, n, H])` of `q [B, n, H, D]` over the keys `k, v [B, n, Hkv,
-  D]` of all `shards` devices of `axis_name` (inside `shard_map`), non-causal, `scale > 0`;
-  `out` in `out_dtype` (default q's). Also returns every device's keys and values as
-  gathered, `[B, P n, Hkv, D]` each in natural order (an all-gather's result)."""
+  """`(out [B, n, H, D], lse [B, n, H], k_all, v_all)`: `q [B, n, H, D]` over the keys
+  `k, v [B, n, Hkv, D]` of all `shards >= 2` devices of `axis_name` (inside `shard_map`; a
+  semaphore across devices needs two), non-causal, `scale > 0`; `out` in `out_dtype`
+  (default q's); `k_all, v_all [B, P n, Hkv, D]` every device's keys and values in natural
+  order (an all-gather's result)."""
   batch, n, num_heads, d = q.shape
   kv_heads = k.shape[2]
   per_kv = num_heads // kv_heads
