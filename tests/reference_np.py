@@ -17,15 +17,13 @@ def multiplicity(n, num_heads, segment_lengths, dilation_rates, causal=False, of
   for b, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
     w = min(w, n)
     res_i, res_j = (i % w) % r, (j % w) % r
+    seen = (i // w == j // w) & (res_i == res_j)  # what every head of the branch sees, ...
+    if causal:
+      seen &= j <= i
     for h in range(num_heads):
       if head_groups and group_of[h] != b:
         continue
-      vis = (i // w == j // w) & (res_i == res_j)
-      if offsets == "head":
-        vis &= res_i == h % r
-      if causal:
-        vis &= j <= i
-      m[h] += vis
+      m[h] += seen & (res_i == h % r) if offsets == "head" else seen  # ... or its residue's
   return m
 
 
@@ -54,10 +52,13 @@ def attention(q, k, v, m, scale, dout=None, dlse=None):
   h, hkv = q.shape[2], k.shape[2]
   kh, vh = (np.repeat(x, h // hkv, axis=2) for x in (k, v))
   s = scale * np.einsum("bihd,bjhd->bhij", q, kh, optimize=True)
-  visible = m > 0
-  s_max = np.where(visible, s, -np.inf).max(-1, keepdims=True)
-  s_max = np.where(np.isfinite(s_max), s_max, 0.0)
-  e = np.where(visible, m * np.exp(np.where(visible, s - s_max, 0.0)), 0.0)
+  # In place (the [B, H, N, N] passes are most of the time at N = 4096): -inf where a query
+  # does not see the key, so that e = m * exp(s - s_max) is 0 there.
+  s[~np.broadcast_to(m > 0, s.shape)] = -np.inf
+  s_max = s.max(-1, keepdims=True)
+  s_max[~np.isfinite(s_max)] = 0.0  # a query that sees no key
+  s -= s_max
+  e = np.multiply(m, np.exp(s, out=s), out=s)
   den = e.sum(-1)
   with np.errstate(divide="ignore"):
     lse = np.log(den) + s_max[..., 0]  # [B, H, N]
@@ -70,7 +71,8 @@ def attention(q, k, v, m, scale, dout=None, dlse=None):
   dlse = np.asarray(dlse, np.float64)
   delta = (dout * out).sum(-1) - dlse  # [B, N, H]
   dp = np.einsum("bihd,bjhd->bhij", dout, vh, optimize=True)
-  ds = p * (dp - np.moveaxis(delta, 1, 2)[..., None])
+  dp -= np.moveaxis(delta, 1, 2)[..., None]
+  ds = np.multiply(p, dp, out=dp)  # p (dp - delta)
   dq = scale * np.einsum("bhij,bjhd->bihd", ds, kh, optimize=True)
   dkh = scale * np.einsum("bhij,bihd->bjhd", ds, q, optimize=True)
   dvh = np.einsum("bhij,bihd->bjhd", p, dout, optimize=True)
