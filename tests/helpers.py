@@ -82,14 +82,18 @@ def check_lse(lse, ref_lse, tol):
 
 
 def check_case(case, causal, dtype, implementation, seed=0, fn=None):
-  """Forward, lse and gradients of `fn` (default: dilated_attention) against the reference."""
-  q, k, v, dout, dlse = random_inputs(case, dtype, seed)
+  """Forward, lse and gradients of `fn` (default: dilated_attention) against the reference.
+  Returns the compiled `with_grads(fn)` and its inputs `(q, k, v, dout, dlse)`, for further
+  checks of the same program."""
+  q, k, v, dout, dlse = inputs = random_inputs(case, dtype, seed)
   pattern = case.pattern(causal)
   if fn is None:
     fn = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True,
                                            implementation=implementation)
-  (out, lse), grads = with_grads(fn)(q, k, v, (dout, dlse))
-  check_result(case, causal, dtype, (q, k, v, dout, dlse), out, lse, grads)
+  both = with_grads(fn)
+  (out, lse), grads = both(q, k, v, (dout, dlse))
+  check_result(case, causal, dtype, inputs, out, lse, grads)
+  return both, inputs
 
 
 def with_grads(fn):

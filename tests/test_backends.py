@@ -160,7 +160,12 @@ _PALLAS_F32 = [f"{name}-causal" for name in ("three_partial", "offsets_all", "he
 
 @on_backends(SMALL_F32, only={"pallas": _PALLAS_F32} if _INTERPRETED_PALLAS else None)
 def test_float32(backend, case, causal, dtype):
-  helpers.check_case(case, causal, dtype, None, fn=backend.attention(case.pattern(causal)))
+  """Forward, lse and gradients against the reference; causal "three_partial" also leaks
+  nothing (`_check_causal_leak`, on the same compiled program)."""
+  both, inputs = helpers.check_case(case, causal, dtype, None,
+                                    fn=backend.attention(case.pattern(causal)))
+  if case is CASES["three_partial"] and causal:
+    _check_causal_leak(both, inputs)
 
 
 # 16-bit inputs on small cases (BLOCKS has them at the GPU kernels' tiles): one case each.
@@ -234,16 +239,16 @@ def _random_configuration(backend, data):
                      fn=backend.attention(case.pattern(causal)))
 
 
-@on_backends({"three_partial": (CASES["three_partial"], True, F32)})
-def test_causal_leak(backend, case, causal, dtype):
-  """Perturbing keys and values after position t leaves outputs up to t unchanged."""
-  q, k, v, *_ = helpers.random_inputs(case, dtype, 1)
+def _check_causal_leak(both, inputs):
+  """Perturbing keys and values after position t leaves outputs up to t unchanged (`both`:
+  `helpers.with_grads` of a causal attention over 40 tokens, run on `inputs`; test_float32
+  runs it, every backend of its "three_partial-causal" case, with no compile of its own)."""
+  q, k, v, dout, dlse = inputs
   t = 21
   noise = np.random.default_rng(9).standard_normal(k.shape)
   noise[:, :t + 1] = 0
-  fn = jax.jit(backend.attention(case.pattern(causal)))
-  out, lse = fn(q, k, v)
-  out2, lse2 = fn(q, k + 100 * noise, v + 100 * noise)
+  (out, lse), _ = both(q, k, v, (dout, dlse))
+  (out2, lse2), _ = both(q, k + 100 * noise, v + 100 * noise, (dout, dlse))
   np.testing.assert_array_equal(out[:, :t + 1], out2[:, :t + 1])
   np.testing.assert_array_equal(lse[:, :t + 1], lse2[:, :t + 1])
   assert not np.allclose(out[:, t + 1:], out2[:, t + 1:])
