@@ -127,17 +127,16 @@ def test_ring_bf16_and_explicit_mesh():
   assert helpers.rel_err(out, ref_out) < helpers.TOL[jnp.bfloat16]
 
 
-def _collectives(pattern, p=4, n=64, h=2, hkv=2, grad=False, compiled=True):
-  """Shapes of the results of every collective in the compiled ring program (`grad`: its
-  forward and backward; `compiled=False`: the program as lowered, before XLA's passes merge
-  the forward's moves with the backward's: a second a program instead of several)."""
+def _collectives(pattern, p=4, n=64, h=2, hkv=2, grad=False):
+  """Shapes of the results of every collective in the ring program (`grad`: its forward and
+  backward), as lowered: every move the ring makes, before XLA's passes, which only merge
+  or drop moves (a backward's with the forward's), a second a program instead of several."""
   x = jax.ShapeDtypeStruct((1, n, h, 16), jnp.float32)
   kv = jax.ShapeDtypeStruct((1, n, hkv, 16), jnp.float32)
   call = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh(p),
                                                    axis_name="seq")
   f = jax.grad(lambda *a: call(*a).sum(), (0, 1, 2)) if grad else call
-  lowered = jax.jit(f).lower(x, kv, kv)
-  hlo = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
+  hlo = jax.jit(f).lower(x, kv, kv).as_text(dialect="hlo")
   return re.findall(r"= (\S+) (collective-permute|all-gather|all-reduce|all-to-all|"
                     r"reduce-scatter)(?:-start)?\(", hlo)
 
@@ -219,9 +218,9 @@ def test_compact_rings_move_keys_and_values_as_one_buffer(causal):
   of 2 shards (w = 32, r = 2) permutes them, the ring over all 4 (w = 64, r = 4) gathers
   them: one collective each in the forward, and none in the backward moves a lone one."""
   pattern = DilatedPattern((32, 64), (2, 4), causal=causal)  # 16 tokens a shard, 4 heads
-  found = _collectives(pattern, h=4, hkv=4, compiled=False)
+  found = _collectives(pattern, h=4, hkv=4)
   assert sorted(kind for _, kind in found) == ["all-gather", "collective-permute"], found
-  backward = _collectives(pattern, h=4, hkv=4, grad=True, compiled=False)
+  backward = _collectives(pattern, h=4, hkv=4, grad=True)
   assert {kind for _, kind in backward} == {"all-gather", "collective-permute",
                                             "reduce-scatter"}, backward
   assert all(re.fullmatch(r"f32\[.*,32\](\{.*\})?", shape) for shape, _ in found + backward), \
@@ -238,9 +237,9 @@ def test_compact_zigzag_rings_move_keys_and_values_as_one_buffer(monkeypatch, ga
   monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", None if gathered else 0)
   pattern = DilatedPattern((64,), (4,), causal=True)  # 16 tokens a shard, 4 rows a head
   width = lambda shape: int(re.sub(r"\{.*\}", "", shape).rstrip("]").split(",")[-1])
-  found = _collectives(pattern, h=4, hkv=4, compiled=False)
+  found = _collectives(pattern, h=4, hkv=4)
   assert [kind for shape, kind in found if width(shape) == 16] == ["collective-permute"] * 4
-  backward = _collectives(pattern, h=4, hkv=4, grad=True, compiled=False)
+  backward = _collectives(pattern, h=4, hkv=4, grad=True)
   joined = [kind for shape, kind in backward if width(shape) == 32]
   if gathered:
     assert sorted(set(joined)) == ["all-gather", "reduce-scatter"], backward
