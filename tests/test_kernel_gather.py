@@ -84,12 +84,12 @@ ROUTES = {
 
 
 def _ring_case(monkeypatch, name, calls):
-  """`(ring, single, inputs)` of a ROUTES case at 1024 tokens a device on all 8 (the
+  """`(ring, single, inputs)` of a ROUTES case at 256 tokens a device on all 8 (the
   kernel needs a ring over every device), `KERNEL_GATHER` set, on the recording backend."""
   make, hkv = ROUTES[name]
   _recording_xla(monkeypatch, calls)
   monkeypatch.setattr(ring_module, "KERNEL_GATHER", True)
-  n = 8 * 1024
+  n = 8 * 256
   pattern = make(n)
   case = helpers.Case(n, 2, hkv, pattern.segment_lengths, pattern.dilation_rates,
                       pattern.offsets, head_dim=8)
