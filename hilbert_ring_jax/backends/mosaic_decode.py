@@ -37,6 +37,7 @@ from ..merge import merge
 from .base import YES, Problem, Support, no
 from .hopper import (LN2, LOG2E, REGISTERS, SMEM_BYTES, accumulate, aligned, ceil_div, is_hopper,
                      products, run, swizzled)
+from .mosaic_pipeline import observe_releases
 
 _ROWS = 64  # query rows of a wgmma tile: the query heads of one kv head, padded
 _SMS = 132  # an H100's multiprocessors: programs are sized to fill them twice
@@ -207,14 +208,7 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
           return n + 1
 
         n = lax.fori_loop(lo, hi, load, n)
-      # Every phase of a barrier is observed before the block exits (interpret mode).
-      for s in range(stages):
-        last = n - stages + s
-
-        @pl.when(last >= 0)
-        def _():
-          plgpu.barrier_wait(k_free.at[lax.rem(last, stages)])
-          plgpu.barrier_wait(v_free.at[lax.rem(last, stages)])
+      observe_releases((k_free, v_free), n, stages)
 
     def consumer():
       plgpu.set_max_registers(REGISTERS[1], action="increase")

@@ -34,6 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .hopper import (LN2, LOG2E, REGISTERS, SMEM_BYTES, accumulate, ceil_div, products, run,
                      sm_count, swizzled, turns)
 from .mosaic_forward import merge_prior
+from .mosaic_pipeline import observe_releases
 
 PUSH_ROWS = 64  # rows of the staging tile a push moves
 
@@ -189,14 +190,7 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
 
         return lax.fori_loop(0, peers * k_blocks, per_block, step)
 
-      steps = lax.fori_loop(0, count, peer_item, step)
-      for s in range(stages):  # observe every phase of the free barriers before exiting
-        step = steps - stages + s
-
-        @pl.when(step >= 0)
-        def _():
-          plgpu.barrier_wait(k_free.at[lax.rem(step, stages)])
-          plgpu.barrier_wait(v_free.at[lax.rem(step, stages)])
+      observe_releases((k_free, v_free), lax.fori_loop(0, count, peer_item, step), stages)
 
     def consumer():
       plgpu.set_max_registers(REGISTERS[1], action="increase")

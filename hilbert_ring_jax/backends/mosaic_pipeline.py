@@ -96,7 +96,13 @@ def produce_items(work: Work, origin_ref, rows_ref, item, frees, stages: int):
   mode, free on the GPU)."""
   plgpu.set_max_registers(REGISTERS[0], action="decrease")
   _, _, loop = work.mine(origin_ref, rows_ref)
-  steps = loop(lambda i, prog, step: item(prog, step), jnp.int32(0))
+  observe_releases(frees, loop(lambda i, prog, step: item(prog, step), jnp.int32(0)), stages)
+
+
+def observe_releases(frees, steps, stages: int):
+  """A producer's last act: wait until the consumers release the last buffers of each ring in
+  `frees` (`steps` blocks loaded into each): every phase of a barrier is observed before the
+  block exits (needed by interpret mode, free on the GPU)."""
   for i in range(stages):
     step = steps - stages + i
 
