@@ -496,10 +496,9 @@ def _gathers(st, q, k) -> bool:
   return need <= _gather_limit()
 
 
-def _gathered_blocks(x, axis_name, count):
-  """`x` `[B, n, ...]` gathered over the axis, `[B, P n, ...]`, as `[B, count, P n / count,
-  ...]`: the shards' blocks (`count = P`) or half-shard chunks (`2P`) in natural order."""
-  x = _gather(x, axis_name)
+def _blocks(x, count):
+  """`x` gathered over the axis, `[B, P n, ...]`, as `[B, count, P n / count, ...]`: the
+  shards' blocks (`count = P`) or half-shard chunks (`2P`) in natural order."""
   return x.reshape(x.shape[0], count, x.shape[1] // count, *x.shape[2:])
 
 
@@ -528,10 +527,10 @@ def _natural_blocks(st, kv, axis_name, gathered=None):
   gathered (`[B, P n, ...]` each), or None."""
   shards = st.plan.shards
   m = shards - 1 if st.causal else shards
+  first = lambda x: _fold(_blocks(x, shards)[:, :m])
   if gathered is not None:
-    return m, [_fold(x.reshape(x.shape[0], shards, -1, *x.shape[2:])[:, :m]) for x in gathered]
-  return m, _together(lambda x: _fold(_gathered_blocks(x, axis_name, shards)[:, :m]), kv,
-                      st.plan)
+    return m, [first(x) for x in gathered]
+  return m, _together(lambda x: first(_gather(x, axis_name)), kv, st.plan)
 
 
 def _gathered_forward(st, qs, qi, kv, axis_name):
@@ -593,7 +592,7 @@ def _zigzag_calls(st, rows, qi, kv, axis_name):
   index, own = jnp.where(early, t, t - j), jnp.stack([j, 2 * shards - 1 - j])
   halves = [_halves(_to_zigzag(x, st.plan, axis_name))[0]
             for x in (*rows, qi) if x is not None]  # (early, late) chunks
-  chunks = _together(lambda x: _gathered_blocks(x, axis_name, 2 * shards), kv, st.plan)
+  chunks = _together(lambda x: _blocks(_gather(x, axis_name), 2 * shards), kv, st.plan)
   pick = lambda a, b: jnp.where(early.reshape((1, -1) + (1,) * (a.ndim - 1)), a[:, None],
                                 b[:, None])
   pairs = ([_fold(pick(a, b)) for a, b in halves],

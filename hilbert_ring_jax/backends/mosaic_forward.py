@@ -235,7 +235,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
             lse_smem.at[wg][...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
           else:
             merge_prior(prior_refs, prog, q_rows(prog), o_tile, lse_smem.at[wg],
-                         [bar.at[wg] for bar in prior_bars], acc, m_i, l_i, rows_of, row_stat)
+                        [bar.at[wg] for bar in prior_bars], acc, m_i, l_i, rows_of, row_stat)
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(o_tile, out_ref.at[prog.b, q_rows(prog), prog.cls, prog.head])
           plgpu.copy_smem_to_gmem(lse_smem.at[wg],
