@@ -85,7 +85,8 @@ ROUTES = {
 
 def _ring_case(monkeypatch, name, calls):
   """`(ring, single, inputs)` of a ROUTES case at 256 tokens a device on all 8 (the
-  kernel needs a ring over every device), `KERNEL_GATHER` set, on the recording backend."""
+  kernel needs a ring over every device), `KERNEL_GATHER` set, on the recording backend
+  with key blocks of 64 (several a step, as at the sizes users run)."""
   make, hkv = ROUTES[name]
   _recording_xla(monkeypatch, calls)
   monkeypatch.setattr(ring_module, "KERNEL_GATHER", True)
@@ -95,7 +96,8 @@ def _ring_case(monkeypatch, name, calls):
                       pattern.offsets, head_dim=8)
   m = jax.make_mesh((8,), ("seq",), axis_types=(AUTO,))
   ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
-      q, k, v, pattern, mesh=m, axis_name="seq", return_lse=True))
+      q, k, v, pattern, mesh=m, axis_name="seq", return_lse=True,
+      config=xla.Config(key_block=64)))
   single = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
   return ring, single, helpers.random_inputs(case, jnp.float32, 5)
 
