@@ -48,7 +48,10 @@ def documents(n, median, max_doc, seed):
 
 
 def peers(lengths, n, causal_pattern, scale):
-  """`name -> (prepare(q, k, v, do) -> args, fn(*args) -> out, unprepare(out) -> [1, N, ...])`."""
+  """`name -> (prepare(q, k, v, do) -> args, fn(q, k, v, meta) -> out, unprepare(out) -> [1, N,
+  ...], meta)`. `meta` (the documents as the peer reads them: our ids, cuDNN's lengths) is an
+  argument of the jitted calls, as in a training step, where each batch brings its own: a
+  constant would let XLA work out what is derived from it once, at compile time."""
   ids = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
   starts = np.cumsum([0] + lengths[:-1])
   longest = -(-max(lengths) // 128) * 128
@@ -69,27 +72,27 @@ def peers(lengths, n, causal_pattern, scale):
 
   same = lambda x: x
   table = {
-      "ours": (lambda *x: x, lambda q, k, v: dilated_attention(
-          q, k, v, causal_pattern, scale=scale, segment_ids=ids), same),
-      "ours_dense": (lambda *x: x, lambda q, k, v: dilated_attention(
-          q, k, v, causal_pattern, scale=scale), None),
-      "cudnn_padded": (pad, lambda q, k, v: jax.nn.dot_product_attention(
+      "ours": (lambda *x: x, lambda q, k, v, ids: dilated_attention(
+          q, k, v, causal_pattern, scale=scale, segment_ids=ids), same, ids),
+      "ours_dense": (lambda *x: x, lambda q, k, v, _: dilated_attention(
+          q, k, v, causal_pattern, scale=scale), None, ids),
+      "cudnn_padded": (pad, lambda q, k, v, lens: jax.nn.dot_product_attention(
           q, k, v, scale=scale, is_causal=True, query_seq_lengths=lens,
-          key_value_seq_lengths=lens, implementation="cudnn"), unpad),
+          key_value_seq_lengths=lens, implementation="cudnn"), unpad, lens),
   }
 
-  def mha(q, k, v):
+  def mha(q, k, v, ids):
     from jax.experimental.pallas.ops.gpu import attention  # pylint: disable=g-import-not-at-top
     return attention.mha(q, k, v, ids, sm_scale=scale, causal=True)
 
-  table["jax_mha"] = (lambda *x: x, mha, same)
+  table["jax_mha"] = (lambda *x: x, mha, same, ids)
 
-  def tokamax(q, k, v):
+  def tokamax(q, k, v, ids):
     mask = (ids[:, None, :, None] == ids[:, None, None, :])  # [1, 1, N, N] booleans
     return _tokamax().dot_product_attention(q, k, v, scale=scale, is_causal=True, mask=mask,
                                             implementation="mosaic")
 
-  table["tokamax"] = (lambda *x: x, tokamax, same)
+  table["tokamax"] = (lambda *x: x, tokamax, same, ids)
   return ids, table
 
 
@@ -137,19 +140,20 @@ def main():
         f"median {int(np.median(lengths))}, longest {max(lengths)}", flush=True)
   reference = None
   for name in args.impl.split(","):
-    prepare, fn, unprepare = table[name]
+    prepare, fn, unprepare, meta = table[name]
     row = dict(impl=name)
     try:
       x = prepare(q, k, v, do)
       fwd = jax.jit(fn)
-      out = fwd(*x[:3])
+      out = fwd(*x[:3], meta)
       if unprepare is not None:
         out = unprepare(out)
         reference = out if reference is None else reference
         row["rel_l2_vs_ours"] = rel_l2(out, reference)
-      fb = jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))
-      row["fwd_ms"] = median_ms(fwd, x[:3], args.runs)
-      row["fwdbwd_ms"] = median_ms(fb, x, args.runs)
+      fb = jax.jit(lambda q, k, v, do, meta, fn=fn: jax.vjp(
+          lambda q, k, v: fn(q, k, v, meta), q, k, v)[1](do))
+      row["fwd_ms"] = median_ms(fwd, (*x[:3], meta), args.runs)
+      row["fwdbwd_ms"] = median_ms(fb, (*x, meta), args.runs)
       # TFLOP/s on the visible pairs (the dense row's own work is larger: n (n + 1) / 2 h).
       flops = 4 * d * visible
       row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
@@ -159,8 +163,8 @@ def main():
         row["own_fwd_tflops"] = dense / row["fwd_ms"] / 1e9
         row["own_fwdbwd_tflops"] = 3.5 * dense / row["fwdbwd_ms"] / 1e9
       if args.trace and name in ("ours", "ours_dense"):
-        row["trace_fwd"] = kernel_table(fwd, x[:3])
-        row["trace_fwdbwd"] = kernel_table(fb, x)
+        row["trace_fwd"] = kernel_table(fwd, (*x[:3], meta))
+        row["trace_fwdbwd"] = kernel_table(fb, (*x, meta))
     except Exception as e:  # a peer that is missing or fails here: reported, not fatal
       row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     result["rows"].append(row)
@@ -177,10 +181,12 @@ def main():
   longnet = pattern_for("longnet", n, False)  # ring_scaling's: 2048..32768 x 1..16
   zeros = jnp.zeros((1, n), jnp.int32)
   times = {}
-  for label, kwargs in (("no ids", {}), ("equal ids", dict(segment_ids=zeros))):
-    fn = lambda q, k, v, kwargs=kwargs: dilated_attention(q, k, v, longnet, **kwargs)
-    fb = jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(fn, q, k, v)[1](do))
-    times[label] = median_ms(fb, (q, k, v, do), args.runs)
+  for label, equal in (("no ids", False), ("equal ids", True)):
+    fn = lambda q, k, v, ids, equal=equal: dilated_attention(
+        q, k, v, longnet, segment_ids=ids if equal else None)
+    fb = jax.jit(lambda q, k, v, do, ids, fn=fn: jax.vjp(
+        lambda q, k, v: fn(q, k, v, ids), q, k, v)[1](do))
+    times[label] = median_ms(fb, (q, k, v, do, zeros), args.runs)
   result["longnet_equal_ids_over_none_fwdbwd"] = times["equal ids"] / times["no ids"]
   print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "documents", "args")}),
         flush=True)
