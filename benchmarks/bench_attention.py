@@ -14,6 +14,8 @@ reference at small N. Writes JSON and a PNG plot of TFLOP/s against N.
   python benchmarks/bench_attention.py --pattern full --seq-len 8192,32768 --causal
   python benchmarks/bench_attention.py --memory 1048576      # LongNet forward at 1M tokens
   python benchmarks/bench_attention.py --longest --heads 8    # doubling N, forward+backward
+  python benchmarks/bench_attention.py --impl mosaic,cudnn --causal \
+      --seq-len 1024,2048,4096,32768 --tokens 32768     # the same tokens in rows of N
 """
 
 from __future__ import annotations
@@ -83,17 +85,18 @@ def inputs(b, n, h, hkv, d, dtype):
 
 
 def measure(name, pattern, args, a, backward=True):
-  q, k, v, do = inputs(1, a.n, a.heads, a.kv_heads, a.head_dim, a.dtype)
+  batch = (getattr(a, "tokens", None) or a.n) // a.n  # rows of N (`--tokens`), else one
+  q, k, v, do = inputs(batch, a.n, a.heads, a.kv_heads, a.head_dim, a.dtype)
   scale = a.head_dim ** -0.5
   f = impl_fn(name, pattern)
   fwd = jax.jit(lambda q, k, v: f(q, k, v, scale))
-  flops = 4 * a.head_dim * pattern.visible_pairs(a.n, a.heads)
-  row = dict(impl=name, n=a.n, causal=pattern.causal, pattern=str(pattern.branches),
-             heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
-             dtype=jnp.dtype(a.dtype).name)
+  flops = 4 * a.head_dim * pattern.visible_pairs(a.n, a.heads) * batch
+  row = dict(impl=name, n=a.n, batch=batch, causal=pattern.causal,
+             pattern=str(pattern.branches), heads=a.heads, kv_heads=a.kv_heads,
+             head_dim=a.head_dim, dtype=jnp.dtype(a.dtype).name)
   row["fwd_ms"] = median_ms(fwd, (q, k, v), args.runs)
   row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
-  row["fwd_tokens_per_s"] = a.n / row["fwd_ms"] * 1e3
+  row["fwd_tokens_per_s"] = batch * a.n / row["fwd_ms"] * 1e3
   row["fwd_bytes"] = device_bytes(lambda q, k, v: f(q, k, v, scale), (q, k, v))
   if backward:
     fb = jax.jit(lambda q, k, v, do: jax.vjp(lambda *x: f(*x, scale), q, k, v)[1](do))
@@ -119,10 +122,16 @@ def main():
   ap.add_argument("--memory", type=int, default=0, help="LongNet forward at this N: bytes")
   ap.add_argument("--longest", action="store_true", help="double N until fwd+bwd fails")
   ap.add_argument("--longest-start", type=int, default=1 << 20)
+  ap.add_argument("--tokens", type=int, default=None,
+                  help="rows of N making this many tokens (B = tokens / N), else B = 1")
   ap.add_argument("--json", default=None)
   ap.add_argument("--plot", default=None)
   args = ap.parse_args()
   args.kv_heads = args.kv_heads or args.heads
+  if args.tokens and (args.memory or args.longest):
+    ap.error("--tokens goes with --seq-len (not --memory or --longest)")
+  if args.tokens and any(args.tokens % int(n) for n in args.seq_len.split(",")):
+    ap.error(f"--tokens {args.tokens} must be a multiple of every --seq-len")
   args.dtype = jnp.dtype(args.dtype)
   meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, argv=sys.argv[1:],
               date=time.strftime("%Y-%m-%d %H:%M:%S"))
