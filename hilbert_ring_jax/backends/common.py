@@ -108,8 +108,9 @@ def id_windows(q_ids, k_ids):
   A table of N slots, the keys' first and last positions scattered into it by id modulo N
   (one update a run of equal ids: one a key contended for a few slots, 24 us at N = 32K on an
   H200), then read at the queries' ids: a handful of XLA kernels, no sort (a sort and a
-  search were a dozen launches, which the kernels waited for in a lone call). The packed kernels skip the
-  key blocks outside a tile's windows (mosaic's also run those inside one run unmasked)."""
+  search were a dozen launches, which the kernels waited for in a lone call). The packed
+  kernels skip the key blocks outside a tile's windows (mosaic's also run those inside one
+  run unmasked)."""
   lead, n = k_ids.shape[:-1], k_ids.shape[-1]
 
   def one(qi, ki):
