@@ -85,7 +85,7 @@ def inputs(b, n, h, hkv, d, dtype):
 
 
 def measure(name, pattern, args, a, backward=True):
-  batch = (getattr(a, "tokens", None) or a.n) // a.n  # rows of N (`--tokens`), else one
+  batch = (a.tokens or a.n) // a.n  # rows of N (`--tokens`), else one
   q, k, v, do = inputs(batch, a.n, a.heads, a.kv_heads, a.head_dim, a.dtype)
   scale = a.head_dim ** -0.5
   f = impl_fn(name, pattern)

@@ -119,7 +119,7 @@ def id_windows(q_ids, k_ids):
     first = jnp.concatenate([jnp.array([True]), change])  # a run of equal ids starts
     last = jnp.concatenate([change, jnp.array([True])])  # a run ends
     # An id's first key starts a run and its last ends one: only those are scattered (the
-    # other updates go out of bounds and are dropped), not one update a key into a few slots.
+    # other updates go out of bounds and are dropped).
     slot = lambda edge: jnp.where(edge, ki % n, n)
     u0 = jnp.full((n,), FAR, jnp.int32).at[slot(first)].min(pos, mode="drop")[qi % n]
     u1 = jnp.full((n,), -1, jnp.int32).at[slot(last)].max(pos, mode="drop")[qi % n]
