@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import helpers
-from hilbert_ring_jax import backends
+from hilbert_ring_jax import backends, dilated_attention
 from hilbert_ring_jax.pattern import DilatedPattern
-from hilbert_ring_jax.backends import common, mosaic
+from hilbert_ring_jax.backends import common, mosaic, mosaic_plan
 from test_packed import CASES, check_packed, packed_ids
 import reference_np
 
@@ -154,6 +154,25 @@ def test_mosaic_packed_one_segment_of_any_length():
   ids = packed_ids(1, case.n, 80, seed=4)  # documents of 41, 67 and 192 tokens
   _check_mosaic(case, False, (ids, ids),
                 config=mosaic.Config(interpret=True, persistent=False, fused_backward=True))
+
+
+def test_mosaic_packed_items_taken_by_several_programs(monkeypatch):
+  """Dynamic work (`Work.mine`: the packed forward's persistent programs take items from a
+  counter) with three programs, each starting at its own item: interpret mode runs one
+  program after another, so the first takes every item but the others' first ones, and
+  those take theirs and stop. Every item is walked: causal, against the float64
+  reference."""
+  of = mosaic_plan.Work.of.__func__
+
+  def three(cls, sched, batch, config, reverse, ranges, packed=False):
+    work = of(cls, sched, batch, config, reverse, ranges, packed)
+    return dataclasses.replace(work, dynamic=True, persistent=True, plan=None,
+                               programs=min(3, work.items)) if packed else work
+
+  monkeypatch.setattr(mosaic_plan.Work, "of", classmethod(three))
+  case = helpers.Case(256, 2, 1, (256,), (1,), head_dim=64)
+  ids = packed_ids(1, case.n, 60, seed=7)
+  _check_mosaic(case, True, (ids, ids), config=mosaic.Config(interpret=True))
 
 
 def test_id_windows():
@@ -337,3 +356,47 @@ def test_triton_packed_on_a_gpu(name, dtype):
     case, causal, median = CASES[name]
     ids = packed_ids(case.batch, case.n, median, seed=len(name))
   check_packed(case, causal, dtype, ids, implementation="triton")
+
+
+@pytest.mark.gpu
+def test_mosaic_packed_kernels_take_items_as_programs_free_up(monkeypatch):
+  """The packed forward's persistent programs take their items from a counter in global
+  memory (`Work.mine`, dynamic work; the default where full causal attention's items would
+  each be a program): at 1,024 items a launch, over the SMs, the output and lse equal those
+  of a program per item (each item computes the same either way), and so do the gradients
+  that follow from them (dq, added across items in float32, to rounding); causal documents of
+  ~1K tokens, the fused and the split backward."""
+  if not mosaic.is_hopper():
+    pytest.skip("the mosaic kernels run on Hopper GPUs")
+  of, dynamic_launches = mosaic_plan.Work.of.__func__, []
+
+  def spy(cls, *args):
+    work = of(cls, *args)
+    dynamic_launches.append(work.dynamic)
+    return work
+
+  monkeypatch.setattr(mosaic_plan.Work, "of", classmethod(spy))
+  n, heads = 32768, 4
+  pattern = DilatedPattern((n,), (1,), causal=True)
+  q, k, v, dout = (jax.random.normal(key, (1, n, heads, 128), jnp.bfloat16)
+                   for key in jax.random.split(jax.random.PRNGKey(3), 4))
+  ids = jnp.asarray(packed_ids(1, n, 1000, seed=5))
+
+  def passes(config):
+    attend = lambda q, k, v: dilated_attention(q, k, v, pattern, implementation="mosaic",
+                                               config=config, segment_ids=ids)
+    out, vjp = jax.vjp(attend, q, k, v)
+    lse = mosaic.forward(q, k, v, pattern, 128 ** -0.5, config=config, out_dtype=q.dtype,
+                         segment_ids=(ids, ids))[1]
+    return out, lse, *vjp(dout)
+
+  for fused in (True, False):
+    dynamic, per_item = (passes(mosaic.Config(persistent=p, fused_backward=fused))
+                         for p in (None, False))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), dynamic, per_item):
+      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      if name == "dq":
+        assert helpers.rel_err(a, b) < 1e-2, name
+      else:
+        np.testing.assert_array_equal(a, b, err_msg=name)
+  assert any(dynamic_launches), "the default took no packed launch's items dynamically"

@@ -45,6 +45,32 @@ def ceil_div(a, b):
   return lax.div(a + b - 1, b)
 
 
+def fetch_add(counter_ref, dst_ref, offset: int, interpret: bool):
+  """`dst_ref[0] = counter_ref[0] + offset; counter_ref[0] += 1`, the add atomic (one thread
+  of the calling warpgroup; `counter_ref` an int32 `[1]` in global memory, `dst_ref` an int32
+  in shared memory, which the whole warpgroup may read once this returns). Pallas' own
+  `atomic_add` returns nothing, so the add is Mosaic GPU's (`memref.atomic_rmw`). Interpret
+  mode runs one program at a time: a read and a write."""
+  if interpret:
+    dst_ref[0] = counter_ref[0] + offset
+    counter_ref[0] = dst_ref[0] - offset + 1
+    return
+  from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
+  from jax._src.lib.mlir.dialects import arith, memref  # pylint: disable=import-outside-toplevel
+  from jax.experimental.mosaic.gpu import utils  # pylint: disable=import-outside-toplevel
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+  def add(_, counter, dst):
+    zero = arith.constant(ir.IndexType.get(), 0)
+    with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
+      i32 = ir.IntegerType.get_signless(32)
+      old = memref.atomic_rmw(arith.AtomicRMWKind.addi, arith.constant(i32, 1), counter, [zero])
+      memref.store(arith.addi(old, arith.constant(i32, offset)), dst, [zero])
+    utils.warpgroup_barrier()
+
+  add(counter_ref, dst_ref)
+
+
 def sm_count() -> int:
   try:
     return int(getattr(jax.devices("gpu")[0], "core_count", 0)) or 132

@@ -97,7 +97,7 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
 
     def consumer():
       plgpu.set_max_registers(REGISTERS[1], action="increase")
-      count, prog_of, loop = work.mine(origin_ref, rows_ref)
+      first, loop = work.mine(origin_ref, rows_ref)
       q_tile, do_tile, o_tile = q_smem.at[wg], do_smem.at[wg], o_smem.at[wg]
       row_stat = plgpu.Layout.WGMMA.reduce(1)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
@@ -121,9 +121,9 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
             plgpu.copy_gmem_to_smem(id_refs[0].at[b, id_tiles.head(head), cls, q_rows],
                                     qid_smem.at[wg], qid_bar.at[wg])
 
-      load_rows(prog_of(0))
+      load_rows(first)
 
-      def item(i, prog, step):
+      def item(i, prog, has_next, next_prog, step):
         b, head, cls = prog.b, prog.head, prog.cls
         q_start = prog.start + wg * bq
         q_rows = prog.rows(wg, bq)
@@ -171,7 +171,7 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
                             (*window(prog, 0, 1), *window(prog, wg)[2:]) if packed else None)
         dq, step = walk(prog, ranges, block, (dq, step))
         # The next item's rows load during this one's store.
-        pl.when(i + 1 < count)(lambda: load_rows(prog_of(i + 1)))
+        pl.when(has_next)(lambda: load_rows(next_prog()))
 
         @pl.when(prog.busy)
         def _():
@@ -315,7 +315,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
     def consumer():
       plgpu.set_max_registers(REGISTERS[1], action="increase")
-      count, prog_of, loop = work.mine(origin_ref, rows_ref)
+      first, loop = work.mine(origin_ref, rows_ref)
       k_tile, v_tile, o_tile = k_smem.at[wg], v_smem.at[wg], o_smem.at[wg]
       col_stat = plgpu.Layout.WGMMA.reduce(0)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
@@ -378,9 +378,9 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       # tiles are read by the other consumer's dq products until it settles: loaded late.)
       early = not fused
       if early:
-        load_rows(prog_of(0))
+        load_rows(first)
 
-      def item(i, prog, carry):
+      def item(i, prog, has_next, next_prog, carry):
         step, owed = carry
         b, head, cls = prog.b, prog.head, prog.cls  # head: the key/value head
         k_start = prog.start + wg * bk
@@ -447,7 +447,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
         owed = jnp.where(prog.busy, 0, owed)  # settled above
         dk, dv, step, owed = walk(prog, ranges, block, (zeros, zeros, step, owed))
         if early:
-          pl.when(i + 1 < count)(lambda: load_rows(prog_of(i + 1)))
+          pl.when(has_next)(lambda: load_rows(next_prog()))
 
         @pl.when(prog.busy)
         def _():

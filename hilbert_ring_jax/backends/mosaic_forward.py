@@ -38,7 +38,7 @@ from ..pattern import heads_per_kv
 from . import schedule
 from .hopper import (LN2, LOG2E, REGISTERS, SMEM_BYTES, accumulate, products, run, swizzled,
                      turns)
-from .mosaic_pipeline import IdTiles, produce_kv, walk
+from .mosaic_pipeline import IdTiles, claim_buffers, produce_kv, split_counter, walk
 from .mosaic_plan import Config, Ranges, Work, key_limit, out_length, smem_bytes, strided_view
 
 def merge_prior(prior_refs, prog, rows, o_tile, lse_tile, bars, acc, m_i, l_i, rows_of,
@@ -100,7 +100,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
   hidden = -scale_sign * jnp.inf
   interpret = config.interpret
   key_ranges = Ranges(True, n, L, causal, block_rows, bk)
-  work = Work.of(sched, batch, config, causal, key_ranges)
+  work = Work.of(sched, batch, config, causal, key_ranges, ids is not None)
   out_dtype = jnp.dtype(out_dtype)
   same = out_dtype == dtype  # then the output tile reuses the query tile
   out_itemsize = out_dtype.itemsize
@@ -112,7 +112,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
       config, d, dtype.itemsize, out_itemsize, 2, packed) <= SMEM_BYTES else 1
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref,
-             v5_ref, id_refs, prior_refs, out_ref, lse_ref, smem, bars, free):
+             v5_ref, id_refs, prior_refs, out_ref, lse_ref, smem, bars, free, claims):
     q_smem, k_smem, v_smem, o_smem, lse_smem, qid_smem, kid_smem = smem
     q_bar, k_bar, v_bar, prior_bars, qid_bar, kid_bar = bars
     (k_free, v_free), turn = free
@@ -127,11 +127,11 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
                  lambda prog: key_ranges(prog, pieces_ref, bias_ref, None,
                                          item_window(prog) if packed else None),
                  L, bk, stages,
-                 (*id_refs[1:3], kid_smem, kid_bar, id_tiles) if packed else None)
+                 (*id_refs[1:3], kid_smem, kid_bar, id_tiles) if packed else None, claims)
 
     def consumer():
       plgpu.set_max_registers(REGISTERS[1], action="increase")
-      count, prog_of, loop = work.mine(origin_ref, rows_ref)
+      first, loop = work.mine(origin_ref, rows_ref, claims)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
       row_stat = plgpu.Layout.WGMMA.reduce(1)
       if causal:  # (a row iota nothing reads fails Mosaic GPU's layout inference)
@@ -155,14 +155,14 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
               qid_bar.at[tile(i)]))
 
       if buffers == 2:
-        load_q(0, prog_of(0))
+        load_q(0, first)
 
-      def item(i, prog, step):
+      def item(i, prog, has_next, next_prog, step):
         # The stores of the item before have read their tiles (the output's may be the query
         # tile the next item's queries load into).
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if buffers == 2:
-          pl.when(i + 1 < count)(lambda: load_q(i + 1, prog_of(i + 1)))
+          pl.when(has_next)(lambda: load_q(i + 1, next_prog()))
         else:
           load_q(i, prog)
         q_tile = q_smem.at[tile(i)]
@@ -251,6 +251,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
 
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref, v5_ref,
             *refs):
+    counter_ref, refs = split_counter(work, refs, 2)
     id_refs, refs = (refs[:4], refs[4:]) if packed else (None, refs)
     prior_refs, (out_ref, lse_ref) = (None, refs) if prior is None else (refs[:2], refs[2:])
     tiles = swizzled(dtype)
@@ -261,12 +262,14 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
             None if same else plgpu.SMEM((2, bq, d), out_dtype, transforms=swizzled(out_dtype)),
             plgpu.SMEM((2 * buffers, bq), jnp.int32) if packed else None,
             plgpu.SMEM((stages, bk), jnp.int32) if packed else None]
+    slots, full, free = claim_buffers(work)
 
-    def scoped(smem, bars, free):
+    def scoped(smem, bars, free, claims):
       q_smem, k_smem, v_smem, lse_smem, o_smem, qid_smem, kid_smem = smem
       kernel(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref, v5_ref,
              id_refs, prior_refs, out_ref, lse_ref,
-             (q_smem, k_smem, v_smem, o_smem, lse_smem, qid_smem, kid_smem), bars, free)
+             (q_smem, k_smem, v_smem, o_smem, lse_smem, qid_smem, kid_smem), bars, free,
+             claims and (counter_ref, *claims, interpret))
 
     id_bars = ((plgpu.Barrier(num_barriers=2 * buffers), plgpu.Barrier(num_barriers=stages))
                if packed else (None, None))
@@ -277,6 +280,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
          None if prior is None else (plgpu.Barrier(num_barriers=2),) * 2, *id_bars),
         ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
          plgpu.Barrier(num_arrivals=2)),
+        (slots, full, free) if work.dynamic else None,
         collective_axes="wg")
 
   out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_heads, d), out_dtype),
@@ -289,6 +293,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
   if prior is not None:
     out_p, lse_p = prior
     args += (view(out_p), lse_p.reshape(batch, n_out // L, L, num_heads).transpose(0, 3, 2, 1))
+  args += work.counter()
   out, lse = run(entry, out_type, work.grid, args, interpret)
   lse = lse.transpose(0, 3, 2, 1).reshape(batch, n_out, num_heads)
   return out.reshape(batch, n_out, num_heads, d), lse

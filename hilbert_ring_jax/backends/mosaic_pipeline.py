@@ -89,14 +89,15 @@ def produce(prog: Program, blocks, streams, stages: int, step):
   return lax.fori_loop(prog.p0, prog.p1, per_piece, step)
 
 
-def produce_items(work: Work, origin_ref, rows_ref, item, frees, stages: int):
+def produce_items(work: Work, origin_ref, rows_ref, item, frees, stages: int, claims=None):
   """The producer warpgroup: `step = item(prog, step)` (a `produce`) over the program's
-  items, then it waits for the consumers to release the last buffers of each ring in
-  `frees`: every phase of a barrier is observed before the block exits (needed by interpret
-  mode, free on the GPU)."""
+  items (`claims`: dynamic work's buffers, `Work.mine`), then it waits for the consumers to
+  release the last buffers of each ring in `frees`: every phase of a barrier is observed
+  before the block exits (needed by interpret mode, free on the GPU)."""
   plgpu.set_max_registers(REGISTERS[0], action="decrease")
-  _, _, loop = work.mine(origin_ref, rows_ref)
-  observe_releases(frees, loop(lambda i, prog, step: item(prog, step), jnp.int32(0)), stages)
+  _, loop = work.mine(origin_ref, rows_ref, claims, producer=True)
+  observe_releases(frees, loop(lambda i, prog, has_next, next_prog, step: item(prog, step),
+                               jnp.int32(0)), stages)
 
 
 def observe_releases(frees, steps, stages: int):
@@ -113,13 +114,14 @@ def observe_releases(frees, steps, stages: int):
 
 
 def produce_kv(work: Work, origin_ref, rows_ref, per_kv: int, k, v, ranges, L: int,
-               bk: int, stages: int, ids=None):
+               bk: int, stages: int, ids=None, claims=None):
   """The producer of the forward and dq kernels: the key and value blocks of each item's
   key pieces (`ranges(prog)`), read from the key/value head of its query head. `k`, `v`:
   (the `[B, N, Hkv, D]` input, its strided view, the shared-memory ring, its full and its
   free barriers). `ids` (packed rows): the keys' document ids `([B, X, N], [B, X, L, N/L],
   ring, full barriers, IdTiles)`, loaded with each key block into a ring of their own
-  (`X` = Hkv ids per head, else 1) and freed with it."""
+  (`X` = Hkv ids per head, else 1) and freed with it. `claims`: dynamic work's buffers
+  (`Work.mine`)."""
 
   def stream(prog, src4, src5, smem, bar, free, ids=None):
     kv_head = lax.div(prog.head, per_kv)
@@ -139,7 +141,27 @@ def produce_kv(work: Work, origin_ref, rows_ref, per_kv: int, k, v, ranges, L: i
     return produce(prog, ranges(prog), [stream(prog, *k, ids=ids), stream(prog, *v)], stages,
                    step)
 
-  produce_items(work, origin_ref, rows_ref, item, [k[-1], v[-1]], stages)
+  produce_items(work, origin_ref, rows_ref, item, [k[-1], v[-1]], stages, claims)
+
+
+ITEM_SLOTS = 2  # dynamic work: the items the producer has claimed ahead of the consumers
+
+
+def claim_buffers(work: Work):
+  """Dynamic work's shared memory and barriers (`Work.mine`): the ring of item slots, its
+  full barriers and its free ones (both consumers release a slot); Nones for static work."""
+  if not work.dynamic:
+    return None, None, None
+  return (plgpu.SMEM((ITEM_SLOTS,), jnp.int32), plgpu.Barrier(num_barriers=ITEM_SLOTS),
+          plgpu.Barrier(num_arrivals=2, num_barriers=ITEM_SLOTS))
+
+
+def split_counter(work: Work, refs, outputs: int):
+  """`(counter, refs)`: dynamic work's counter (the last input, `Work.counter`; None for
+  static work) and a kernel's other input and output refs (`outputs` of them last)."""
+  if not work.dynamic:
+    return None, refs
+  return refs[-outputs - 1], (*refs[:-outputs - 1], *refs[-outputs:])
 
 
 def walk(prog: Program, ranges, block, carry):

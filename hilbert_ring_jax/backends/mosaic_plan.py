@@ -27,7 +27,11 @@ on neighbouring keys, in L2). The default does so where items walk at most `_SHO
 blocks on average (against a program per item: causal LongNet's forward measured faster and
 its forward+backward the same, that 8K LongNet's forward+backward faster); longer items (full
 causal attention) have little fixed cost to hide, and an A/B measured its list-scheduled
-backward slower, so each item is a program there. (The figures behind these choices:
+backward slower, so each item is a program there. In packed rows the ids, on the device,
+decide those long items' costs: there the forward's persistent programs take the next item
+from a counter in global memory each time they free up (dynamic work: the GPU scheduler's
+order, with the next item's queries loaded early), measured faster than a program per item;
+the backward's, slower, keep a program per item. (The figures behind these choices:
 docs/performance.md.)
 """
 
@@ -43,10 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..pattern import DilatedPattern
 from . import schedule
-from .hopper import SMEM_BYTES, aligned, ceil_div, sm_count
+from .hopper import SMEM_BYTES, aligned, ceil_div, fetch_add, sm_count
 
 # Barriers beside the tiles (no reduction scratch: `hopper.run`'s kernels reduce within warps
 # only), and the alignment of every buffer.
@@ -87,7 +92,9 @@ class Config:
       host list-schedules the items over the programs by their estimated cost (host work
       when a launch first traces, cached per shape; its cost: docs/performance.md). None:
       persistent, but for causal items that walk more than `_SHORT_ITEMS` blocks on
-      average (full causal attention), where a program per item measured as fast.
+      average (full causal attention), where a program per item measured as fast; the
+      forward's there in packed rows, whose costs the ids decide (on the device), persistent
+      programs that take their items as they free up (`Work.mine`, dynamic work).
     interpret: run in Mosaic GPU interpret mode (CPU, JAX >= 0.11; slow: for tests).
   """
 
@@ -298,7 +305,8 @@ class Work:
   (`persistent`: one program per SM; else one per item). Program `p` takes items
   `p, p + programs, ...`, or under a causal mask, where items differ in cost, the items
   `plan` gives it: offsets `[programs + 1]`, then the items grouped by program, appended
-  to the rows table (`table`)."""
+  to the rows table (`table`); or (`dynamic`, packed rows) item `p`, then each next item
+  not yet taken, from a counter in global memory (`mine`)."""
   sched: schedule.Schedule
   block_rows: int
   n: int
@@ -307,14 +315,17 @@ class Work:
   persistent: bool
   reverse: bool
   plan: np.ndarray | None = None
+  dynamic: bool = False
 
   @classmethod
   @functools.lru_cache(maxsize=256)
   def of(cls, sched: schedule.Schedule, batch: int, config: Config, reverse: bool,
-         ranges: Ranges):
+         ranges: Ranges, packed: bool = False):
     """The work of a launch whose items walk `ranges` (which holds the launch's `n`, causal
     mask and program block; the items' costs are what `plan` balances). Cached (the plan is
-    host work: a model's layers share it)."""
+    host work: a model's layers share it). `packed` (the forward of packed rows): the ids
+    decide the items' costs, so where a program per item is the default, persistent
+    programs take their items dynamically instead."""
     strides = np.asarray(sched.pieces)[:, schedule.PIECE_STRIDE]
     assert np.isin(strides, (1, sched.stride)).all(), "strides 1 or L (_div_stride)"
     rows, bps = sched.grid(batch, ranges.block_rows)
@@ -328,7 +339,8 @@ class Work:
       return work if persistent else dataclasses.replace(work, programs=items)
     costs = work.costs(batch, ranges)
     if config.persistent is None and costs.mean() > _SHORT_ITEMS:
-      return dataclasses.replace(work, programs=items, persistent=False)
+      return dataclasses.replace(work, dynamic=True) if packed else dataclasses.replace(
+          work, programs=items, persistent=False)
     return dataclasses.replace(work, plan=work._plan(costs))
 
   def costs(self, batch: int, ranges) -> np.ndarray:
@@ -381,9 +393,14 @@ class Work:
     rows = rows.reshape(-1)
     return rows if self.plan is None else jnp.concatenate([rows, jnp.asarray(self.plan)])
 
-  def mine(self, origin_ref, rows_ref):
-    """This program's `(count, prog, loop)`: its number of items, `prog(i)` its i-th item
-    and `loop(body, carry)`, which runs `carry = body(i, prog(i), carry)` over them."""
+  def mine(self, origin_ref, rows_ref, claims=None, producer: bool = False):
+    """This program's `(first, loop)`: its first item and `loop(body, carry)`, which runs
+    `carry = body(i, prog, has_next, next_prog, carry)` over its items (`next_prog()`: the
+    next item, where `has_next`: the consumers load its rows early). Dynamic work takes its
+    items as the program frees up (`claimed`; `claims`: its buffers, `producer`: which
+    side)."""
+    if self.dynamic:
+      return self._claimed(origin_ref, rows_ref, claims, producer)
     pid = lax.axis_index("row") + origin_ref[0]
     if self.plan is None:
       count = ceil_div(self.items - pid, self.programs)
@@ -396,12 +413,71 @@ class Work:
 
     def prog(i):
       return Program.decode(rows_ref, self.sched, self.block_rows, self.n, item(i),
-                             self.reverse)
+                            self.reverse)
 
     def loop(body, carry):
-      return lax.fori_loop(0, count, lambda i, c: body(i, prog(i), c), carry)
+      return lax.fori_loop(
+          0, count, lambda i, c: body(i, prog(i), i + 1 < count, lambda: prog(i + 1), c), carry)
 
-    return count, prog, loop
+    return prog(0), loop
+
+  def counter(self):
+    """The launch's last input for dynamic work: `(counter,)`, an int32 `[1]` of zeros that
+    the programs take their items from (`claimed`); else `()`."""
+    return (jax.new_ref(jnp.zeros((1,), jnp.int32)),) if self.dynamic else ()
+
+  def _claimed(self, origin_ref, rows_ref, claims, producer: bool):
+    """`mine` of dynamic work (`dynamic`): program `p` walks item `p`, then takes the next
+    unclaimed item from a counter in global memory (`counter`) each time it frees up, as the
+    GPU's own scheduler hands out a program per item, in launch order. The producer claims
+    (one item ahead, so that the consumers can load the next item's rows early) and passes
+    each item to the consumers through a ring of shared-memory slots. `claims`: `(counter,
+    slots [S] int32, full barriers [S], free barriers [S] of two arrivals, interpret)`
+    (`mosaic_pipeline.claim_buffers`)."""
+    counter, slots, full, free, interpret = claims
+    size = slots.shape[0]
+    pid = lax.axis_index("row") + origin_ref[0]
+    prog = lambda item: Program.decode(rows_ref, self.sched, self.block_rows, self.n, item,
+                                       self.reverse)
+
+    def publish(m):  # the program's item m (>= 1) into slot m % size
+      slot = lax.rem(m, size)
+      pl.when(m > size)(lambda: plgpu.barrier_wait(free.at[slot]))
+      # (items 0 .. programs - 1 are the programs' first ones)
+      fetch_add(counter, slots.at[pl.ds(slot, 1)], self.programs, interpret)
+      plgpu.barrier_arrive(full.at[slot])
+
+    def take(m):  # the consumers' read of item m
+      slot = lax.rem(m, size)
+      plgpu.barrier_wait(full.at[slot])
+      item = slots[slot]
+      plgpu.barrier_arrive(free.at[slot])
+      return item
+
+    def loop(body, carry):
+      if producer:
+        publish(jnp.int32(1))
+
+      def step(state):
+        i, item, carry = state
+        if producer:
+          carry = body(i, prog(item), None, None, carry)
+          following = slots[lax.rem(i + 1, size)]
+          pl.when(following < self.items)(lambda: publish(i + 2))
+        else:
+          following = take(i + 1)
+          carry = body(i, prog(item), following < self.items, lambda: prog(following), carry)
+        return i + 1, following, carry
+
+      count, _, carry = lax.while_loop(lambda state: state[1] < self.items, step,
+                                       (jnp.int32(0), pid, carry))
+      if producer:  # observe the consumers' last reads (every barrier phase; interpret mode)
+        for back in range(size):
+          pl.when(count - back >= 1)(
+              lambda: plgpu.barrier_wait(free.at[lax.rem(count - back, size)]))
+      return carry
+
+    return prog(pid), loop
 
 
 @dataclasses.dataclass(frozen=True)
