@@ -156,6 +156,7 @@ def test_mosaic_packed_one_segment_of_any_length():
                 config=mosaic.Config(interpret=True, persistent=False, fused_backward=True))
 
 
+@INTERPRET
 def test_mosaic_packed_items_taken_by_several_programs(monkeypatch):
   """Dynamic work (`Work.mine`: the packed forward's persistent programs take items from a
   counter) with three programs, each starting at its own item: interpret mode runs one
