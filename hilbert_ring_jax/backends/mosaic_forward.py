@@ -38,7 +38,7 @@ from ..pattern import heads_per_kv
 from . import schedule
 from .hopper import (LN2, LOG2E, REGISTERS, SMEM_BYTES, accumulate, products, run, swizzled,
                      turns)
-from .mosaic_pipeline import IdTiles, claim_buffers, produce_kv, split_counter, walk
+from .mosaic_pipeline import IdTiles, produce_kv, walk
 from .mosaic_plan import Config, Ranges, Work, key_limit, out_length, smem_bytes, strided_view
 
 def merge_prior(prior_refs, prog, rows, o_tile, lse_tile, bars, acc, m_i, l_i, rows_of,
@@ -251,7 +251,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
 
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref, v5_ref,
             *refs):
-    counter_ref, refs = split_counter(work, refs, 2)
+    counter_ref, refs = work.split_counter(refs, 2)
     id_refs, refs = (refs[:4], refs[4:]) if packed else (None, refs)
     prior_refs, (out_ref, lse_ref) = (None, refs) if prior is None else (refs[:2], refs[2:])
     tiles = swizzled(dtype)
@@ -262,7 +262,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
             None if same else plgpu.SMEM((2, bq, d), out_dtype, transforms=swizzled(out_dtype)),
             plgpu.SMEM((2 * buffers, bq), jnp.int32) if packed else None,
             plgpu.SMEM((stages, bk), jnp.int32) if packed else None]
-    slots, full, free = claim_buffers(work)
+    slots, full, free = work.claim_buffers()
 
     def scoped(smem, bars, free, claims):
       q_smem, k_smem, v_smem, lse_smem, o_smem, qid_smem, kid_smem = smem

@@ -144,26 +144,6 @@ def produce_kv(work: Work, origin_ref, rows_ref, per_kv: int, k, v, ranges, L: i
   produce_items(work, origin_ref, rows_ref, item, [k[-1], v[-1]], stages, claims)
 
 
-ITEM_SLOTS = 2  # dynamic work: the items the producer has claimed ahead of the consumers
-
-
-def claim_buffers(work: Work):
-  """Dynamic work's shared memory and barriers (`Work.mine`): the ring of item slots, its
-  full barriers and its free ones (both consumers release a slot); Nones for static work."""
-  if not work.dynamic:
-    return None, None, None
-  return (plgpu.SMEM((ITEM_SLOTS,), jnp.int32), plgpu.Barrier(num_barriers=ITEM_SLOTS),
-          plgpu.Barrier(num_arrivals=2, num_barriers=ITEM_SLOTS))
-
-
-def split_counter(work: Work, refs, outputs: int):
-  """`(counter, refs)`: dynamic work's counter (the last input, `Work.counter`; None for
-  static work) and a kernel's other input and output refs (`outputs` of them last)."""
-  if not work.dynamic:
-    return None, refs
-  return refs[-outputs - 1], (*refs[:-outputs - 1], *refs[-outputs:])
-
-
 def walk(prog: Program, ranges, block, carry):
   """A consumer's pass over the blocks `produce` loads: `ranges(p) = (piece, lo, a, b, hi)`,
   blocks `[a, b)` unmasked, the rest of `[lo, hi)` masked; `block(carry, piece, j, masked)`."""

@@ -66,6 +66,7 @@ _MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA'
 # estimate (full causal attention: the list-scheduled backward measured slower in one A/B;
 # docs/performance.md).
 _SHORT_ITEMS = 64
+ITEM_SLOTS = 2  # dynamic work: the items the producer has claimed ahead of the consumers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,7 +159,8 @@ class Config:
 def smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int,
                q_buffers: int = 1, packed: bool = False) -> int:
   """The forward's shared memory; `packed`: with its document ids (a ring of key blocks'
-  ids beside the keys', and the queries' ids beside each query tile)."""
+  ids beside the keys', and the queries' ids beside each query tile) and the slots of the
+  items its programs may take dynamically (`Work.claim_buffers`)."""
   bq, bk = config.block_q, config.block_k
   buffers = [2 * q_buffers * bq * head_dim * itemsize,  # query tiles
              *(config.stages * bk * head_dim * itemsize,) * 2,  # rings of key, value blocks
@@ -166,7 +168,7 @@ def smem_bytes(config: Config, head_dim: int, itemsize: int, out_itemsize: int,
   if out_itemsize != itemsize:
     buffers.append(2 * bq * head_dim * out_itemsize)
   if packed:
-    buffers += [2 * q_buffers * bq * 4, config.stages * bk * 4]
+    buffers += [2 * q_buffers * bq * 4, config.stages * bk * 4, ITEM_SLOTS * 4]
   return sum(_footprint(b) for b in buffers) + _SMEM_SLACK
 
 
@@ -421,6 +423,21 @@ class Work:
 
     return prog(0), loop
 
+  def claim_buffers(self):
+    """Dynamic work's shared memory and barriers (`mine`): the ring of item slots, its full
+    barriers and its free ones (both consumers release a slot); Nones for static work."""
+    if not self.dynamic:
+      return None, None, None
+    return (plgpu.SMEM((ITEM_SLOTS,), jnp.int32), plgpu.Barrier(num_barriers=ITEM_SLOTS),
+            plgpu.Barrier(num_arrivals=2, num_barriers=ITEM_SLOTS))
+
+  def split_counter(self, refs, outputs: int):
+    """`(counter, refs)`: dynamic work's counter (the kernel's last input, `counter`; None
+    for static work) and the kernel's other input and output refs (`outputs` of them last)."""
+    if not self.dynamic:
+      return None, refs
+    return refs[-outputs - 1], (*refs[:-outputs - 1], *refs[-outputs:])
+
   def counter(self):
     """The launch's last input for dynamic work: `(counter,)`, an int32 `[1]` of zeros that
     the programs take their items from (`claimed`); else `()`."""
@@ -433,7 +450,7 @@ class Work:
     (one item ahead, so that the consumers can load the next item's rows early) and passes
     each item to the consumers through a ring of shared-memory slots. `claims`: `(counter,
     slots [S] int32, full barriers [S], free barriers [S] of two arrivals, interpret)`
-    (`mosaic_pipeline.claim_buffers`)."""
+    (`claim_buffers`)."""
     counter, slots, full, free, interpret = claims
     size = slots.shape[0]
     pid = lax.axis_index("row") + origin_ref[0]
