@@ -52,8 +52,9 @@ def fetch_add(counter_ref, dst_ref, offset: int, interpret: bool):
   `atomic_add` returns nothing, so the add is Mosaic GPU's (`memref.atomic_rmw`). Interpret
   mode runs one program at a time: a read and a write."""
   if interpret:
-    dst_ref[0] = counter_ref[0] + offset
-    counter_ref[0] = dst_ref[0] - offset + 1
+    old = counter_ref[0]
+    dst_ref[0] = old + offset
+    counter_ref[0] = old + 1
     return
   from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
   from jax._src.lib.mlir.dialects import arith, memref  # pylint: disable=import-outside-toplevel

@@ -251,7 +251,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
 
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, q_ref, k4_ref, k5_ref, v4_ref, v5_ref,
             *refs):
-    counter_ref, refs = work.split_counter(refs, 2)
+    counter_ref, refs = (refs[0], refs[1:]) if work.dynamic else (None, refs)
     id_refs, refs = (refs[:4], refs[4:]) if packed else (None, refs)
     prior_refs, (out_ref, lse_ref) = (None, refs) if prior is None else (refs[:2], refs[2:])
     tiles = swizzled(dtype)
@@ -262,7 +262,6 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
             None if same else plgpu.SMEM((2, bq, d), out_dtype, transforms=swizzled(out_dtype)),
             plgpu.SMEM((2 * buffers, bq), jnp.int32) if packed else None,
             plgpu.SMEM((stages, bk), jnp.int32) if packed else None]
-    slots, full, free = work.claim_buffers()
 
     def scoped(smem, bars, free, claims):
       q_smem, k_smem, v_smem, lse_smem, o_smem, qid_smem, kid_smem = smem
@@ -280,20 +279,20 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
          None if prior is None else (plgpu.Barrier(num_barriers=2),) * 2, *id_bars),
         ((plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
          plgpu.Barrier(num_arrivals=2)),
-        (slots, full, free) if work.dynamic else None,
+        work.claim_buffers(),
         collective_axes="wg")
 
   out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_heads, d), out_dtype),
               jax.ShapeDtypeStruct((batch, num_heads, L, n_out // L), jnp.float32))
   rows, pieces, bias = tables
   view = functools.partial(strided_view, stride=L)
-  args = (work.table(rows), pieces.reshape(-1), bias, view(q), k, view(k), v, view(v))
+  args = (work.table(rows), pieces.reshape(-1), bias, view(q), k, view(k), v, view(v),
+          *work.counter())
   if packed:
     args += id_tiles.inputs(ids, n_pad)
   if prior is not None:
     out_p, lse_p = prior
     args += (view(out_p), lse_p.reshape(batch, n_out // L, L, num_heads).transpose(0, 3, 2, 1))
-  args += work.counter()
   out, lse = run(entry, out_type, work.grid, args, interpret)
   lse = lse.transpose(0, 3, 2, 1).reshape(batch, n_out, num_heads)
   return out.reshape(batch, n_out, num_heads, d), lse

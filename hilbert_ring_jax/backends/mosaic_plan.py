@@ -425,22 +425,15 @@ class Work:
 
   def claim_buffers(self):
     """Dynamic work's shared memory and barriers (`mine`): the ring of item slots, its full
-    barriers and its free ones (both consumers release a slot); Nones for static work."""
+    barriers and its free ones (both consumers release a slot); None for static work."""
     if not self.dynamic:
-      return None, None, None
+      return None
     return (plgpu.SMEM((ITEM_SLOTS,), jnp.int32), plgpu.Barrier(num_barriers=ITEM_SLOTS),
             plgpu.Barrier(num_arrivals=2, num_barriers=ITEM_SLOTS))
 
-  def split_counter(self, refs, outputs: int):
-    """`(counter, refs)`: dynamic work's counter (the kernel's last input, `counter`; None
-    for static work) and the kernel's other input and output refs (`outputs` of them last)."""
-    if not self.dynamic:
-      return None, refs
-    return refs[-outputs - 1], (*refs[:-outputs - 1], *refs[-outputs:])
-
   def counter(self):
-    """The launch's last input for dynamic work: `(counter,)`, an int32 `[1]` of zeros that
-    the programs take their items from (`claimed`); else `()`."""
+    """Dynamic work's input, after the kernel's fixed ones: `(counter,)`, an int32 `[1]` of
+    zeros that the programs take their items from (`claimed`); else `()`."""
     return (jax.new_ref(jnp.zeros((1,), jnp.int32)),) if self.dynamic else ()
 
   def _claimed(self, origin_ref, rows_ref, claims, producer: bool):
