@@ -2,6 +2,8 @@
 rings take it, what it computes, and that the kernel lowers for the GPU on a CPU."""
 
 import functools
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +21,9 @@ AUTO = jax.sharding.AxisType.Auto
 
 def test_the_kernel_lowers_for_the_gpu_on_a_cpu():
   """Through Mosaic GPU's own lowering, for the CUDA platform, on 4 CPU devices: the remote
-  stores into each peer's receive buffers and the semaphores included; GQA (2 query heads
-  a key/value head), and an output tile of its own (float32)."""
+  stores into each peer's receive buffers, the semaphores and the pushes' counter (an atomic
+  add) included; GQA (2 query heads a key/value head), and an output tile of its own
+  (float32)."""
   mesh = jax.make_mesh((4,), ("seq",), axis_types=(AUTO,), devices=jax.devices()[:4])
   spec = jax.P(None, "seq")
   q = jax.ShapeDtypeStruct((1, 4 * 1024, 4, 128), jnp.bfloat16,
@@ -34,7 +37,7 @@ def test_the_kernel_lowers_for_the_gpu_on_a_cpu():
         out_specs=(spec, spec, spec, spec),
         check_vma=False)
     text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    assert "mosaic_gpu" in text and "atomic_rmw" in text
 
 
 def test_the_kernel_declines_what_it_does_not_run():
@@ -185,3 +188,39 @@ def test_the_kernel_on_gpus(monkeypatch, hkv, d):
     qi = jax.random.normal(jax.random.key(seed), q.shape, q.dtype)
     a, b = with_kernel(qi, k, v)[0], without(qi, k, v)[0]
     assert helpers.rel_err(a, np.asarray(b, np.float64)) < tol
+
+
+@pytest.mark.gpu
+def test_the_kernel_completes_with_more_programs_than_the_gpus_hold():
+  """On every GPU of the host (Hopper, two or more): a launch of three programs an SM, of
+  which at most one an SM is resident at once, completes and equals the default launch bit
+  for bit, gathered keys included. The programs that run first push every block and wait for
+  the peers' before the others start: so the pushes are claimed by running programs, not
+  dealt in advance (which hangs here, as it could beside a collective holding SMs). Run in
+  a child process, so that a hang fails the test instead of stopping the suite."""
+  gpus = jax.devices("gpu")
+  if len(gpus) < 2 or not hopper.is_hopper():
+    pytest.skip("needs two Hopper GPUs")
+  script = f"""
+import functools, jax, jax.numpy as jnp, numpy as np
+from hilbert_ring_jax.backends import hopper, mosaic_gather
+m = jax.make_mesh(({len(gpus)},), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
+spec = jax.P(None, "seq")
+n = {len(gpus)} * 8192
+q, k, v = (jax.random.normal(jax.random.key(i), (1, n, h, 128), jnp.bfloat16)
+           for i, h in enumerate((8, 4, 4)))
+def launch(programs):
+  fn = functools.partial(mosaic_gather.gathered_forward, scale=0.1, axis_name="seq",
+                         shards={len(gpus)}, programs=programs)
+  return jax.jit(jax.shard_map(fn, mesh=m, in_specs=(spec,) * 3, out_specs=(spec,) * 4,
+                               check_vma=False))(q, k, v)
+many = launch(3 * hopper.sm_count())
+default = launch(None)
+for a, b in zip(many, default):
+  assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+print("equal")
+"""
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert done.returncode == 0 and "equal" in done.stdout, done.stderr[-3000:]
+

@@ -1,19 +1,28 @@
 """The "mosaic" backend's gathering ring kernel: full attention of each device's queries over
 the keys of every device of a mesh axis, the all-gather done by the kernel itself.
 
-One launch per device, persistent (a program per SM, co-resident: programs wait on their
-peers'), in two phases over the program's items:
+One launch per device, persistent (a program per SM), in two phases over the program's
+items:
 1. each item over the device's own keys, its result stored; meanwhile each program's producer
-   pushes its share of the device's own key/value blocks into every peer's receive buffers
-   (a TMA load into one of two staging tiles, which lands while the other's stores go out
-   through `plgpu.remote_ref`), spread evenly over the phase's pipeline steps; then it
-   signals each peer's semaphore and waits until every program of every peer has signalled;
+   pushes key/value blocks of the device's own into every peer's receive buffers (a TMA load
+   into one of two staging tiles, which lands while the other's stores go out through
+   `plgpu.remote_ref`), spread evenly over the phase's pipeline steps; then it signals each
+   peer's semaphore with the number of blocks it pushed and waits until every block of every
+   peer has landed;
 2. each item over the peers' keys, read from the receive buffers, its result merged with the
    first phase's in its epilogue (`mosaic_forward.merge_prior`).
 So the transfers run beside a quarter of the work (on 4 devices) instead of before all of it,
 and a program waits only once the whole first phase is done. The consumers are the forward's
 (`mosaic_forward`): two warpgroups of `block_q` query rows taking turns on the tensor cores,
 an online base-2 softmax; no mask (every key is visible), so rows of whole blocks only.
+
+The blocks pushed are not dealt to the programs in advance: each producer claims the next
+from a counter in global memory (`hopper.fetch_add`) when it is due for one, and claims until
+none is left before it waits. Only a running program claims, and it pushes what it claimed
+without waiting on anything, so every block goes out as long as each device runs one of the
+launch's programs, however few: the launch cannot hang when some of its programs are not
+resident (a collective that XLA runs beside it on another stream holding SMs that its other
+programs wait for), nor when it has more programs than the GPU holds at once.
 
 The receive buffers, `[B, P, n, Hkv, D]`, hold device `i`'s keys in slot `i` (its own too,
 copied by its pushes): an all-gather's result, an output of the launch (the ring's backward
@@ -31,8 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .hopper import (LN2, LOG2E, REGISTERS, SMEM_BYTES, accumulate, ceil_div, products, run,
-                     sm_count, swizzled, turns)
+from .hopper import (LN2, LOG2E, REGISTERS, SMEM_BYTES, accumulate, ceil_div, fetch_add,
+                     products, run, sm_count, swizzled, turns)
 from .mosaic_forward import merge_prior
 from .mosaic_pipeline import observe_releases
 
@@ -57,12 +66,14 @@ def fits(n: int, d: int, itemsize: int, block_q: int = 64, block_k: int = 128,
 
 
 def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: int = 64,
-                     block_k: int = 128, stages: int = 2, out_dtype=None):
+                     block_k: int = 128, stages: int = 2, out_dtype=None,
+                     programs: int | None = None):
   """`(out [B, n, H, D], lse [B, n, H], k_all, v_all)`: `q [B, n, H, D]` over the keys
   `k, v [B, n, Hkv, D]` of all `shards >= 2` devices of `axis_name` (inside `shard_map`; a
   semaphore across devices needs two), non-causal, `scale > 0`; `out` in `out_dtype`
   (default q's); `k_all, v_all [B, P n, Hkv, D]` every device's keys and values in natural
-  order (an all-gather's result)."""
+  order (an all-gather's result). `programs`: the launch's (default one per SM, at most one
+  per item); any number runs, more than the GPU holds at once included."""
   batch, n, num_heads, d = q.shape
   kv_heads = k.shape[2]
   per_kv = num_heads // kv_heads
@@ -75,24 +86,30 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
   peers = shards - 1
   q_blocks, k_blocks = n // (2 * bq), n // bk
   items = batch * num_heads * q_blocks
-  programs = min(items, sm_count())
-  # The pushes: every (k or v, batch row, head, PUSH_ROWS block) of this device, dealt to
-  # the programs in turn.
+  programs = min(items, programs or sm_count())
+  # The pushes: every (k or v, batch row, head, PUSH_ROWS block) of this device, claimed by
+  # the programs' producers as they go (about `share` each).
   push_blocks = n // PUSH_ROWS
   pushes = 2 * batch * kv_heads * push_blocks
-  arrivals = peers * programs  # signals each device waits for
+  share = -(-pushes // programs)
+  arrivals = peers * pushes  # the blocks each device waits for, counted by the signals
   qk_scale = scale * LOG2E
   # Two query tiles per consumer where they fit: the next item's queries load meanwhile.
   buffers = 2 if smem_bytes(d, dtype.itemsize, bq, bk, stages, 2,
                             out_dtype.itemsize) <= SMEM_BYTES else 1
 
   def kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, k_recv, v_recv, smem, bars, free):
-    q_smem, k_smem, v_smem, o_smem, lse_smem, stage = smem
+    q_smem, k_smem, v_smem, o_smem, lse_smem, stage, claimed = smem
     q_bar, k_bar, v_bar, stage_bar, prior_bars = bars
     (k_free, v_free), turn = free
     wg = lax.axis_index("wg")
     pid = lax.axis_index("row")
-    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    # Two int32s in global memory, zero at launch: the blocks landed from the peers (their
+    # signals) and the pushes claimed so far (as a semaphore: another input of the launch
+    # would shift the receive buffers among its arguments, which the peers' addresses of them
+    # are looked up by).
+    sems = pl.get_global(plgpu.SemaphoreType.REGULAR((2,)))
+    sem, counter = sems.at[0], sems.at[pl.ds(1, 1)]
     me = lax.axis_index(axis_name)
     count = ceil_div(items - pid, programs)
 
@@ -103,12 +120,10 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
 
     def producer():
       plgpu.set_max_registers(REGISTERS[0], action="decrease")
-      share = ceil_div(pushes - pid, programs)
       own_steps = count * k_blocks
 
-      def pushed_block(idx):
-        """`(kind, b, rows, head)` of this program's push `idx`: k (0) or v, its box."""
-        t = pid + idx * programs
+      def pushed_block(t):
+        """`(kind, b, rows, head)` of push `t`: k (0) or v, its box."""
         kind, t = lax.div(t, pushes // 2), lax.rem(t, pushes // 2)
         b, t = lax.div(t, kv_heads * push_blocks), lax.rem(t, kv_heads * push_blocks)
         head, blk = lax.div(t, push_blocks), lax.rem(t, push_blocks)
@@ -119,20 +134,26 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
         for src_kind, refs in enumerate(((k_ref, k_recv), (v_ref, v_recv))):
           pl.when(kind == src_kind)(lambda refs=refs: use(*refs))
 
-      def begin(idx):
-        """Push `idx`'s load into its staging tile, once the stores of push `idx - 2` (the
-        tile's last) have read it: at most one push's stores, the last, still reading."""
-        kind, b, rows, head = pushed_block(idx)
-        slot = lax.rem(idx, 2)
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        by_kind(kind, lambda src, _: plgpu.copy_gmem_to_smem(
-            src.at[b, rows, head], stage.at[slot], stage_bar.at[slot]))
+      def claim(slot):
+        """The next push nobody has claimed (`pushes` once none is left), into `claimed[slot]`
+        and, unless none is left, its load into staging tile `slot`, once the stores of the
+        tile's last push have read it (at most one push's stores, the last, still reading).
+        A program's `i`-th push uses slot `i % 2`."""
+        fetch_add(counter, claimed.at[pl.ds(slot, 1)], 0, False)
+        t = claimed[slot]
 
-      def finish(idx):
-        """Push `idx`'s stores, once its block is in: to its own slot and every peer's, one
-        bulk group; then the next push's load."""
-        kind, b, rows, head = pushed_block(idx)
-        slot = lax.rem(idx, 2)
+        @pl.when(t < pushes)
+        def _():
+          kind, b, rows, head = pushed_block(t)
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          by_kind(kind, lambda src, _: plgpu.copy_gmem_to_smem(
+              src.at[b, rows, head], stage.at[slot], stage_bar.at[slot]))
+
+      def finish(done):
+        """This program's push `done` (claimed, its load issued): its stores, once its block
+        is in, to its own slot and every peer's, one bulk group; then the next claim."""
+        slot = lax.rem(done, 2)
+        kind, b, rows, head = pushed_block(claimed[slot])
         plgpu.barrier_wait(stage_bar.at[slot])
 
         def store(_, recv):
@@ -144,7 +165,7 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
                                     commit_group=o == shards - 1)
 
         by_kind(kind, store)
-        pl.when(idx + 1 < share)(lambda: begin(idx + 1))
+        claim(1 - slot)
 
       def load(step, box):
         """A key block and its values into the ring's next slot (`box(own, recv)`: the box
@@ -155,27 +176,39 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
           pl.when(step >= stages)(lambda: plgpu.barrier_wait(free_.at[slot]))
           plgpu.copy_gmem_to_smem(box(own, recv), smem.at[slot], bar.at[slot])
 
-      # Phase 1: every item over the own keys; the pushes spread evenly over its steps.
-      pl.when(share > 0)(lambda: begin(0))
+      # Phase 1: every item over the own keys; a push due every `own_steps / share` steps.
+      claim(0)
 
       def own_item(i, carry):
         b, h, _ = decode(i)
 
         def per_block(jj, carry):
-          step, pushed = carry
+          step, done, t = carry
           load(step, lambda own, _: own.at[b, pl.ds(jj * bk, bk), lax.div(h, per_kv)])
-          due = (pushed < share) & (pushed * own_steps <= step * share)
-          pl.when(due)(lambda: finish(pushed))
-          return step + 1, jnp.where(due, pushed + 1, pushed)
+          due = (t < pushes) & (done * own_steps <= step * share)
+          pl.when(due)(lambda: finish(done))
+          return step + 1, jnp.where(due, done + 1, done), jnp.where(
+              due, claimed[lax.rem(done + 1, 2)], t)
 
         return lax.fori_loop(0, k_blocks, per_block, carry)
 
-      step, pushed = lax.fori_loop(0, count, own_item, (jnp.int32(0), jnp.int32(0)))
-      # The rest of the pushes, their landing, the signals; then every peer's.
-      lax.fori_loop(pushed, share, lambda idx, c: (finish(idx), c)[1], 0)
+      step, done, t = lax.fori_loop(0, count, own_item,
+                                    (jnp.int32(0), jnp.int32(0), claimed[0]))
+      # The pushes left, claimed until none is; their landing; the signals, each peer's
+      # semaphore raised by the blocks pushed (a sum of constant increments); then wait for
+      # every block of every peer.
+      def push(done):  # `(done + 1, the push claimed next)`
+        finish(done)
+        return done + 1, claimed[lax.rem(done + 1, 2)]
+
+      done, _ = lax.while_loop(lambda state: state[1] < pushes, lambda state: push(state[0]),
+                               (done, t))
       plgpu.wait_smem_to_gmem(0)
-      for o in range(1, shards):
-        pl.semaphore_signal(sem, device_id={axis_name: lax.rem(me + o, shards)})
+      for bit in range(pushes.bit_length()):
+        @pl.when(lax.rem(lax.div(done, 1 << bit), 2) == 1)
+        def _():
+          for o in range(1, shards):
+            pl.semaphore_signal(sem, 1 << bit, device_id={axis_name: lax.rem(me + o, shards)})
       pl.semaphore_wait(sem, value=arrivals, decrement=False)
 
       # Phase 2: every item over the peers' keys, as they landed in the receive buffers.
@@ -276,7 +309,8 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
             plgpu.SMEM((stages, bk, d), dtype, transforms=tiles),
             None if same else plgpu.SMEM((2, bq, d), out_dtype, transforms=swizzled(out_dtype)),
             plgpu.SMEM((2, bq), jnp.float32),
-            plgpu.SMEM((2, PUSH_ROWS, d), dtype, transforms=tiles)]
+            plgpu.SMEM((2, PUSH_ROWS, d), dtype, transforms=tiles),
+            plgpu.SMEM((2,), jnp.int32)]
     pl.run_scoped(
         lambda smem, bars, free: kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, k_recv, v_recv,
                                         smem, bars, free),
