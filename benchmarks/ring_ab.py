@@ -5,10 +5,11 @@ over all GPUs as the defaults run it ("default"), and the ring with the mosaic `
 given by `--config` (e.g. `persistent=True`, the persistent programs ring steps ran before
 2026-11-27) or, with `--set NAME=VALUE`, the defaults with the ring module's setting NAME
 (`GATHER_LIMIT_BYTES`: 0, whole rings rotate their keys instead of gathering them;
-`SMALL_STEP_ROWS`: 0, no ring is small; `KERNEL_GATHER`: True, whole rings of full attention
-gather their keys inside the kernel) set to VALUE. Each round times every
-variant once (10 calls back to back, 3 where one GPU takes over 50 ms a call), so that drifts
-between processes and over time hit them alike; medians over `--rounds`. Efficiency as in
+`SMALL_STEP_ROWS`: 0, no ring is small; `KERNEL_GATHER`: False, whole rings of full
+attention all-gather their keys before one call instead of inside the kernel) set to VALUE.
+Each round times every variant once (10 calls back to back, 3 where one GPU takes over 50 ms
+a call), so that drifts between processes and over time hit them alike; medians over
+`--rounds`. Efficiency as in
 `ring_scaling.py`: `T_1 / (P T_P)`. "dispatch" is the host's time to issue a call (the loop
 of calls until it returns, before the wait): near the call's time, the host sets the pace.
 

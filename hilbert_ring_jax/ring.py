@@ -68,11 +68,10 @@ SMALL_STEP_ROWS: int = 4096
 # call's only branch), runs as one kernel that gathers its keys itself where the step's
 # backend has one ("mosaic": `mosaic_gather`): each device's peers' keys travel while it
 # attends to its own, instead of an all-gather before (docs/performance.md, "Keys gathered
-# inside the kernel"). Off by default: the kernel's programs wait on their peers', so it
-# needs every one of them resident on every device at once, which a collective XLA runs
-# beside it on another stream (an FSDP weight gather, say) can prevent: a hang, not a wrong
-# answer. Read when a call is traced.
-KERNEL_GATHER: bool = False
+# inside the kernel"). Its programs claim the blocks they push as they run, so it completes
+# however few of them are resident (beside a collective on another stream holding SMs).
+# False: the all-gather, then one call. Read when a call is traced.
+KERNEL_GATHER: bool = True
 
 
 def _count(name, value):

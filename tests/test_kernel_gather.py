@@ -75,6 +75,10 @@ def _recording_xla(monkeypatch, calls):
 
   monkeypatch.setattr(xla, "gathers", lambda *args: True, raising=False)
   monkeypatch.setattr(xla, "gathered_forward", gathered_forward, raising=False)
+  # A cache of the ring's jitted calls of its own for the test: one traced by another test
+  # with the same settings (the default's) would not call the recording kernel.
+  monkeypatch.setattr(ring_module, "_sharded",
+                      functools.lru_cache(maxsize=64)(ring_module._sharded.__wrapped__))
 
 
 # (pattern over N, Hkv): "full_gqa" is the one a gathering kernel runs.
@@ -134,14 +138,17 @@ def test_a_ring_through_the_kernel_equals_one_device(monkeypatch):
     assert helpers.rel_err(g, ref) < tol
 
 
-def test_the_setting_is_checked_and_off_by_default(monkeypatch):
+def test_the_setting_is_checked_and_on_by_default(monkeypatch):
   calls = []
   _recording_xla(monkeypatch, calls)
   m = jax.make_mesh((8,), ("seq",), axis_types=(AUTO,))
   x = jnp.ones((1, 8 * 256, 2, 8))
   pattern = DilatedPattern((x.shape[1],), (1,))
   sharded_dilated_attention(x, x, x, pattern, mesh=m, axis_name="seq")
-  assert ring_module.KERNEL_GATHER is False and not calls
+  assert ring_module.KERNEL_GATHER is True and calls == [8]
+  monkeypatch.setattr(ring_module, "KERNEL_GATHER", False)
+  sharded_dilated_attention(x, x, x, pattern, mesh=m, axis_name="seq")
+  assert calls == [8]
   monkeypatch.setattr(ring_module, "KERNEL_GATHER", 1)
   with pytest.raises(ValueError, match="ring.KERNEL_GATHER must be a bool"):
     sharded_dilated_attention(x, x, x, pattern, mesh=m, axis_name="seq")

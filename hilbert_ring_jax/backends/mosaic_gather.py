@@ -50,10 +50,11 @@ PUSH_ROWS = 64  # rows of the staging tile a push moves
 
 def smem_bytes(d: int, itemsize: int, block_q: int, block_k: int, stages: int,
                q_buffers: int, out_itemsize: int) -> int:
-  """The kernel's shared memory (outputs in the inputs' dtype reuse the query tiles)."""
+  """The kernel's shared memory (outputs in the inputs' dtype reuse the query tiles; the
+  claimed pushes' two int32s)."""
   tiles = 2 * q_buffers * block_q + 2 * stages * block_k + 2 * PUSH_ROWS
   out = 0 if out_itemsize == itemsize else 2 * block_q * d * out_itemsize
-  return tiles * d * itemsize + out + 2 * block_q * 4 + 2048
+  return tiles * d * itemsize + out + 2 * block_q * 4 + 2 * 4 + 2048
 
 
 def fits(n: int, d: int, itemsize: int, block_q: int = 64, block_k: int = 128,
