@@ -159,8 +159,8 @@ def test_the_setting_is_checked_and_on_by_default(monkeypatch):
 def test_the_kernel_on_gpus(monkeypatch, hkv, d):
   """On every GPU of the host (Hopper, two or more): the ring with `KERNEL_GATHER`, bf16,
   2048 tokens a GPU, against one GPU's float32 result (output, lse, gradients through the
-  all-gathering backward), and the kernel ran; 20 calls on new queries equal the ring
-  without it (the semaphores start afresh in each launch)."""
+  all-gathering backward), and the kernel ran; 20 calls on new queries, keys and values
+  equal the ring without it (the semaphores and the counter start afresh in each launch)."""
   gpus = jax.devices("gpu")
   if len(gpus) < 2 or not hopper.is_hopper():
     pytest.skip("needs two Hopper GPUs")
@@ -192,8 +192,9 @@ def test_the_kernel_on_gpus(monkeypatch, hkv, d):
   monkeypatch.setattr(ring_module, "KERNEL_GATHER", False)
   without = jax.jit(call)
   for seed in range(20):
-    qi = jax.random.normal(jax.random.key(seed), q.shape, q.dtype)
-    a, b = with_kernel(qi, k, v)[0], without(qi, k, v)[0]
+    qi, ki, vi = (jax.random.normal(key, x.shape, x.dtype)
+                  for key, x in zip(jax.random.split(jax.random.key(seed), 3), (q, k, v)))
+    a, b = with_kernel(qi, ki, vi)[0], without(qi, ki, vi)[0]
     assert helpers.rel_err(a, np.asarray(b, np.float64)) < tol
 
 
@@ -230,4 +231,3 @@ print("equal")
   done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                         timeout=300, check=False)
   assert done.returncode == 0 and "equal" in done.stdout, done.stderr[-3000:]
-
