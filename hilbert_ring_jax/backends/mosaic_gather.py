@@ -168,6 +168,8 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
         by_kind(kind, store)
         claim(1 - slot)
 
+      claimed_after = lambda done: claimed[lax.rem(done + 1, 2)]  # what `finish(done)` claimed
+
       def load(step, box):
         """A key block and its values into the ring's next slot (`box(own, recv)`: the box
         of `k` or `v` they come from, given the own ref and the receive buffer)."""
@@ -188,8 +190,7 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
           load(step, lambda own, _: own.at[b, pl.ds(jj * bk, bk), lax.div(h, per_kv)])
           due = (t < pushes) & (done * own_steps <= step * share)
           pl.when(due)(lambda: finish(done))
-          return step + 1, jnp.where(due, done + 1, done), jnp.where(
-              due, claimed[lax.rem(done + 1, 2)], t)
+          return step + 1, jnp.where(due, done + 1, done), jnp.where(due, claimed_after(done), t)
 
         return lax.fori_loop(0, k_blocks, per_block, carry)
 
@@ -198,12 +199,12 @@ def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, block_q: 
       # The pushes left, claimed until none is; their landing; the signals, each peer's
       # semaphore raised by the blocks pushed (a sum of constant increments); then wait for
       # every block of every peer.
-      def push(done):  # `(done + 1, the push claimed next)`
+      def push(state):
+        done, _ = state
         finish(done)
-        return done + 1, claimed[lax.rem(done + 1, 2)]
+        return done + 1, claimed_after(done)
 
-      done, _ = lax.while_loop(lambda state: state[1] < pushes, lambda state: push(state[0]),
-                               (done, t))
+      done, _ = lax.while_loop(lambda state: state[1] < pushes, push, (done, t))
       plgpu.wait_smem_to_gmem(0)
       for bit in range(pushes.bit_length()):
         @pl.when(lax.rem(lax.div(done, 1 << bit), 2) == 1)
