@@ -9,9 +9,9 @@ given by `--config` (e.g. `persistent=True`, the persistent programs ring steps 
 attention all-gather their keys before one call instead of inside the kernel) set to VALUE.
 Each round times every variant once (10 calls back to back, 3 where one GPU takes over 50 ms
 a call), so that drifts between processes and over time hit them alike; medians over
-`--rounds`. Efficiency as in
-`ring_scaling.py`: `T_1 / (P T_P)`. "dispatch" is the host's time to issue a call (the loop
-of calls until it returns, before the wait): near the call's time, the host sets the pace.
+`--rounds`. Efficiency as in `ring_scaling.py`: `T_1 / (P T_P)`. "dispatch" is the host's
+time to issue a call (the loop of calls until it returns, before the wait): near the call's
+time, the host sets the pace.
 
   python benchmarks/ring_ab.py --per-gpu 8192,32768 --config persistent=True --json ab.json
   python benchmarks/ring_ab.py --per-gpu 8192,32768 --set GATHER_LIMIT_BYTES=0 --json ab.json

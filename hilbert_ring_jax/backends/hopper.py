@@ -49,9 +49,9 @@ def fetch_add(counter_ref, dst_ref, offset: int, interpret: bool):
   """`dst_ref[0] = counter_ref[0] + offset; counter_ref[0] += 1`, the add atomic (one thread
   of the calling warpgroup; `counter_ref` an int32 `[1]` in global memory, or a slice of one
   semaphore of a launch's own, `dst_ref` an int32 in shared memory, which the whole warpgroup
-  may read once this returns). Pallas' own
-  `atomic_add` returns nothing, so the add is Mosaic GPU's (`memref.atomic_rmw`). Interpret
-  mode runs one program at a time: a read and a write."""
+  may read once this returns). Pallas' own `atomic_add` returns nothing, so the add is Mosaic
+  GPU's (`memref.atomic_rmw`). Interpret mode runs one program at a time: a read and a
+  write."""
   if interpret:
     old = counter_ref[0]
     dst_ref[0] = old + offset
