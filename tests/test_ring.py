@@ -577,16 +577,17 @@ def _check_ring_on_gpus(b, n, h, hkv, d, pattern, implementation=None, data=1):
   """The ring over every GPU of the host (a (data, seq) mesh, the batch over "data"), bf16,
   against one GPU's float32 "xla" result: outputs, lse and gradients. Returns the mosaic
   forward launches traced."""
-  from hilbert_ring_jax.backends import mosaic_forward  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from hilbert_ring_jax.backends import mosaic_forward, mosaic_gather
   gpus = jax.devices("gpu")
   case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
                       pattern.offsets, head_dim=d, batch=b)
   q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 3)
   launches = []
-  launch = mosaic_forward.launch
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(mosaic_forward, "launch",
-                  lambda *a, **kw: (launches.append(1), launch(*a, **kw))[1])
+    for module, name in ((mosaic_forward, "launch"), (mosaic_gather, "gathered_forward")):
+      patch.setattr(module, name, lambda *a, f=getattr(module, name), **kw: (
+          launches.append(1), f(*a, **kw))[1])
     jax.clear_caches()
     gpu_mesh = jax.make_mesh((data, len(gpus) // data), ("data", "seq"),
                              axis_types=(AUTO, AUTO), devices=gpus)
