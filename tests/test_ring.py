@@ -576,7 +576,7 @@ GPU_CASES = {
 def _check_ring_on_gpus(b, n, h, hkv, d, pattern, implementation=None, data=1):
   """The ring over every GPU of the host (a (data, seq) mesh, the batch over "data"), bf16,
   against one GPU's float32 "xla" result: outputs, lse and gradients. Returns the mosaic
-  forward launches traced."""
+  forward launches traced (the gathering kernel's included)."""
   # pylint: disable-next=g-import-not-at-top
   from hilbert_ring_jax.backends import mosaic_forward, mosaic_gather
   gpus = jax.devices("gpu")
