@@ -291,25 +291,6 @@ def test_cross_pass_gpu(fwd, bwd):
 
 
 @INTERPRET
-def test_interpret_bfloat16_gradients_when_final():
-  """`grad_dtype=bfloat16` (what `dilated_attention` asks for): one launch with separate
-  kernels writes bf16 gradients, the float32 ones rounded; without it, float32."""
-  case = Case(512, 1, 1, (256, 512), (1, 2), head_dim=128)
-  q, k, v, dout, _ = helpers.random_inputs(case, jnp.bfloat16, 0)
-  pattern, scale = case.pattern(True), case.head_dim ** -0.5
-  config = mosaic.Config(interpret=True, persistent=True)  # one launch a kernel: quicker
-  out, lse = jax.jit(lambda q, k, v: mosaic.forward(q, k, v, pattern, scale, config=config))(
-      q, k, v)
-  delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1)
-  backward = lambda grad_dtype: jax.jit(lambda *rows: mosaic.backward(
-      *rows, pattern, scale, config=config, grad_dtype=grad_dtype))(q, k, v, dout, lse, delta)
-  wide, final = backward(None), backward(jnp.bfloat16)
-  for w, f in zip(wide, final):
-    assert w.dtype == jnp.float32 and f.dtype == jnp.bfloat16
-    assert jnp.array_equal(w.astype(jnp.bfloat16), f)
-
-
-@INTERPRET
 @pytest.mark.parametrize("scale", ["large", -0.3, 0.0])
 def test_interpret_large_logits_and_any_scale(scale):
   """Logits up to the forward's documented range (|s log2 e| < 2^27, docs/SPEC.md) with
