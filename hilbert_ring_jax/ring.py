@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import typing
 import warnings
 
@@ -64,14 +65,16 @@ GATHER_LIMIT_BYTES: int | None = None
 SMALL_STEP_ROWS: int = 4096
 
 
-# A gathered ring of full attention, non-causal, over every device of one process (the
+# True: a gathered ring of full attention, non-causal, over every device of one process (the
 # call's only branch), runs as one kernel that gathers its keys itself where the step's
 # backend has one ("mosaic": `mosaic_gather`): each device's peers' keys travel while it
 # attends to its own, instead of an all-gather before (docs/performance.md, "Keys gathered
 # inside the kernel"). Its programs claim the blocks they push as they run, so it completes
 # however few of them are resident (beside a collective on another stream holding SMs).
-# False: the all-gather, then one call. Read when a call is traced.
-KERNEL_GATHER: bool = True
+# Off by default, and only with XLA's command buffers off (`_command_buffers_off`): with them
+# on, the kernel returned wrong results in some calls of a layer's jitted forward+backward on
+# 2 x H200. False: the all-gather, then one call. Read when a call is traced.
+KERNEL_GATHER: bool = False
 
 
 def _count(name, value):
@@ -91,6 +94,14 @@ def _kernel_gather() -> bool:
   if not isinstance(KERNEL_GATHER, bool):
     raise ValueError(f"ring.KERNEL_GATHER must be a bool, got {KERNEL_GATHER!r}")
   return KERNEL_GATHER
+
+
+def _command_buffers_off() -> bool:
+  """Whether XLA_FLAGS turns XLA's GPU command buffers off (`--xla_gpu_enable_command_buffer=`
+  with no command type, its last setting there)."""
+  flag = "--xla_gpu_enable_command_buffer="
+  values = [t[len(flag):] for t in os.environ.get("XLA_FLAGS", "").split() if t.startswith(flag)]
+  return bool(values) and values[-1] in ("", '""', "''")
 
 
 def _gather_limit() -> int:
@@ -276,6 +287,11 @@ class _RingBranch:
     gathers = getattr(backend, "gathers", None)
     if gathers is None or not gathers(q.shape, k.shape, q.dtype, plan.shards, self.scale):
       return None
+    if not _command_buffers_off():
+      raise ValueError(
+          "ring.KERNEL_GATHER = True needs XLA's command buffers off (XLA_FLAGS="
+          "--xla_gpu_enable_command_buffer=, set before JAX starts): with them on, the kernel "
+          "that gathers the keys returned wrong results in some calls (docs/ring.md)")
     return backend, config
 
   # Layout: compaction for the "compact" ring, identity otherwise.

@@ -2,6 +2,7 @@
 rings take it, what it computes, and that the kernel lowers for the GPU on a CPU."""
 
 import functools
+import os
 import subprocess
 import sys
 
@@ -97,6 +98,7 @@ def _ring_case(monkeypatch, name, calls):
   make, hkv = ROUTES[name]
   _recording_xla(monkeypatch, calls)
   monkeypatch.setattr(ring_module, "KERNEL_GATHER", True)
+  _command_buffers_said_off(monkeypatch)
   n = 8 * 256
   pattern = make(n)
   case = helpers.Case(n, 2, hkv, pattern.segment_lengths, pattern.dilation_rates,
@@ -138,20 +140,49 @@ def test_a_ring_through_the_kernel_equals_one_device(monkeypatch):
     assert helpers.rel_err(g, ref) < tol
 
 
-def test_the_setting_is_checked_and_on_by_default(monkeypatch):
+def _command_buffers_said_off(monkeypatch):
+  """XLA_FLAGS as a process with XLA's command buffers off has them (read by the ring when it
+  traces; this process's XLA started with its own)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_gpu_enable_command_buffer=".strip())
+
+
+def test_the_setting_is_checked_off_by_default_and_needs_command_buffers_off(monkeypatch):
+  """Off by default; set, the kernel runs only where XLA's command buffers are off (with
+  them on it returned wrong results in some calls on GPUs): else a ValueError naming both."""
   calls = []
   _recording_xla(monkeypatch, calls)
   m = jax.make_mesh((8,), ("seq",), axis_types=(AUTO,))
   x = jnp.ones((1, 8 * 256, 2, 8))
   pattern = DilatedPattern((x.shape[1],), (1,))
-  sharded_dilated_attention(x, x, x, pattern, mesh=m, axis_name="seq")
-  assert ring_module.KERNEL_GATHER is True and calls == [8]
-  monkeypatch.setattr(ring_module, "KERNEL_GATHER", False)
-  sharded_dilated_attention(x, x, x, pattern, mesh=m, axis_name="seq")
-  assert calls == [8]
+  call = lambda: sharded_dilated_attention(x, x, x, pattern, mesh=m, axis_name="seq")
+  call()
+  assert ring_module.KERNEL_GATHER is False and not calls
+  monkeypatch.setattr(ring_module, "KERNEL_GATHER", True)
+  for flags in ("", "--xla_gpu_enable_command_buffer=FUSION",
+                "--xla_gpu_enable_command_buffer= --xla_gpu_enable_command_buffer=FUSION"):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    with pytest.raises(ValueError, match="KERNEL_GATHER = True needs XLA's command buffers off"):
+      call()
+  for flags in ("--xla_gpu_enable_command_buffer=", "--a=1 --xla_gpu_enable_command_buffer=''"):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    call()
+  assert calls == [8]  # (the second: the same program, from the cache)
   monkeypatch.setattr(ring_module, "KERNEL_GATHER", 1)
   with pytest.raises(ValueError, match="ring.KERNEL_GATHER must be a bool"):
-    sharded_dilated_attention(x, x, x, pattern, mesh=m, axis_name="seq")
+    call()
+
+
+def _gpus_for_the_kernel():
+  """The GPUs of the host, or a skip: two or more Hopper GPUs, and XLA's command buffers off
+  in this process (the kernel's condition: `ring.KERNEL_GATHER`)."""
+  gpus = jax.devices("gpu")
+  if len(gpus) < 2 or not hopper.is_hopper():
+    pytest.skip("needs two Hopper GPUs")
+  if "--xla_gpu_enable_command_buffer= " not in os.environ.get("XLA_FLAGS", "") + " ":
+    pytest.skip("the gathering kernel runs with XLA's command buffers off: run with "
+                "XLA_FLAGS=--xla_gpu_enable_command_buffer=")
+  return gpus
 
 
 @pytest.mark.gpu
@@ -160,10 +191,9 @@ def test_the_kernel_on_gpus(monkeypatch, hkv, d):
   """On every GPU of the host (Hopper, two or more): the ring with `KERNEL_GATHER`, bf16,
   2048 tokens a GPU, against one GPU's float32 result (output, lse, gradients through the
   all-gathering backward), and the kernel ran; 20 calls on new queries, keys and values
-  equal the ring without it (the semaphores and the counter start afresh in each launch)."""
-  gpus = jax.devices("gpu")
-  if len(gpus) < 2 or not hopper.is_hopper():
-    pytest.skip("needs two Hopper GPUs")
+  equal the ring without it, another program (the semaphores and the counter start afresh
+  in each launch)."""
+  gpus = _gpus_for_the_kernel()
   ran = []
   kernel = mosaic_gather.gathered_forward
   monkeypatch.setattr(mosaic_gather, "gathered_forward",
@@ -174,9 +204,11 @@ def test_the_kernel_on_gpus(monkeypatch, hkv, d):
   case = helpers.Case(n, 4, hkv, (n,), (1,), head_dim=d)
   q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 3)
   m = jax.make_mesh((len(gpus),), ("seq",), axis_types=(AUTO,), devices=gpus)
-  call = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=m, axis_name="seq",
-                                                   return_lse=True)
-  (out, lse), vjp = jax.vjp(jax.jit(call), q, k, v)
+  # A new function each time: jit's trace cache would give `without` below the program
+  # traced with the kernel (the setting is read when a call is traced).
+  make_call = lambda: lambda q, k, v: sharded_dilated_attention(
+      q, k, v, pattern, mesh=m, axis_name="seq", return_lse=True)
+  (out, lse), vjp = jax.vjp(jax.jit(make_call()), q, k, v)
   assert ran
   f32 = lambda *xs: [jax.device_put(x.astype(jnp.float32), gpus[0]) for x in xs]
   (ref_out, ref_lse), ref_vjp = jax.vjp(
@@ -187,15 +219,59 @@ def test_the_kernel_on_gpus(monkeypatch, hkv, d):
   helpers.check_lse(lse, np.asarray(ref_lse), tol)
   for g, ref in zip(vjp((dout, dlse)), ref_vjp(tuple(f32(dout, dlse)))):
     assert helpers.rel_err(g, np.asarray(ref)) < tol
-  with_kernel = jax.jit(call)
+  with_kernel = jax.jit(make_call())
   with_kernel(q, k, v)  # traced with the setting on
   monkeypatch.setattr(ring_module, "KERNEL_GATHER", False)
-  without = jax.jit(call)
+  without = jax.jit(make_call())
+  gathers = lambda f: "all-gather" in f.lower(q, k, v).compile().as_text()
+  assert not gathers(with_kernel) and gathers(without)  # two programs
   for seed in range(20):
     qi, ki, vi = (jax.random.normal(key, x.shape, x.dtype)
                   for key, x in zip(jax.random.split(jax.random.key(seed), 3), (q, k, v)))
     a, b = with_kernel(qi, ki, vi)[0], without(qi, ki, vi)[0]
     assert helpers.rel_err(a, np.asarray(b, np.float64)) < tol
+
+
+@pytest.mark.gpu
+def test_layer_steps_through_the_kernel_equal_the_ring_without(monkeypatch):
+  """On every GPU of the host (Hopper, two or more), with XLA's command buffers off: a
+  layer's jitted forward+backward (projections before and after the ring call, 8192 tokens
+  a GPU), 16 steps on new inputs, the kernel's program against the all-gathering one. With
+  command buffers on, this gave wrong results in 1-2 steps of 16 on 2 x H200."""
+  gpus = _gpus_for_the_kernel()
+  n, heads, kv_heads, d, dm = len(gpus) * 8192, 4, 2, 128, 256
+  pattern = DilatedPattern((n,), (1,))
+  m = jax.make_mesh((len(gpus),), ("seq",), axis_types=(AUTO,), devices=gpus)
+
+  def step(flag):
+    monkeypatch.setattr(ring_module, "KERNEL_GATHER", flag)
+
+    def loss(w, x):
+      h = jax.nn.gelu(x @ w["in"]).astype(jnp.bfloat16)
+      q, k, v = ((h @ w[name]).reshape(1, n, -1, d) for name in "qkv")
+      o = sharded_dilated_attention(q, k, v, pattern, mesh=m, axis_name="seq")
+      return jnp.mean(jnp.square((o.reshape(1, n, heads * d) @ w["o"]).astype(jnp.float32)))
+    f = jax.jit(jax.value_and_grad(loss))
+    f(*inputs(0))  # traced (and cached) with the setting
+    return f
+
+  def inputs(seed):
+    keys = jax.random.split(jax.random.key(seed), 6)
+    w = {name: (jax.random.normal(key, shape) / np.sqrt(shape[0])).astype(jnp.bfloat16)
+         for name, key, shape in zip(("in", "q", "k", "v", "o"), keys, (
+             (dm, dm), (dm, heads * d), (dm, kv_heads * d), (dm, kv_heads * d), (heads * d, dm)))}
+    x = jax.random.normal(keys[5], (1, n, dm), jnp.bfloat16)
+    return w, jax.device_put(x, jax.NamedSharding(m, jax.P(None, "seq")))
+
+  with_kernel, without = step(True), step(False)
+  gathers = lambda f: "all-gather" in f.lower(*inputs(0)).compile().as_text()
+  assert not gathers(with_kernel) and gathers(without)
+  for seed in range(16):
+    (loss_k, grads_k), (loss, grads) = with_kernel(*inputs(seed)), without(*inputs(seed))
+    assert helpers.rel_err(loss_k, np.float64(loss)) < 0.03, seed
+    for name in grads:
+      assert helpers.rel_err(grads_k[name], np.asarray(grads[name], np.float64)) < 0.03, (
+          seed, name)
 
 
 @pytest.mark.gpu
@@ -206,9 +282,7 @@ def test_the_kernel_completes_with_more_programs_than_the_gpus_hold():
   the peers' before the others start: so the pushes are claimed by running programs, not
   dealt in advance (which hangs here, as it could beside a collective holding SMs). Run in
   a child process, so that a hang fails the test instead of stopping the suite."""
-  gpus = jax.devices("gpu")
-  if len(gpus) < 2 or not hopper.is_hopper():
-    pytest.skip("needs two Hopper GPUs")
+  gpus = _gpus_for_the_kernel()
   script = f"""
 import functools, jax, jax.numpy as jnp, numpy as np
 from hilbert_ring_jax.backends import hopper, mosaic_gather
