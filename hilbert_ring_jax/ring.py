@@ -879,7 +879,10 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
   trades half-shards once each way and the gather fallback all-gathers its inputs. Each
   branch's steps use the backend `dilated_attention` would pick for them (`implementation`
   and `config` as there). `segment_ids` (packed sequences, as in `dilated_attention`): this
-  shard's `[B, N / P]` document ids; the keys' ids travel with the keys.
+  shard's `[B, N / P]` document ids; the keys' ids travel with the keys. Heads are numbered
+  from 0 on each device: where the `shard_map` also splits the heads, a pattern whose
+  branches depend on the head (`offsets="head"`, `head_groups`) computes other attention
+  (docs/ring.md: use `offsets="all"` there).
 
   Example:
     >>> from hilbert_ring_jax import DilatedPattern, dilated_attention
