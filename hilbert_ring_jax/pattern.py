@@ -15,6 +15,8 @@ _OFFSETS = ("head", "all")
 def _as_int_tuple(name: str, value) -> tuple[int, ...]:
   if isinstance(value, numbers.Integral) and not isinstance(value, bool):
     value = (value,)
+  if isinstance(value, np.ndarray) and value.ndim == 1:  # a NumPy vector, as a list
+    value = value.tolist()
   if not isinstance(value, Sequence) or isinstance(value, str):
     raise ValueError(f"{name} must be an int or a sequence of ints, got {name}={value!r}")
   out = []

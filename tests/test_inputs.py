@@ -38,6 +38,9 @@ def test_pattern_normalizes_and_hashes():
   assert p.segment_lengths == (8, 16) and p.branches == ((8, 1), (16, 2))
   assert hash(p) == hash(DilatedPattern((8, 16), (1, 2)))
   assert DilatedPattern(8, 2).branches == ((8, 2),)
+  assert DilatedPattern(np.array([8, 16]), np.arange(1, 3)) == p  # NumPy vectors, as lists
+  with pytest.raises(ValueError, match="segment_lengths must hold ints"):
+    DilatedPattern(np.array([8.0, 16.0]), (1, 2))
 
 
 def test_head_ranges():
