@@ -179,9 +179,7 @@ def _gpus_for_the_kernel():
   gpus = jax.devices("gpu")
   if len(gpus) < 2 or not hopper.is_hopper():
     pytest.skip("needs two Hopper GPUs")
-  flag = "--xla_gpu_enable_command_buffer="
-  values = [t[len(flag):] for t in os.environ.get("XLA_FLAGS", "").split() if t.startswith(flag)]
-  if not values or values[-1]:
+  if not ring_module._command_buffers_off():  # the ring's own reading of XLA_FLAGS
     pytest.skip("the gathering kernel runs with XLA's command buffers off: run with "
                 "XLA_FLAGS=--xla_gpu_enable_command_buffer=")
   return gpus
