@@ -97,16 +97,19 @@ BACKENDS = [Backend("xla"), Backend("pallas", marks=(pytest.mark.pallas,)), Back
             Backend("mosaic"), Backend("mosaic", interpret=True)]
 
 
-def on_backends(cases, extra=(), exclude=(), xfail=None, only=None):
+def on_backends(cases, extra=(), exclude=(), xfail=None, only=None, slow=None):
   """Parametrizes `backend, case, causal, dtype` (and the names `extra`) over every backend of
   BACKENDS but those named in `exclude`, and each of `cases` (id -> (Case, causal, dtype,
   *extra values)) that the backend declares; `xfail`: backend name -> the known bug that
   fails its cases (a strict xfail: a fix makes them fail until the entry goes); `only`:
-  backend name -> the ids of `cases` it runs (the others: elsewhere, said where)."""
-  xfail, only = xfail or {}, only or {}
-  marks = lambda b: (*b.marks, *([pytest.mark.xfail(strict=True, reason=xfail[b.name])]
-                                 if b.name in xfail else []))
-  params = [pytest.param(b, *values, id=f"{b.id}-{name}", marks=marks(b))
+  backend name -> the ids of `cases` it runs (the others: elsewhere, said where); `slow`:
+  backend id -> the ids of `cases` marked slow there."""
+  xfail, only, slow = xfail or {}, only or {}, slow or {}
+  marks = lambda b, name: (
+      *b.marks, *([pytest.mark.xfail(strict=True, reason=xfail[b.name])]
+                  if b.name in xfail else []),
+      *([pytest.mark.slow] if name in slow.get(b.id, ()) else []))
+  params = [pytest.param(b, *values, id=f"{b.id}-{name}", marks=marks(b, name))
             for b in BACKENDS if b.name not in exclude for name, values in cases.items()
             if b.declares(*values[:3]) and name in only.get(b.name, [name])]
   return pytest.mark.parametrize(["backend", "case", "causal", "dtype", *extra], params)
@@ -203,7 +206,10 @@ BLOCKS = {
 BLOCK_CASES = {name: case[:3] for name, case in BLOCKS.items()}
 
 
-@on_backends(BLOCKS, extra=["options"])
+# Interpreted, the mosaic kernels run the first case by default, the others with `-m slow`
+# (~25-40 s each on a CPU); on a Hopper GPU the suite runs all three for real.
+@on_backends(BLOCKS, extra=["options"],
+             slow={"mosaic_interpret": ["partial_segment", "one_segment"]})
 def test_blocks(backend, case, causal, dtype, options):
   configs = {name: backends.load(name).Config(**kw) for name, kw in options.items()}
   helpers.check_case(case, causal, dtype, None,
@@ -347,7 +353,8 @@ PARTIALS = {"f32": (_SMALL, True, F32, ((1,),)), "bf16": (_SMALL, True, BF16, ((
                             ((1,),))}
 
 
-@on_backends(PARTIALS, extra=["selections"])
+# (Interpreted, the tiles' case is slow, ~45 s: `-m slow`; a Hopper GPU runs it for real.)
+@on_backends(PARTIALS, extra=["selections"], slow={"mosaic_interpret": ["blocks-bf16"]})
 def test_partials_are_float32(backend, case, causal, dtype, selections):
   """Forward partials and backward contributions are float32 whatever the input dtype (the
   ring merges them); `out_dtype` gives a final output in the input dtype, and `grad_dtype`

@@ -21,6 +21,7 @@ def test_formula_rows():
   assert bench_decode.formula_rows(every, 2, 1) == 2 * 4 + 5 * 3
 
 
+@pytest.mark.slow  # ~25 s: the benchmark's own run, at its smallest
 def test_quick_run(tmp_path):
   out = tmp_path / "decode.json"
   result = bench_decode.main(["--quick", "--batch", "1", "--kv-heads", "2", "--prompts", "40",

@@ -244,13 +244,15 @@ MOSAIC = pytest.mark.skipif(
 @pytest.mark.parametrize("case,prefill,dtype", [
     # Three blocks of 64 rows in the long branch, split over two programs; GQA (2 per kv head).
     # (Each interpreted token costs ~1 s: two tokens either side of a segment boundary.)
-    (Case(162, 4, 2, (160, 48), (1, 3), head_dim=64), 158, jnp.float16),
+    pytest.param(Case(162, 4, 2, (160, 48), (1, 3), head_dim=64), 158, jnp.float16,
+                 marks=pytest.mark.slow),
     # MQA, offsets="all", head groups: the query heads of one kv head read different branches.
     (Case(98, 4, 1, (96, 40), (1, 2), offsets="all", head_groups=True, head_dim=64), 94,
      jnp.bfloat16),
     # H = Hkv < r: residues no head reads (those kv heads read nothing in that branch): 2 and
     # 3 before the boundary at 72, 0 and 1 (read) after it.
-    (Case(74, 2, 2, (72, 24), (1, 4), head_dim=128, batch=2), 70, jnp.bfloat16),
+    pytest.param(Case(74, 2, 2, (72, 24), (1, 4), head_dim=128, batch=2), 70, jnp.bfloat16,
+                 marks=pytest.mark.slow),
 ])
 def test_mosaic_token_steps_interpret(case, prefill, dtype):
   """The token-step kernel across segment boundaries against the float64 reference: outputs

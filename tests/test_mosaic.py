@@ -84,9 +84,12 @@ def test_blocks_of_192_keys_where_rows_are_long():
 @pytest.mark.skipif(jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",
                     reason="CPU only (a GPU compiles them for real), JAX >= 0.11")
 # A backward's lowering takes ~4 s: both gradient dtypes at head dim 64, one a mask at 128
-# (bf16 causal, float32 not), so each gradient dtype meets each head dim.
+# (bf16 causal, float32 not), so each gradient dtype meets each head dim; head dim 128 with
+# `-m slow` (~17 s each).
 @pytest.mark.parametrize("head_dim,causal,grad_dtypes", [
-    (64, True, (jnp.bfloat16, None)), (128, True, (jnp.bfloat16,)), (128, False, (None,))],
+    (64, True, (jnp.bfloat16, None)),
+    pytest.param(128, True, (jnp.bfloat16,), marks=pytest.mark.slow),
+    pytest.param(128, False, (None,), marks=pytest.mark.slow)],
                          ids=["64-True", "128-True", "128-False"])
 def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal, grad_dtypes):
   """Every kernel goes through Mosaic GPU's own lowering (layout inference, the Pallas to
@@ -291,7 +294,8 @@ def test_cross_pass_gpu(fwd, bwd):
 
 
 @INTERPRET
-@pytest.mark.parametrize("scale", ["large", -0.3, 0.0])
+@pytest.mark.parametrize("scale", ["large", pytest.param(-0.3, marks=pytest.mark.slow),
+                                   pytest.param(0.0, marks=pytest.mark.slow)])
 def test_interpret_large_logits_and_any_scale(scale):
   """Logits up to the forward's documented range (|s log2 e| < 2^27, docs/SPEC.md) with
   v = 1 give 1 (no row inf, NaN or 0); a negative scale (the row maximum is then the

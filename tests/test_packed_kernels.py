@@ -145,6 +145,7 @@ def test_mosaic_packed_matches_the_reference():
 
 
 @INTERPRET
+@pytest.mark.slow  # ~35 s interpreted (a GPU: a partial last block, test_mosaic_packed_on_a_gpu)
 def test_mosaic_packed_one_segment_of_any_length():
   """Full attention, not causal, at N = 300 (a partial last block, past which nothing is
   read): pieces of several blocks, so each tile's document windows decide which blocks are
@@ -232,6 +233,7 @@ def test_mosaic_takes_packed_problems(monkeypatch):
 
 
 @pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="Mosaic GPU lowering: JAX >= 0.11")
+@pytest.mark.slow  # ~45 s; test_mosaic.py lowers the kernels without ids by default
 def test_mosaic_packed_lowers_for_the_gpu():
   """The packed kernels go through Mosaic GPU's own lowering for CUDA on a CPU (not only the
   interpreter): an unstrided and a strided launch, causal, per-head ids (shared ones take

@@ -106,8 +106,10 @@ def _assert_ring_matches_reference(ring, case, causal, inputs):
 LARGE = ["spanning_head", "partial_sub_rings", "spanning_all_gqa"]
 
 
+# (The second and third large rings with `-m slow`: ~20 and ~12 s.)
 @pytest.mark.parametrize("name,large", [(name, False) for name in SMALL]
-                         + [(name, True) for name in LARGE],
+                         + [pytest.param(name, True, marks=() if name == LARGE[0] else
+                                         pytest.mark.slow) for name in LARGE],
                          ids=SMALL + [f"{name}-large" for name in LARGE])
 def test_ring_matches_reference(monkeypatch, name, large):
   p, n, h, hkv, pattern = CASES[name]
@@ -780,8 +782,10 @@ def _documents(batch, n, seed):
                      jnp.int32)
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=OLD_JAX) if name == (
-    "data2_seq4_causal_large") else name for name in RUN_PACKED])
+# ("data2_seq4_causal", the ring small, with `-m slow`: its "_large" twin runs by default.)
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=OLD_JAX if name == "data2_seq4_causal_large" else pytest.mark.slow
+                 if name == "data2_seq4_causal" else ()) for name in RUN_PACKED])
 def test_packed_ring_at_realistic_shard_sizes(monkeypatch, name):
   """Packed sequences on the ring (the keys' document ids travel with them, or are gathered
   with them) equal one device's packed call: compact and zigzag rings, rings in natural
