@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from . import backends
+from .backends.common import varying_axes
 from .pattern import DilatedPattern
 
 
@@ -36,8 +38,9 @@ def check_dtype(name: str, dtype) -> jnp.dtype:
   return dtype
 
 
-def check_inputs(q, k, v, pattern) -> None:
-  """Raises `ValueError` naming the argument for anything docs/SPEC.md calls bad input."""
+def check_inputs(q, k, v, pattern, heads_axis=None) -> None:
+  """Raises `ValueError` naming the argument for anything docs/SPEC.md calls bad input
+  (`heads_axis`: the heads are a shard's, checked with `head_shards`)."""
   if not isinstance(pattern, DilatedPattern):
     raise ValueError(f"pattern must be a DilatedPattern, got {type(pattern).__name__}")
   for name, x in (("q", q), ("k", k), ("v", v)):
@@ -60,7 +63,8 @@ def check_inputs(q, k, v, pattern) -> None:
         f"{q.shape=} has {q.shape[2]} heads, {k.shape=} has {k.shape[2]}")
   if not q.dtype == k.dtype == v.dtype:
     raise ValueError(f"q, k and v must share a dtype, got {q.dtype=}, {k.dtype=}, {v.dtype=}")
-  pattern.head_ranges(q.shape[2])  # head_groups needs H >= number of branches
+  if heads_axis is None:
+    pattern.head_ranges(q.shape[2])  # head_groups needs H >= number of branches
 
 
 def check_segment_ids(segment_ids, q):
@@ -95,24 +99,86 @@ def check_scale(scale, head_dim: int) -> float:
   return float(scale)
 
 
+def head_shards(pattern: DilatedPattern, heads_axis, q, k):
+  """The pattern of each shard of the heads over mesh axis `heads_axis` (a tensor-parallel
+  `shard_map`; shard `s` holds heads `s H, ..., (s + 1) H - 1` of `H P`), or None without
+  `heads_axis`. `ValueError` naming the argument where it cannot be so."""
+  if heads_axis is None:
+    return None
+  if not isinstance(heads_axis, str):
+    raise ValueError(f"heads_axis must be None or a mesh axis name, got "
+                     f"heads_axis={heads_axis!r}")
+  if pattern.head_offset or pattern.total_heads is not None:
+    raise ValueError(f"heads_axis={heads_axis!r} sets each shard's head_offset and total_heads: "
+                     f"give a pattern without them, got head_offset={pattern.head_offset}, "
+                     f"total_heads={pattern.total_heads}")
+  try:
+    shards = jax.lax.axis_size(heads_axis)
+  except NameError as e:
+    raise ValueError(f"heads_axis={heads_axis!r} is not bound here: call inside jax.shard_map "
+                     f"over a mesh with that axis, splitting the heads over it") from e
+  if (k.shape[2] > 1 and heads_axis in varying_axes(q)
+      and heads_axis not in varying_axes(k)):
+    raise ValueError(f"k and v must split their heads over heads_axis={heads_axis!r} as q does "
+                     f"(here q varies over it and k does not): with {k.shape[2]} key/value "
+                     f"heads whole beside a slice of the query heads, the query heads would "
+                     f"read others than in the whole call")
+  h = q.shape[2]
+  shards = tuple(dataclasses.replace(pattern, head_offset=s * h, total_heads=h * shards)
+                 for s in range(shards))
+  shards[0].head_ranges(h)  # head_groups needs a head per branch, of all heads
+  return shards
+
+
+def on_head_shards(patterns, heads_axis, num_heads, call, *operands, collectives=False):
+  """`call(pattern, *operands)` with this device's pattern of `patterns` (`head_shards`):
+  the shards whose heads compute alike share one program; where they differ, `lax.switch`
+  on the device's index along `heads_axis` picks its program. A `call` with `collectives`
+  cannot be switched (each device must meet the same collectives): `ValueError` there."""
+  distinct, index = {}, []
+  for p in patterns:
+    index.append(distinct.setdefault(p.shard_key(num_heads), (len(distinct), p))[0])
+  programs = [functools.partial(call, p) for _, p in distinct.values()]
+  if len(programs) == 1:
+    return programs[0](*operands)
+  if collectives:
+    pattern = patterns[0]
+    lcm = math.lcm(*pattern.dilation_rates) if pattern.offsets == "head" else 1
+    why = [*(["head_groups=True gives each branch a group of all the heads"]
+             if pattern.head_groups else []),
+           *([f"offsets='head' has head h read residue h % r (rates {pattern.dilation_rates})"]
+             if lcm > 1 else [])]
+    raise ValueError(
+        f"heads_axis={heads_axis!r}: the shards of {num_heads} heads compute differently "
+        f"({'; '.join(why)}), and a ring cannot yet run shards that differ. They are alike "
+        f"without head_groups where each holds a multiple of {lcm} heads (the rates' lcm) "
+        f"or offsets='all'")
+  which = jnp.asarray(index, jnp.int32)[jax.lax.axis_index(heads_axis)]
+  return jax.lax.switch(which, programs, *operands)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Dispatch:
-  """The kernel contract of one `dilated_attention` call: backends resolved, config bound."""
+  """The kernel contract of one `dilated_attention` call: backends resolved, config bound;
+  `branches`: those covering some of the call's heads (None: all)."""
 
   pattern: DilatedPattern
   scale: float
   forward_backend: str
   backward_backend: str
   config: object = None
+  branches: tuple[int, ...] | None = None
 
   def forward(self, q, k, v, **ids):
     backend = backends.load(self.forward_backend)
     return backend.forward(q, k, v, self.pattern, self.scale, out_dtype=q.dtype,
+                           branches=self.branches,
                            config=backends.config_for(backend, self.config), **ids)
 
   def backward(self, q, k, v, dout, lse, delta, **ids):
     backend = backends.load(self.backward_backend)
     return backend.backward(q, k, v, dout, lse, delta, self.pattern, self.scale,
+                            branches=self.branches,
                             config=backends.config_for(backend, self.config),
                             grad_dtype=q.dtype, **ids)
 
@@ -123,7 +189,8 @@ _attention_jit = jax.jit(backends.attention, static_argnums=3)
 
 def dilated_attention(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
                       scale: float | None = None, return_lse: bool = False,
-                      implementation: str | Sequence[str] | None = None, config=None):
+                      implementation: str | Sequence[str] | None = None, config=None,
+                      heads_axis: str | None = None):
   """LongNet dilated attention: every branch of `pattern`, merged by softmax denominators.
 
   Computes the function of docs/SPEC.md: for query `i` and head `h`, a softmax over the keys
@@ -145,6 +212,10 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
       runs, forward and backward. "xla" supports every valid configuration.
     config: a backend's `Config` (e.g. `hilbert_ring_jax.backends.triton.Config(...)`) to
       run that backend with instead of its tuned defaults; other backends ignore it.
+    heads_axis: inside a `jax.shard_map` that splits the heads over this mesh axis (tensor
+      parallelism; `k`, `v` split alike): each device computes its heads as the call on all
+      heads does. Without it heads are numbered from 0 on each device, which changes what a
+      pattern with `offsets="head"` or `head_groups` computes.
 
   Returns:
     `out` with q's shape and dtype, or `(out, lse)`. Differentiable (exact gradients, with
@@ -166,17 +237,26 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
     >>> dilated_attention(q, k, v, p, segment_ids=docs).shape
     (1, 64, 4, 16)
   """
-  check_inputs(q, k, v, pattern)
+  check_inputs(q, k, v, pattern, heads_axis)
   scale = check_scale(scale, q.shape[-1])
   check_flag("return_lse", return_lse)
   segment_ids = check_segment_ids(segment_ids, q)
   names = backends.candidates(implementation)
   backends.check_config(config)
-  problem = dataclasses.replace(backends.Problem.of(q, k, pattern),
-                                segment_ids=segment_ids is not None)
-  forward = backends.resolve(names, problem)
-  backward = backends.resolve(names, dataclasses.replace(problem, backward=True))
-  kernel = _Dispatch(pattern, scale, forward, backward, config)
+  shards = head_shards(pattern, heads_axis, q, k)
+
+  def call(pattern, q, k, v, ids):
+    branches = pattern.covering(q.shape[2])
+    problem = dataclasses.replace(backends.Problem.of(q, k, pattern, branches),
+                                  segment_ids=ids is not None)
+    forward = backends.resolve(names, problem)
+    backward = backends.resolve(names, dataclasses.replace(problem, backward=True))
+    return _attention_jit(q, k, v, _Dispatch(pattern, scale, forward, backward, config,
+                                             branches), ids)
+
   ids = None if segment_ids is None else (segment_ids, segment_ids)
-  out, lse = _attention_jit(q, k, v, kernel, ids)
+  if shards is None:
+    out, lse = call(pattern, q, k, v, ids)
+  else:
+    out, lse = on_head_shards(shards, heads_axis, q.shape[2], call, q, k, v, ids)
   return (out, lse) if return_lse else out

@@ -39,6 +39,12 @@ class DilatedPattern:
   than `r_b`, the residues `>= H` of branch `b` are read by no head; use `offsets="all"` when
   every token should take part in every branch.
 
+  `head_offset` and `total_heads` make a call on some of the heads compute what a call on
+  all of them computes for those: its head `h` is head `head_offset + h` of `total_heads`
+  (default: the call's own heads), for the residues and the head groups above. Tensor
+  parallelism needs them, each device holding a slice of the heads; `heads_axis=` of the
+  attention functions sets them for each shard.
+
   Hashable and immutable, so it can be a static argument of `jax.jit`.
 
   Example:
@@ -52,6 +58,8 @@ class DilatedPattern:
   causal: bool = False
   offsets: str = "head"
   head_groups: bool = False
+  head_offset: int = 0
+  total_heads: int | None = None
 
   def __post_init__(self):
     segment_lengths = _as_int_tuple("segment_lengths", self.segment_lengths)
@@ -77,6 +85,16 @@ class DilatedPattern:
     for name in ("causal", "head_groups"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
+    for name, low in (("head_offset", 0), ("total_heads", 1)):
+      value = getattr(self, name)
+      if value is None and name == "total_heads":
+        continue
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {name}={value!r}")
+      object.__setattr__(self, name, int(value))
+    if self.total_heads is not None and self.head_offset >= self.total_heads:
+      raise ValueError(f"head_offset must be below total_heads, got "
+                       f"head_offset={self.head_offset}, total_heads={self.total_heads}")
 
   @property
   def num_branches(self) -> int:
@@ -88,24 +106,43 @@ class DilatedPattern:
     return tuple(zip(self.segment_lengths, self.dilation_rates))
 
   def head_ranges(self, num_heads: int) -> tuple[tuple[int, int], ...]:
-    """The `[start, stop)` query heads each branch applies to.
+    """The `[start, stop)` of a call's `num_heads` query heads (numbered from 0) each branch
+    applies to: empty where a branch covers none of them (`head_offset`).
 
-    Without `head_groups` every branch covers all heads; with it the heads split into
-    `num_branches` contiguous groups whose sizes differ by at most one, the first groups
+    Without `head_groups` every branch covers all heads; with it the `total_heads` split
+    into `num_branches` contiguous groups whose sizes differ by at most one, the first groups
     taking the extra head.
     """
-    k = self.num_branches
+    k, offset = self.num_branches, self.head_offset
+    total = offset + num_heads if self.total_heads is None else self.total_heads
+    if offset + num_heads > total:
+      raise ValueError(f"a call's {num_heads} query heads from head_offset={offset} exceed "
+                       f"total_heads={total}")
     if not self.head_groups:
       return ((0, num_heads),) * k
-    if num_heads < k:
+    if total < k:
       raise ValueError(
-          f"head_groups=True needs at least one head per branch: num_heads={num_heads} "
+          f"head_groups=True needs at least one head per branch: num_heads={total} "
           f"< {k} branches ({self.segment_lengths=})")
-    base, extra = divmod(num_heads, k)
+    base, extra = divmod(total, k)
     bounds = [0]
     for b in range(k):
       bounds.append(bounds[-1] + base + (1 if b < extra else 0))
-    return tuple(zip(bounds[:-1], bounds[1:]))
+    local = [min(max(x - offset, 0), num_heads) for x in bounds]
+    return tuple(zip(local[:-1], local[1:]))
+
+  def covering(self, num_heads: int) -> tuple[int, ...] | None:
+    """The branches covering some of a call's `num_heads` heads; None where all do (a call
+    on a slice of the heads, `head_offset`, may meet none of a head group's)."""
+    live = tuple(b for b, (lo, hi) in enumerate(self.head_ranges(num_heads)) if hi > lo)
+    return None if len(live) == self.num_branches else live
+
+  def shard_key(self, num_heads: int):
+    """What a call's result depends on of `head_offset` and `total_heads`: calls whose keys
+    are equal compute alike (their heads read the same residues, in the same groups)."""
+    residues = (tuple(self.head_offset % r for r in self.dilation_rates)
+                if self.offsets == "head" else ())
+    return self.head_ranges(num_heads), residues
 
   def layout(self, seq_len: int, num_heads: int, branches=None) -> tuple[Branch, ...]:
     """The geometry of `branches` (indices, default all) over `seq_len` tokens and `num_heads`
@@ -114,7 +151,7 @@ class DilatedPattern:
     indices = range(self.num_branches) if branches is None else branches
     return tuple(Branch(b, seq_len, min(self.segment_lengths[b], seq_len),
                         self.dilation_rates[b], range(*ranges[b]), self.offsets == "head",
-                        self.causal) for b in indices)
+                        self.causal, self.head_offset) for b in indices)
 
   def visible_pairs(self, seq_len: int, num_heads: int, *, distinct: bool = False) -> int:
     """Query-key-head triples the pattern makes visible, counted with multiplicity `m`.
@@ -148,9 +185,10 @@ class Branch:
   Segment `s` holds positions `[s w, (s + 1) w)` (the last may be shorter); within it, the
   residue of position `p` is `(p % w) % r`, and residue class `c` is the strided *row*
   `c, c + r, ...` of at most `rows = ceil(w / r)` tokens. Query head `h` takes part when it is
-  in `heads`; with `offsets="head"` it then reads only the class `h % r` (`per_head`), with
-  `offsets="all"` every class. Backends lay rows out their own way (folded into a batch, an
-  index map, a schedule), but read these fields rather than re-deriving them.
+  in `heads`; with `offsets="head"` it then reads only the class `(head_offset + h) % r`
+  (`per_head`), with `offsets="all"` every class. Backends lay rows out their own way
+  (folded into a batch, an index map, a schedule), but read these fields rather than
+  re-deriving them.
 
   Example:
     >>> (br,) = DilatedPattern((8,), (2,)).layout(20, num_heads=4)
@@ -165,6 +203,7 @@ class Branch:
   heads: range      # the query heads this branch covers (head_groups: a contiguous group)
   head_offsets: bool  # offsets="head"
   causal: bool
+  head_offset: int = 0  # the pattern's: what the call's head 0 is of all heads
 
   @property
   def segments(self) -> int:
@@ -184,14 +223,16 @@ class Branch:
     """The residue classes query head `h` reads (none if the branch does not cover it)."""
     if h not in self.heads:
       return ()
-    return (h % self.r,) if self.per_head else tuple(range(self.r))
+    return ((self.head_offset + h) % self.r,) if self.per_head else tuple(range(self.r))
 
   def covered(self, num_heads: int, xp=np):
     """`[n, H]` bool: the (token, head) rows this branch computes. `xp=jax.numpy` builds it
     in the traced program (from iotas) instead of as an `n x H` host constant."""
     pos, head = xp.arange(self.n)[:, None], xp.arange(num_heads)[None, :]
     inside = (head >= self.heads.start) & (head < self.heads.stop)
-    return inside & ((pos % self.w) % self.r == head % self.r) if self.per_head else inside
+    if not self.per_head:
+      return inside
+    return inside & ((pos % self.w) % self.r == (head + self.head_offset) % self.r)
 
   def visible(self, num_heads: int) -> np.ndarray:
     """`[H, n, n]` bool: key `j` visible to query `i` for head `h` (dense: for checks)."""

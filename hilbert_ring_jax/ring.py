@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import backends
-from .api import check_flag, check_inputs, check_scale, check_segment_ids
+from .api import (check_flag, check_inputs, check_scale, check_segment_ids, head_shards,
+                  on_head_shards)
 from .merge import merge
 from .pattern import Branch, DilatedPattern, heads_per_kv
 
@@ -137,6 +138,8 @@ class _Plan:
 def _plans(pattern: DilatedPattern, n: int, shards: int, num_heads: int, per_kv: int):
   small_rows = _small_step_rows()
   for br in pattern.layout(n * shards, num_heads):
+    if not br.heads:  # a head group none of this call's heads is in (`head_offset`)
+      continue
     if n % br.w == 0:
       yield _Plan(br, "local", n, shards)
     elif br.w % n == 0 and n % br.r == 0:
@@ -868,7 +871,8 @@ class _Ring:
 
 
 def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segment_ids=None,
-                           scale=None, return_lse=False, implementation=None, config=None):
+                           scale=None, return_lse=False, implementation=None, config=None,
+                           heads_axis=None):
   """`dilated_attention` on sequence shards, called inside `jax.shard_map`.
 
   Each device passes its shard `[B, N / P, H, D]` of `q` and `[B, N / P, Hkv, D]` of `k`, `v`
@@ -879,10 +883,10 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
   trades half-shards once each way and the gather fallback all-gathers its inputs. Each
   branch's steps use the backend `dilated_attention` would pick for them (`implementation`
   and `config` as there). `segment_ids` (packed sequences, as in `dilated_attention`): this
-  shard's `[B, N / P]` document ids; the keys' ids travel with the keys. Heads are numbered
-  from 0 on each device: where the `shard_map` also splits the heads, a pattern whose
-  branches depend on the head (`offsets="head"`, `head_groups`) computes other attention
-  (docs/ring.md: use `offsets="all"` there).
+  shard's `[B, N / P]` document ids; the keys' ids travel with the keys. Where the
+  `shard_map` also splits the heads (and `k`, `v`'s alike) over a mesh axis, name it
+  `heads_axis`: without it heads are numbered from 0 on each device, and a pattern whose
+  branches depend on the head (`offsets="head"`, `head_groups`) computes other attention.
 
   Example:
     >>> from hilbert_ring_jax import DilatedPattern, dilated_attention
@@ -896,7 +900,7 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
     >>> bool(jnp.allclose(f(q, k, v), dilated_attention(q, k, v, pattern), atol=1e-5))
     True
   """
-  check_inputs(q, k, v, pattern)
+  check_inputs(q, k, v, pattern, heads_axis)
   scale = check_scale(scale, q.shape[-1])
   check_flag("return_lse", return_lse)
   segment_ids = check_segment_ids(segment_ids, q)
@@ -906,23 +910,35 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
     raise ValueError(
         f"axis_name={axis_name!r} is not bound here: call ring_dilated_attention inside "
         f"jax.shard_map over a mesh with that axis, or use sharded_dilated_attention") from e
+  if heads_axis is not None and heads_axis == axis_name:
+    raise ValueError(f"heads_axis must be another mesh axis than axis_name, got "
+                     f"heads_axis={heads_axis!r}")
   names = backends.candidates(implementation)
   backends.check_config(config)
-  out, lse = backends.attention(q, k, v, _Ring(pattern, scale, axis_name, names, config),
-                                None if segment_ids is None else (segment_ids, segment_ids))
+  shards = head_shards(pattern, heads_axis, q, k)
+  call = lambda pattern, q, k, v, ids: backends.attention(
+      q, k, v, _Ring(pattern, scale, axis_name, names, config), ids)
+  ids = None if segment_ids is None else (segment_ids, segment_ids)
+  if shards is None:
+    out, lse = call(pattern, q, k, v, ids)
+  else:
+    out, lse = on_head_shards(shards, heads_axis, q.shape[2], call, q, k, v, ids,
+                              collectives=True)
   return (out, lse) if return_lse else out
 
 
 def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_name,
-                              batch_axis=None, segment_ids=None, scale=None,
+                              batch_axis=None, heads_axis=None, segment_ids=None, scale=None,
                               return_lse=False, implementation=None, config=None):
   """`dilated_attention` with the sequence axis sharded over `mesh.shape[axis_name]` devices.
 
   Does the `jax.shard_map` for the caller: `q`, `k`, `v` are global `[B, N, H(kv), D]` arrays
-  (sharded or not); the result is sharded like `P(batch_axis, axis_name)`: with `batch_axis`
-  (a mesh axis, or a tuple of them) the batch is split over it too (data x sequence
-  parallelism); other mesh axes of more than one device hold replicas, with a warning that
-  says so. `segment_ids` (packed sequences): global `[B, N]` document ids, sharded like `q`.
+  (sharded or not); the result is sharded like `P(batch_axis, axis_name, heads_axis)`: with
+  `batch_axis` (a mesh axis, or a tuple of them) the batch is split over it too (data x
+  sequence parallelism), and with `heads_axis` (a mesh axis) the heads of `q`, `k` and `v` (tensor
+  parallelism: each device computes its heads, as the call on all does); other mesh axes of
+  more than one device hold replicas, with a warning that says so. `segment_ids` (packed
+  sequences): global `[B, N]` document ids, sharded like `q`.
   Compiled as one program, so an eager call is as fast as a jitted one (and inlined under an
   outer `jit`). Works the same in one process or under `jax.distributed.initialize()` with
   one process per GPU.
@@ -961,8 +977,17 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
     if name not in mesh.shape or name == axis_name:
       raise ValueError(f"batch_axis must be None or mesh axes other than axis_name, got "
                        f"batch_axis={batch_axis!r} (mesh axes {dict(mesh.shape)})")
+  if heads_axis is not None:
+    if heads_axis not in mesh.shape or heads_axis == axis_name or heads_axis in batch_axes:
+      raise ValueError(f"heads_axis must be None or a mesh axis other than axis_name and "
+                       f"batch_axis, got heads_axis={heads_axis!r} (mesh axes "
+                       f"{dict(mesh.shape)})")
+    for name, x in (("q", q), ("k", k)):
+      if x.shape[2] % mesh.shape[heads_axis]:
+        raise ValueError(f"{name}'s {x.shape[2]} heads must be divisible by the size "
+                         f"{mesh.shape[heads_axis]} of mesh axis heads_axis={heads_axis!r}")
   unused = [name for name, size in mesh.shape.items()
-            if size > 1 and name != axis_name and name not in batch_axes]
+            if size > 1 and name not in (axis_name, heads_axis) and name not in batch_axes]
   if unused:
     warnings.warn(f"mesh axes {unused} are used by neither axis_name={axis_name!r} nor "
                   f"batch_axis={batch_axis!r}: the devices along them all compute the same "
@@ -977,7 +1002,7 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   segment_ids = check_segment_ids(segment_ids, q)
   names = backends.candidates(implementation)
   backends.check_config(config)
-  fn = _sharded(pattern, mesh, axis_name, batch_axes or None, scale, names, config,
+  fn = _sharded(pattern, mesh, axis_name, batch_axes or None, heads_axis, scale, names, config,
                 segment_ids is not None,
                 (_gather_limit(), _small_step_rows(), _kernel_gather()))
   out, lse = fn(q, k, v) if segment_ids is None else fn(q, k, v, segment_ids)
@@ -985,22 +1010,24 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
 
 
 @functools.lru_cache(maxsize=64)
-def _sharded(pattern, mesh, axis_name, batch_axes, scale, names, config, packed, settings):
+def _sharded(pattern, mesh, axis_name, batch_axes, heads_axis, scale, names, config, packed,
+             settings):
   """The jitted shard_map of one configuration (cached: eager calls reuse its compilation);
   `packed`: it takes segment ids, `(q, k, v, segment_ids)`; `settings`: the module settings
   it was traced with (`_gather_limit()`, `SMALL_STEP_ROWS`, `KERNEL_GATHER`)."""
   del settings  # a key of the cache only
-  spec = jax.P(batch_axes, axis_name)
+  spec, ids_spec = jax.P(batch_axes, axis_name, heads_axis), jax.P(batch_axes, axis_name)
   explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
   inner = lambda q, k, v, *ids: ring_dilated_attention(
       q, k, v, pattern, axis_name=axis_name, segment_ids=ids[0] if ids else None, scale=scale,
-      return_lse=True, implementation=names, config=config)
-  mapped = jax.shard_map(inner, mesh=mesh, in_specs=(spec,) * (4 if packed else 3),
-                         out_specs=(spec, spec), check_vma=True)
+      return_lse=True, implementation=names, config=config, heads_axis=heads_axis)
+  in_specs = (spec,) * 3 + ((ids_spec,) if packed else ())
+  mapped = jax.shard_map(inner, mesh=mesh, in_specs=in_specs, out_specs=(spec, spec),
+                         check_vma=True)
 
   def run(*arrays):
     if explicit:
-      arrays = [jax.reshard(x, jax.NamedSharding(mesh, spec)) for x in arrays]
+      arrays = [jax.reshard(x, jax.NamedSharding(mesh, s)) for x, s in zip(arrays, in_specs)]
     return mapped(*arrays)
 
   return jax.jit(run)

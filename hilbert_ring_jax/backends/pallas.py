@@ -7,8 +7,9 @@ Per branch `(w, r)`, `[B, N, H, D]` is viewed as `[B, S, M, R, H, D]` (S segment
 rows of R residues): a free reshape when `N % w == 0`, `w % r == 0` and M is a multiple of the
 block size, otherwise a zero-padded copy whose padding the kernels mask from each row's index.
 A dilated segment is then one strided row of M tokens, so the BlockSpecs pick a segment, a
-residue (`h % r` for offsets="head", a grid axis for "all") and a head straight from the
-view: no gather of q, k, v or out. GQA reads the shared key/value head in the index map.
+residue (`(head_offset + h) % r` for offsets="head", a grid axis for "all") and a head
+straight from the view: no gather of q, k, v or out. GQA reads the shared key/value head in
+the index map.
 In dilated coordinates causality is `key row <= query row`, so the kernels loop over the key
 blocks up to the diagonal only; the upper triangle is never loaded.
 
@@ -276,7 +277,7 @@ def _coords(br: _Branch, ids, n_blocks: int):
   if br.all_residues:
     c = ids[4]
   elif br.geo.per_head:
-    c = lax.rem(h, br.geo.r)
+    c = lax.rem(h + br.geo.head_offset, br.geo.r)
   else:
     c = 0
   return blk, b, h, s, c
@@ -578,12 +579,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, s
   dmask = _head_mask(d, dp)
   kb, vb = _load(k_ref, dmask), _load(v_ref, dmask)
   k_rows = j * bk + jnp.arange(bk)
-  # The query heads of kv head g in this branch's range; offsets="head": those with h % r == c.
+  # The query heads of kv head g in this branch's range; offsets="head": those reading c.
   h_lo = jnp.maximum(g * per_kv, br.geo.heads.start)
   h_hi = jnp.minimum((g + 1) * per_kv, br.geo.heads.stop)
   step = br.geo.r if br.geo.per_head else 1
   if br.geo.per_head:
-    h_lo = h_lo + lax.rem(c - lax.rem(h_lo, br.geo.r) + br.geo.r, br.geo.r)
+    h_lo = h_lo + lax.rem(c - lax.rem(h_lo + br.geo.head_offset, br.geo.r) + br.geo.r, br.geo.r)
   n_heads = jnp.maximum(lax.div(h_hi - h_lo + step - 1, step), 0)
 
   def head_body(t, carry):

@@ -1,0 +1,203 @@
+"""Heads split over devices (tensor parallelism): a call on a slice of the heads
+(`DilatedPattern.head_offset`, `total_heads`) computes what the call on all heads does for
+them, and `heads_axis=` sets that up for each shard inside a `shard_map`."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import reference_np
+from hilbert_ring_jax import (DilatedPattern, dilated_attention, ring_dilated_attention,
+                              sharded_dilated_attention)
+
+AUTO = jax.sharding.AxisType.Auto
+P = jax.sharding.PartitionSpec
+
+# Head-dependent patterns: residues by head (rates that do not divide the slices' sizes), head
+# groups (a slice may meet only some of them), GQA.
+PATTERNS = {
+    "residues": DilatedPattern((8, 24), (2, 3), causal=True),
+    "groups": DilatedPattern((8, 16, 24), (1, 2, 4), head_groups=True),
+    "groups_all": DilatedPattern((12, 24), (3, 2), offsets="all", head_groups=True,
+                                 causal=True),
+}
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_a_slice_of_the_heads_lays_out_as_in_the_whole(name):
+  """Residues, head ranges and visibility of heads `[o, o + H)` of `T`, against the whole
+  call's layout of those heads."""
+  pattern, n, total = PATTERNS[name], 24, 6
+  whole = pattern.layout(n, total)
+  for offset, heads in ((0, 2), (1, 2), (2, 3), (5, 1), (0, 6)):
+    part = DilatedPattern(pattern.segment_lengths, pattern.dilation_rates, pattern.causal,
+                          pattern.offsets, pattern.head_groups, offset, total)
+    for w, p in zip(whole, part.layout(n, heads)):
+      assert [p.residues(h) for h in range(heads)] == [
+          w.residues(offset + h) for h in range(heads)]
+      np.testing.assert_array_equal(p.visible(heads), w.visible(total)[offset:offset + heads])
+    assert part.covering(heads) == (None if all(
+        set(range(offset, offset + heads)) & set(w.heads) for w in whole) else tuple(
+            b for b, w in enumerate(whole) if set(range(offset, offset + heads)) & set(w.heads)))
+
+
+@pytest.mark.parametrize("implementation", ["xla", pytest.param("pallas",
+                                                                  marks=pytest.mark.pallas)])
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_a_call_on_a_slice_of_the_heads_matches_the_reference(name, implementation):
+  """`dilated_attention` with `head_offset` and `total_heads` (a branch covering none of the
+  slice's heads left out) against the float64 reference's rows of those heads."""
+  pattern, n, total, offset, heads = PATTERNS[name], 24, 6, 3, 2
+  part = DilatedPattern(pattern.segment_lengths, pattern.dilation_rates, pattern.causal,
+                        pattern.offsets, pattern.head_groups, offset, total)
+  case = helpers.Case(n, heads, 1, pattern.segment_lengths, pattern.dilation_rates,
+                      pattern.offsets, pattern.head_groups)
+  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.float32, 3)
+  (out, lse), grads = helpers.with_grads(
+      lambda q, k, v: dilated_attention(q, k, v, part, return_lse=True,
+                                        implementation=implementation))(q, k, v, (dout, dlse))
+  m = reference_np.multiplicity(n, total, pattern.segment_lengths, pattern.dilation_rates,
+                                pattern.causal, pattern.offsets, pattern.head_groups)
+  ref_out, ref_lse, ref_grads = reference_np.attention(
+      q, k, v, m[offset:offset + heads], 16 ** -0.5, dout, dlse)
+  assert helpers.rel_err(out, ref_out) < helpers.TOL[jnp.float32]
+  helpers.check_lse(lse, ref_lse, helpers.TOL[jnp.float32])
+  for g, ref in zip(grads, ref_grads):
+    assert helpers.rel_err(g, ref) < 2 * helpers.TOL[jnp.float32]
+
+
+def _inputs(shape, kv_heads, seed=0):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal(shape[:2] + (kv_heads,) + shape[3:]), jnp.float32)
+          for _ in "kv")
+  return q, k, v
+
+
+def _equal_with_grads(fn, whole, inputs):
+  """`fn` and `whole` agree on outputs, lse and gradients."""
+  (out, lse), grads = helpers.with_grads(fn)(*inputs, (jnp.ones_like(inputs[0]),
+                                                       jnp.ones(inputs[0].shape[:3])))
+  (rout, rlse), rgrads = helpers.with_grads(whole)(*inputs, (jnp.ones_like(inputs[0]),
+                                                             jnp.ones(inputs[0].shape[:3])))
+  np.testing.assert_allclose(out, rout, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(rlse))
+  np.testing.assert_allclose(np.where(np.isneginf(rlse), 0, lse),
+                             np.where(np.isneginf(rlse), 0, rlse), atol=1e-5)
+  for g, rg in zip(grads, rgrads):
+    np.testing.assert_allclose(g, rg, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.old_jax
+@pytest.mark.parametrize("name,kv_heads", [("residues", 4), ("groups", 8), ("groups_all", 4)])
+def test_heads_axis_computes_each_shards_heads_as_the_whole_call(name, kv_heads):
+  """`dilated_attention(heads_axis=)` in a `shard_map` splitting 8 heads over 4 devices equals
+  one call on all of them (shards that compute differently each take their own program);
+  without `heads_axis` each device numbers its heads from 0, and the result differs."""
+  pattern = PATTERNS[name]
+  mesh = jax.make_mesh((4,), ("model",), axis_types=(AUTO,), devices=jax.devices()[:4])
+  inputs = _inputs((2, 48, 8, 8), kv_heads)
+  split = lambda axis: jax.shard_map(
+      lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True, heads_axis=axis),
+      mesh=mesh, in_specs=P(None, None, "model"), out_specs=P(None, None, "model"))
+  whole = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
+  _equal_with_grads(split("model"), whole, inputs)
+  if not pattern.head_groups:  # (head groups of 2 heads: 3 branches need 3)
+    out, _ = jax.jit(split(None))(*inputs)
+    assert not np.allclose(out, whole(*inputs)[0], atol=1e-3)
+
+
+@pytest.mark.old_jax
+def test_ring_with_heads_axis_on_a_model_by_sequence_mesh():
+  """Tensor x sequence parallelism on a (model 2, seq 4) mesh: the ring inside a user's
+  `shard_map` and `sharded_dilated_attention` (no replicas: no warning) equal one call,
+  gradients too; 4 heads a shard, a multiple of the rates (a compact ring of 1024 keys a
+  shard beside a local branch; 2 key/value heads split alike)."""
+  pattern = DilatedPattern((512, 4096), (1, 4), causal=True)
+  mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
+  inputs = _inputs((1, 4096, 8, 8), 4, seed=1)
+  spec = P(None, "seq", "model")
+  ring = jax.shard_map(
+      lambda q, k, v: ring_dilated_attention(q, k, v, pattern, axis_name="seq",
+                                             heads_axis="model", return_lse=True),
+      mesh=mesh, in_specs=spec, out_specs=(spec, spec))
+  whole = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
+  _equal_with_grads(ring, whole, inputs)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no replicas along "model"
+    out, _ = sharded_dilated_attention(q=inputs[0], k=inputs[1], v=inputs[2], pattern=pattern,
+                                       mesh=mesh, axis_name="seq", heads_axis="model",
+                                       return_lse=True)
+  assert tuple(out.sharding.spec[1:3]) == ("seq", "model")
+  np.testing.assert_allclose(out, whole(*inputs)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_bad_heads_axis_raises_naming_it():
+  mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
+  pattern = PATTERNS["residues"]
+  q, k, v = _inputs((1, 48, 4, 8), 2)
+  in_map = lambda fn, kv_spec=P(None, None, "model"): jax.shard_map(
+      fn, mesh=mesh, in_specs=(P(None, None, "model"), kv_spec, kv_spec),
+      out_specs=P(None, None, "model"))
+  with pytest.raises(ValueError, match="heads_axis='model' is not bound"):
+    dilated_attention(q, k, v, pattern, heads_axis="model")
+  with pytest.raises(ValueError, match="heads_axis must be None or a mesh axis name"):
+    dilated_attention(q, k, v, pattern, heads_axis=1)
+  offset = DilatedPattern((8,), (2,), head_offset=2, total_heads=8)
+  with pytest.raises(ValueError, match="give a pattern without them"):
+    in_map(lambda q, k, v: dilated_attention(q, k, v, offset, heads_axis="model"))(q, k, v)
+  with pytest.raises(ValueError, match="k and v must split their heads over heads_axis"):
+    in_map(lambda q, k, v: dilated_attention(q, k, v, pattern, heads_axis="model"),
+           P())(q, k, v)
+  # A ring cannot switch between shards that compute differently: 2 heads a shard, rate 3.
+  with pytest.raises(ValueError, match=r"heads_axis='model': the shards of 2 heads"):
+    jax.shard_map(lambda q, k, v: ring_dilated_attention(
+        q, k, v, pattern, axis_name="seq", heads_axis="model"), mesh=mesh,
+                  in_specs=P(None, "seq", "model"), out_specs=P(None, "seq", "model"))(q, k, v)
+  for bad, match in (("seq", "heads_axis must be None or a mesh axis other"),
+                     ("tensor", "heads_axis must be None or a mesh axis other")):
+    with pytest.raises(ValueError, match=match):
+      sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq", heads_axis=bad)
+  with pytest.raises(ValueError, match="k's 1 heads must be divisible by the size 2"):
+    sharded_dilated_attention(q, k[:, :, :1], v[:, :, :1], pattern, mesh=mesh,
+                              axis_name="seq", heads_axis="model")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(head_offset=-1), "head_offset must be an int >= 0"),
+    (dict(head_offset=True), "head_offset must be an int >= 0"),
+    (dict(total_heads=0), "total_heads must be an int >= 1"),
+    (dict(head_offset=4, total_heads=4), "head_offset must be below total_heads")])
+def test_bad_head_offsets_raise_naming_them(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    DilatedPattern((8,), (2,), **kwargs)
+
+
+def test_a_slice_past_total_heads_raises():
+  q = k = v = jnp.zeros((1, 8, 4, 8))
+  with pytest.raises(ValueError, match="exceed total_heads=6"):
+    dilated_attention(q, k, v, DilatedPattern((8,), (2,), head_offset=3, total_heads=6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+def test_gpu_kernels_on_a_slice_of_the_heads(implementation):
+  """The GPU kernels (bf16, D = 128) on heads 5-10 of 16 equal the whole call's rows of them:
+  LongNet with head groups (the slice meets two of four) and residues by head."""
+  if implementation == "mosaic" and not jax.devices()[0].device_kind.startswith("NVIDIA H"):
+    pytest.skip("the mosaic kernels run on Hopper GPUs")
+  pytest.importorskip("jax_triton") if implementation == "triton" else None
+  pattern = DilatedPattern((512, 1024, 2048, 4096), (1, 2, 4, 8), causal=True,
+                           head_groups=True)
+  part = DilatedPattern(pattern.segment_lengths, pattern.dilation_rates, True, "head", True,
+                        head_offset=5, total_heads=16)
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 4096, 16, 128)), jnp.bfloat16) for _ in "qkv")
+  whole = dilated_attention(q, k, v, pattern, implementation=implementation)[:, :, 5:11]
+  out = dilated_attention(q[:, :, 5:11], k[:, :, 5:11], v[:, :, 5:11], part,
+                          implementation=implementation)
+  assert helpers.rel_err(out, whole) < 1e-2
