@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import backends
 from .backends.common import varying_axes
@@ -92,10 +93,18 @@ def check_flag(name: str, value) -> bool:
 
 
 def check_scale(scale, head_dim: int) -> float:
+  """`scale` as a float: None (`head_dim ** -0.5`), a number or a concrete 0-d array; a
+  static argument, so a traced one is refused (`ValueError`)."""
   if scale is None:
     return head_dim ** -0.5
+  if isinstance(scale, jax.core.Tracer):
+    raise ValueError(f"scale must be static: a Python number or a concrete scalar, not "
+                     f"traced (got {scale=!r}; pass it as a static argument of jit)")
+  if isinstance(scale, (jax.Array, np.ndarray, np.generic)) and scale.shape == () and (
+      jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
+    scale = scale.item()
   if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-    raise ValueError(f"scale must be a finite Python number or None, got {scale=!r}")
+    raise ValueError(f"scale must be a finite number or None, got {scale=!r}")
   return float(scale)
 
 

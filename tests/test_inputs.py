@@ -101,10 +101,20 @@ def test_bad_attention_inputs(q, k, v, pattern, match):
     dilated_attention(q, k, v, pattern)
 
 
-@pytest.mark.parametrize("scale", [float("nan"), "0.5", True])
+@pytest.mark.parametrize("scale", [float("nan"), "0.5", True, jnp.ones(2), jnp.float32(np.inf)])
 def test_bad_scale(scale):
   with pytest.raises(ValueError, match="scale"):
     dilated_attention(x, x, x, P, scale=scale)
+
+
+def test_scale_may_be_a_concrete_scalar_not_a_traced_one():
+  """NumPy and JAX scalars are numbers like Python's; under `jit` a traced scale is refused
+  (the kernels take it as a constant): pass it as a static argument."""
+  want = dilated_attention(x, x, x, P, scale=0.25)
+  for scale in (np.float32(0.25), jnp.float32(0.25), jnp.asarray(0.25, jnp.bfloat16)):
+    np.testing.assert_array_equal(dilated_attention(x, x, x, P, scale=scale), want)
+  with pytest.raises(ValueError, match="scale must be static"):
+    jax.jit(lambda s: dilated_attention(x, x, x, P, scale=s))(0.25)
 
 
 @pytest.mark.parametrize("grid", [(0, 4), (2, 3, 4, 5), (2.5, 4), "ab", -3, (1 << 20, 1 << 20)])
