@@ -406,16 +406,25 @@ def hide_keys(attention, q, k, v, key_mask, scale: float):
           jnp.where(seen, lse, -jnp.inf))
 
 
+def check_mesh_axes(mesh, seq_axis, batch_axis, heads_axis) -> None:
+  """The layers' mesh axes are only used with a mesh: `ValueError` naming them otherwise."""
+  if mesh is None and (seq_axis, batch_axis, heads_axis) != (None, None, None):
+    raise ValueError(f"seq_axis, batch_axis and heads_axis are only used with a mesh, got "
+                     f"{seq_axis=}, {batch_axis=}, {heads_axis=} and mesh=None")
+
+
 def attend(q, k, v, pattern, *, key_mask=None, segment_ids=None, scale=None, return_lse=False,
-           implementation=None, mesh=None, seq_axis=None, batch_axis=None):
+           implementation=None, mesh=None, seq_axis=None, batch_axis=None, heads_axis=None):
   """`dilated_attention`, or the ring version sharded over `seq_axis` (and the batch over
-  `batch_axis`) of `mesh`, with hidden keys and keys of another length than the queries.
+  `batch_axis`, the heads over `heads_axis`) of `mesh`, with hidden keys and keys of another
+  length than the queries.
 
   Args:
     q, k, v: `[B, Nq, H, D]` queries, `[B, Nk, Hkv, D]` keys and values, in processing order.
     key_mask: None, or `[B, Nk]` bool: False hides that key from every query (`hide_keys`).
     segment_ids, scale, return_lse, implementation: as in `dilated_attention`.
-    mesh, seq_axis, batch_axis: as in `sharded_dilated_attention` (None: one device).
+    mesh, seq_axis, batch_axis, heads_axis: as in `sharded_dilated_attention` (None: one
+      device).
 
   Keys of another length (`Nk != Nq`) need a pattern that shows every key to every query
   (`check_position_free`): the shorter side is padded, queries with rows dropped after and keys
@@ -425,9 +434,7 @@ def attend(q, k, v, pattern, *, key_mask=None, segment_ids=None, scale=None, ret
     `out [B, Nq, H, D]`, or `(out, lse)`.
   """
   if mesh is None:
-    if seq_axis is not None or batch_axis is not None:
-      raise ValueError(f"seq_axis and batch_axis are only used with a mesh, got {seq_axis=}, "
-                       f"{batch_axis=} and mesh=None")
+    check_mesh_axes(mesh, seq_axis, batch_axis, heads_axis)
     run = functools.partial(dilated_attention, pattern=pattern, segment_ids=segment_ids,
                             implementation=implementation)
   else:
@@ -441,8 +448,8 @@ def attend(q, k, v, pattern, *, key_mask=None, segment_ids=None, scale=None, ret
           f"mesh= needs hilbert_ring_jax.ring.sharded_dilated_attention, unavailable here: {e}"
       ) from e
     run = functools.partial(sharded_dilated_attention, pattern=pattern, mesh=mesh,
-                            axis_name=seq_axis, batch_axis=batch_axis, segment_ids=segment_ids,
-                            implementation=implementation)
+                            axis_name=seq_axis, batch_axis=batch_axis, heads_axis=heads_axis,
+                            segment_ids=segment_ids, implementation=implementation)
   n_q, n_k = q.shape[1], k.shape[1]
   if n_q != n_k:
     if segment_ids is not None:

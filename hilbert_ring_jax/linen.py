@@ -58,7 +58,7 @@ class DilatedMultiHeadAttention(nn.Module):
     dropout_rate: dropout on the attention output.
     deterministic: True disables dropout; or give it to the call.
     dtype, param_dtype: computation and parameter dtypes.
-    implementation, mesh, seq_axis, batch_axis: as in the NNX layer.
+    implementation, mesh, seq_axis, batch_axis, heads_axis: as in the NNX layer.
     broadcast_dropout: share the dropout mask across the batch axis.
     precision: `jax.lax.Precision` of the four projections.
     kernel_init: initializer of the projection kernels (and by default the `out` kernel).
@@ -108,6 +108,7 @@ class DilatedMultiHeadAttention(nn.Module):
   mesh: Any = None
   seq_axis: str | None = None
   batch_axis: Any = None
+  heads_axis: str | None = None
   # The options of nn.MultiHeadDotProductAttention, with its defaults.
   broadcast_dropout: bool = True
   precision: Any = None
@@ -201,7 +202,8 @@ class DilatedMultiHeadAttention(nn.Module):
           self.variable("cache", "cache_start", lambda: jnp.zeros((xq.shape[0],), jnp.int32))
       y, lse = attend(q, k, v, self.pattern, key_mask=key_mask, segment_ids=segment_ids,
                       return_lse=True, implementation=implementation, mesh=self.mesh,
-                      seq_axis=self.seq_axis, batch_axis=self.batch_axis)
+                      seq_axis=self.seq_axis, batch_axis=self.batch_axis,
+                      heads_axis=self.heads_axis)
       if sow_weights:
         weights = attention_weights(q, k, lse, self.pattern, key_mask=key_mask,
                                     segment_ids=segment_ids)

@@ -22,10 +22,11 @@ from flax import nnx
 from .decode import KVCache, init_kv_cache
 from .layers_common import (TokenOrder, apply_dropout, attend, attention_weights, caller_weights,
                             check_call, check_decodable, check_dropout_rate, check_features,
-                            check_flag, check_heads, check_input_shape, check_options,
-                            check_rotary_base, checked_init, decode_attend, decode_positions,
-                            key_mask_of, layer_inputs, permute, resolve_deterministic, rotate,
-                            serialize_inputs, static_implementation, token_ids_of)
+                            check_flag, check_heads, check_input_shape, check_mesh_axes,
+                            check_options, check_rotary_base, checked_init, decode_attend,
+                            decode_positions, key_mask_of, layer_inputs, permute,
+                            resolve_deterministic, rotate, serialize_inputs,
+                            static_implementation, token_ids_of)
 from .pattern import DilatedPattern
 
 DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
@@ -97,6 +98,8 @@ class DilatedMultiHeadAttention(nnx.Module):
       permutations: serializing once at the model's input is cheaper.
     batch_axis: with `mesh`, the mesh axis (or axes) the batch is split over: data x
       sequence parallelism.
+    heads_axis: with `mesh`, the mesh axis the heads are split over (tensor parallelism;
+      `sharded_dilated_attention`'s `heads_axis`): each device computes its heads.
     rngs: `nnx.Rngs` for parameter init; with `dropout_rate > 0` (and `keep_rngs`) it must have
       a `dropout` (or `default`) stream, forked here for the calls.
     keep_rngs: keep that stream (as `self.rngs`); False: the calls that drop out pass `rngs`.
@@ -140,7 +143,7 @@ class DilatedMultiHeadAttention(nnx.Module):
                kernel_init=DEFAULT_KERNEL_INIT, out_kernel_init=None,
                bias_init=DEFAULT_BIAS_INIT, out_bias_init=None, use_bias: bool = True,
                normalize_qk: bool = False, implementation=None, mesh=None, seq_axis=None,
-               batch_axis=None, rngs: nnx.Rngs, keep_rngs: bool = True,
+               batch_axis=None, heads_axis=None, rngs: nnx.Rngs, keep_rngs: bool = True,
                kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
                out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
                bias_metadata: Mapping[str, Any] = MappingProxyType({}),
@@ -156,9 +159,7 @@ class DilatedMultiHeadAttention(nnx.Module):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     num_kv_heads, head_dim = check_heads(num_heads, qkv_features, num_kv_heads, pattern)
     self.rotary_base = check_rotary_base(rotary_base, head_dim)
-    if mesh is None and (seq_axis is not None or batch_axis is not None):
-      raise ValueError(f"seq_axis and batch_axis are only used with a mesh, got {seq_axis=}, "
-                       f"{batch_axis=} and mesh=None")
+    check_mesh_axes(mesh, seq_axis, batch_axis, heads_axis)
     check_options(broadcast_dropout=broadcast_dropout, deterministic=deterministic,
                   use_bias=use_bias, normalize_qk=normalize_qk, keep_rngs=keep_rngs,
                   kernel_init=kernel_init, out_kernel_init=out_kernel_init, bias_init=bias_init,
@@ -191,6 +192,7 @@ class DilatedMultiHeadAttention(nnx.Module):
     self.precision, self.use_bias, self.normalize_qk = precision, use_bias, normalize_qk
     self.implementation = static_implementation(implementation)
     self.mesh, self.seq_axis, self.batch_axis = mesh, seq_axis, batch_axis
+    self.heads_axis = heads_axis
     # Built in nnx.MultiHeadAttention's order, so one seed gives both the same parameters.
     linear = functools.partial(nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype,
                                use_bias=use_bias, precision=precision, rngs=rngs)
@@ -409,7 +411,8 @@ class DilatedMultiHeadAttention(nnx.Module):
     else:
       y, lse = attend(q, k, v, self.pattern, key_mask=key_mask, segment_ids=segment_ids,
                       return_lse=True, implementation=self.implementation, mesh=self.mesh,
-                      seq_axis=self.seq_axis, batch_axis=self.batch_axis)
+                      seq_axis=self.seq_axis, batch_axis=self.batch_axis,
+                      heads_axis=self.heads_axis)
       if sow_weights:
         weights = attention_weights(q, k, lse, self.pattern, key_mask=key_mask,
                                     segment_ids=segment_ids)

@@ -609,6 +609,25 @@ def test_layers_with_data_and_sequence_axes():
     make_layer(batch_axis="data")
 
 
+def test_layers_with_heads_and_sequence_axes():
+  """NNX and Linen layers with the heads split over "model" and the sequence over "seq"
+  (tensor x sequence parallelism) equal the single-device layer (2 heads a shard, rates 1
+  and 2: shards alike, as the ring needs)."""
+  mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  x = inputs()
+  sharded = make_layer(mesh=mesh, seq_axis="seq", heads_axis="model")
+  np.testing.assert_allclose(jax.jit(lambda x: sharded(x))(x), make_layer()(x), rtol=1e-5,
+                             atol=1e-5)
+  module = linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=PATTERN,
+                                           mesh=mesh, seq_axis="seq", heads_axis="model")
+  plain = linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=PATTERN)
+  params = plain.init(jax.random.PRNGKey(0), x)
+  np.testing.assert_allclose(jax.jit(module.apply)(params, x), plain.apply(params, x),
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="heads_axis"):
+    make_layer(heads_axis="model")
+
+
 def test_key_mask_with_explicit_mesh_axes():
   """Hidden keys through the ring with the batch and sequence sharded over Explicit axes."""
   mesh = jax.make_mesh((2, 4), ("data", "seq"),
