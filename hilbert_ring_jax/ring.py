@@ -935,9 +935,9 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   Does the `jax.shard_map` for the caller: `q`, `k`, `v` are global `[B, N, H(kv), D]` arrays
   (sharded or not); the result is sharded like `P(batch_axis, axis_name, heads_axis)`: with
   `batch_axis` (a mesh axis, or a tuple of them) the batch is split over it too (data x
-  sequence parallelism), and with `heads_axis` (a mesh axis) the heads of `q`, `k` and `v` (tensor
-  parallelism: each device computes its heads, as the call on all does); other mesh axes of
-  more than one device hold replicas, with a warning that says so. `segment_ids` (packed
+  sequence parallelism), and with `heads_axis` (a mesh axis) the heads of `q`, `k` and `v`
+  (tensor parallelism: each device computes its heads, as the call on all does); other mesh
+  axes of more than one device hold replicas, with a warning that says so. `segment_ids` (packed
   sequences): global `[B, N]` document ids, sharded like `q`.
   Compiled as one program, so an eager call is as fast as a jitted one (and inlined under an
   outer `jit`). Works the same in one process or under `jax.distributed.initialize()` with
