@@ -589,43 +589,29 @@ def test_mesh_needs_seq_axis():
     layer(inputs())
 
 
-def test_layers_with_data_and_sequence_axes():
-  """NNX and Linen layers on a (data=2, seq=4) mesh equal the single-device layer."""
-  mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+@pytest.mark.parametrize("axes", [{"batch_axis": "data"}, {"heads_axis": "model"}],
+                         ids=["data", "heads"])
+def test_layers_with_a_second_mesh_axis(axes):
+  """NNX and Linen layers on a (data=2, seq=4) mesh, or with the heads split over "model"
+  (tensor x sequence parallelism: 2 heads a shard, rates 1 and 2, shards alike as the ring
+  needs), equal the single-device layer, hidden keys too."""
+  (kind, name), = axes.items()
+  mesh = jax.make_mesh((2, 4), (name, "seq"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   x = inputs()
-  sharded = make_layer(mesh=mesh, seq_axis="seq", batch_axis="data")
+  sharded = make_layer(mesh=mesh, seq_axis="seq", **axes)
   np.testing.assert_allclose(jax.jit(lambda x: sharded(x))(x), make_layer()(x), rtol=1e-5,
                              atol=1e-5)
   mask = key_mask_np()[:, None, None, :]  # hidden keys through the ring
   np.testing.assert_allclose(jax.jit(lambda x: sharded(x, mask=mask))(x),
                              make_layer()(x, mask=mask), rtol=1e-5, atol=1e-5)
   module = linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=PATTERN,
-                                           mesh=mesh, seq_axis="seq", batch_axis="data")
+                                           mesh=mesh, seq_axis="seq", **axes)
   plain = linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=PATTERN)
   params = plain.init(jax.random.PRNGKey(0), x)
   np.testing.assert_allclose(jax.jit(module.apply)(params, x), plain.apply(params, x),
                              rtol=1e-5, atol=1e-5)
-  with pytest.raises(ValueError, match="batch_axis"):
-    make_layer(batch_axis="data")
-
-
-def test_layers_with_heads_and_sequence_axes():
-  """NNX and Linen layers with the heads split over "model" and the sequence over "seq"
-  (tensor x sequence parallelism) equal the single-device layer (2 heads a shard, rates 1
-  and 2: shards alike, as the ring needs)."""
-  mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  x = inputs()
-  sharded = make_layer(mesh=mesh, seq_axis="seq", heads_axis="model")
-  np.testing.assert_allclose(jax.jit(lambda x: sharded(x))(x), make_layer()(x), rtol=1e-5,
-                             atol=1e-5)
-  module = linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=PATTERN,
-                                           mesh=mesh, seq_axis="seq", heads_axis="model")
-  plain = linen.DilatedMultiHeadAttention(num_heads=H, num_kv_heads=HKV, pattern=PATTERN)
-  params = plain.init(jax.random.PRNGKey(0), x)
-  np.testing.assert_allclose(jax.jit(module.apply)(params, x), plain.apply(params, x),
-                             rtol=1e-5, atol=1e-5)
-  with pytest.raises(ValueError, match="heads_axis"):
-    make_layer(heads_axis="model")
+  with pytest.raises(ValueError, match=kind):
+    make_layer(**axes)
 
 
 def test_key_mask_with_explicit_mesh_axes():
