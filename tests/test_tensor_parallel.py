@@ -2,6 +2,7 @@
 (`DilatedPattern.head_offset`, `total_heads`) computes what the call on all heads does for
 them, and `heads_axis=` sets that up for each shard inside a `shard_map`."""
 
+import dataclasses
 import warnings
 
 import jax
@@ -34,8 +35,7 @@ def test_a_slice_of_the_heads_lays_out_as_in_the_whole(name):
   pattern, n, total = PATTERNS[name], 24, 6
   whole = pattern.layout(n, total)
   for offset, heads in ((0, 2), (1, 2), (2, 3), (5, 1), (0, 6)):
-    part = DilatedPattern(pattern.segment_lengths, pattern.dilation_rates, pattern.causal,
-                          pattern.offsets, pattern.head_groups, offset, total)
+    part = dataclasses.replace(pattern, head_offset=offset, total_heads=total)
     for w, p in zip(whole, part.layout(n, heads)):
       assert [p.residues(h) for h in range(heads)] == [
           w.residues(offset + h) for h in range(heads)]
@@ -52,8 +52,7 @@ def test_a_call_on_a_slice_of_the_heads_matches_the_reference(name, implementati
   """`dilated_attention` with `head_offset` and `total_heads` (a branch covering none of the
   slice's heads left out) against the float64 reference's rows of those heads."""
   pattern, n, total, offset, heads = PATTERNS[name], 24, 6, 3, 2
-  part = DilatedPattern(pattern.segment_lengths, pattern.dilation_rates, pattern.causal,
-                        pattern.offsets, pattern.head_groups, offset, total)
+  part = dataclasses.replace(pattern, head_offset=offset, total_heads=total)
   case = helpers.Case(n, heads, 1, pattern.segment_lengths, pattern.dilation_rates,
                       pattern.offsets, pattern.head_groups)
   q, k, v, dout, dlse = helpers.random_inputs(case, jnp.float32, 3)
@@ -193,8 +192,7 @@ def test_gpu_kernels_on_a_slice_of_the_heads(implementation):
   pytest.importorskip("jax_triton") if implementation == "triton" else None
   pattern = DilatedPattern((512, 1024, 2048, 4096), (1, 2, 4, 8), causal=True,
                            head_groups=True)
-  part = DilatedPattern(pattern.segment_lengths, pattern.dilation_rates, True, "head", True,
-                        head_offset=5, total_heads=16)
+  part = dataclasses.replace(pattern, head_offset=5, total_heads=16)
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.standard_normal((1, 4096, 16, 128)), jnp.bfloat16) for _ in "qkv")
   whole = dilated_attention(q, k, v, pattern, implementation=implementation)[:, :, 5:11]
