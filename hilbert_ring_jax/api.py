@@ -143,7 +143,8 @@ def on_head_shards(patterns, heads_axis, num_heads, call, *operands, collectives
   """`call(pattern, *operands)` with this device's pattern of `patterns` (`head_shards`):
   the shards whose heads compute alike share one program; where they differ, `lax.switch`
   on the device's index along `heads_axis` picks its program. A `call` with `collectives`
-  cannot be switched (each device must meet the same collectives): `ValueError` there."""
+  cannot be switched (each device must meet the same collectives): `NotImplementedError`
+  there (a limitation, not bad input)."""
   distinct, index = {}, []
   for p in patterns:
     index.append(distinct.setdefault(p.shard_key(num_heads), (len(distinct), p))[0])
@@ -157,7 +158,7 @@ def on_head_shards(patterns, heads_axis, num_heads, call, *operands, collectives
              if pattern.head_groups else []),
            *([f"offsets='head' has head h read residue h % r (rates {pattern.dilation_rates})"]
              if lcm > 1 else [])]
-    raise ValueError(
+    raise NotImplementedError(
         f"heads_axis={heads_axis!r}: the shards of {num_heads} heads compute differently "
         f"({'; '.join(why)}), and a ring cannot yet run shards that differ. They are alike "
         f"without head_groups where each holds a multiple of {lcm} heads (the rates' lcm) "
