@@ -200,3 +200,23 @@ def test_gpu_kernels_on_a_slice_of_the_heads(implementation):
   out = dilated_attention(q[:, :, 5:11], k[:, :, 5:11], v[:, :, 5:11], part,
                           implementation=implementation)
   assert helpers.rel_err(out, whole) < 1e-2
+
+
+def test_heads_axis_with_packed_documents():
+  """`segment_ids` (replicated over "model") through the shards' switch and through the ring
+  with `heads_axis`: equal to one call's."""
+  pattern = DilatedPattern((64, 256), (1, 4), causal=True)
+  q, k, v = _inputs((1, 256, 8, 16), 8, seed=2)
+  ids = jnp.asarray(np.repeat(np.arange(5), 52)[None, :256], jnp.int32)
+  expected = dilated_attention(q, k, v, pattern, segment_ids=ids)
+  heads = jax.make_mesh((4,), ("model",), axis_types=(AUTO,), devices=jax.devices()[:4])
+  spec = P(None, None, "model")
+  split = jax.jit(jax.shard_map(
+      lambda q, k, v, ids: dilated_attention(q, k, v, pattern, segment_ids=ids,
+                                             heads_axis="model"),
+      mesh=heads, in_specs=(spec, spec, spec, P()), out_specs=spec))
+  np.testing.assert_allclose(split(q, k, v, ids), expected, rtol=1e-5, atol=1e-5)
+  mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
+  out = sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq",
+                                  heads_axis="model", segment_ids=ids)
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
