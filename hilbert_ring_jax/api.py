@@ -41,7 +41,7 @@ def check_dtype(name: str, dtype) -> jnp.dtype:
 
 def check_inputs(q, k, v, pattern, heads_axis=None) -> None:
   """Raises `ValueError` naming the argument for anything docs/SPEC.md calls bad input
-  (`heads_axis`: the heads are a shard's, checked with `head_shards`)."""
+  (`heads_axis`: the heads are a shard's, checked with `on_head_shards`)."""
   if not isinstance(pattern, DilatedPattern):
     raise ValueError(f"pattern must be a DilatedPattern, got {type(pattern).__name__}")
   for name, x in (("q", q), ("k", k), ("v", v)):
@@ -108,7 +108,7 @@ def check_scale(scale, head_dim: int) -> float:
   return float(scale)
 
 
-def head_shards(pattern: DilatedPattern, heads_axis, q, k):
+def _head_shards(pattern: DilatedPattern, heads_axis, q, k):
   """The pattern of each shard of the heads over mesh axis `heads_axis` (a tensor-parallel
   `shard_map`; shard `s` holds heads `s H, ..., (s + 1) H - 1` of `H P`), or None without
   `heads_axis`. `ValueError` naming the argument where it cannot be so."""
@@ -139,18 +139,21 @@ def head_shards(pattern: DilatedPattern, heads_axis, q, k):
   return shards
 
 
-def on_head_shards(patterns, heads_axis, num_heads, call, *operands, collectives=False):
-  """`call(pattern, *operands)` with this device's pattern of `patterns` (`head_shards`):
-  the shards whose heads compute alike share one program; where they differ, `lax.switch`
-  on the device's index along `heads_axis` picks its program. A `call` with `collectives`
-  cannot be switched (each device must meet the same collectives): `NotImplementedError`
-  there (a limitation, not bad input)."""
-  distinct, index = {}, []
+def on_head_shards(pattern, heads_axis, call, q, k, v, ids, collectives=False):
+  """`call(pattern, q, k, v, ids)`; with `heads_axis`, with this device's pattern of its
+  shard of the heads (`_head_shards`): the shards whose heads compute alike share one
+  program; where they differ, `lax.switch` on the device's index along `heads_axis` picks its
+  program. A `call` with `collectives` cannot be switched (each device must meet the same
+  collectives): `NotImplementedError` there (a limitation, not bad input)."""
+  patterns = _head_shards(pattern, heads_axis, q, k)
+  if patterns is None:
+    return call(pattern, q, k, v, ids)
+  num_heads, distinct, index = q.shape[2], {}, []
   for p in patterns:
     index.append(distinct.setdefault(p.shard_key(num_heads), (len(distinct), p))[0])
   programs = [functools.partial(call, p) for _, p in distinct.values()]
   if len(programs) == 1:
-    return programs[0](*operands)
+    return programs[0](q, k, v, ids)
   if collectives:
     pattern = patterns[0]
     lcm = math.lcm(*pattern.dilation_rates) if pattern.offsets == "head" else 1
@@ -164,7 +167,7 @@ def on_head_shards(patterns, heads_axis, num_heads, call, *operands, collectives
         f"without head_groups where each holds a multiple of {lcm} heads (the rates' lcm) "
         f"or offsets='all'")
   which = jnp.asarray(index, jnp.int32)[jax.lax.axis_index(heads_axis)]
-  return jax.lax.switch(which, programs, *operands)
+  return jax.lax.switch(which, programs, q, k, v, ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +256,6 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
   segment_ids = check_segment_ids(segment_ids, q)
   names = backends.candidates(implementation)
   backends.check_config(config)
-  shards = head_shards(pattern, heads_axis, q, k)
 
   def call(pattern, q, k, v, ids):
     branches = pattern.covering(q.shape[2])
@@ -265,8 +267,5 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
                                              branches), ids)
 
   ids = None if segment_ids is None else (segment_ids, segment_ids)
-  if shards is None:
-    out, lse = call(pattern, q, k, v, ids)
-  else:
-    out, lse = on_head_shards(shards, heads_axis, q.shape[2], call, q, k, v, ids)
+  out, lse = on_head_shards(pattern, heads_axis, call, q, k, v, ids)
   return (out, lse) if return_lse else out

@@ -41,8 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import backends
-from .api import (check_flag, check_inputs, check_scale, check_segment_ids, head_shards,
-                  on_head_shards)
+from .api import check_flag, check_inputs, check_scale, check_segment_ids, on_head_shards
 from .merge import merge
 from .pattern import Branch, DilatedPattern, heads_per_kv
 
@@ -915,15 +914,11 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
                      f"heads_axis={heads_axis!r}")
   names = backends.candidates(implementation)
   backends.check_config(config)
-  shards = head_shards(pattern, heads_axis, q, k)
   call = lambda pattern, q, k, v, ids: backends.attention(
       q, k, v, _Ring(pattern, scale, axis_name, names, config), ids)
-  ids = None if segment_ids is None else (segment_ids, segment_ids)
-  if shards is None:
-    out, lse = call(pattern, q, k, v, ids)
-  else:
-    out, lse = on_head_shards(shards, heads_axis, q.shape[2], call, q, k, v, ids,
-                              collectives=True)
+  out, lse = on_head_shards(pattern, heads_axis, call, q, k, v,
+                            None if segment_ids is None else (segment_ids, segment_ids),
+                            collectives=True)
   return (out, lse) if return_lse else out
 
 

@@ -106,6 +106,26 @@ def with_grads(fn):
   return jax.jit(both)
 
 
+def results_with_grads(fn, inputs):
+  """`((out, lse), (dq, dk, dv))` of `fn` (`(q, k, v) -> (out, lse)`) at `random_inputs`'
+  five, on the host."""
+  q, k, v, dout, dlse = inputs
+  return jax.device_get(with_grads(fn)(q, k, v, (dout, dlse)))
+
+
+def assert_same_results(got, want):
+  """Two `results_with_grads` agree: outputs, lse (-inf at the same queries) and gradients,
+  to float32's rounding of differently ordered sums."""
+  (out, lse), grads = got
+  (want_out, want_lse), want_grads = want
+  np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+  finite = np.isfinite(np.asarray(want_lse))
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], atol=1e-5)
+  for g, want_g in zip(grads, want_grads):
+    np.testing.assert_allclose(g, want_g, rtol=1e-4, atol=1e-5)
+
+
 def check_result(case, causal, dtype, inputs, out, lse, grads):
   """`out`, `lse` and `grads` (of the cotangents `dout`, `dlse`) computed from `inputs`
   (`random_inputs`' five) against the reference."""

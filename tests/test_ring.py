@@ -68,20 +68,12 @@ def _assert_ring_equals(ring, single, inputs, key=None):
   """`ring` and `single` (both `(q, k, v) -> (out, lse)`) agree on outputs, lse (-inf where a
   query sees nothing) and gradients. `key`: what `single` and `inputs` depend on, all of it
   (its result is then computed once for the tests that give that key)."""
-  q, k, v, dout, dlse = inputs
   result = _ONE_DEVICE.get(key) if key is not None else None
   if result is None:
-    result = jax.device_get(helpers.with_grads(single)(q, k, v, (dout, dlse)))
+    result = helpers.results_with_grads(single, inputs)
     if key is not None:
       _ONE_DEVICE[key] = result
-  (out, lse), grads = result
-  (rout, rlse), rgrads = helpers.with_grads(ring)(q, k, v, (dout, dlse))
-  np.testing.assert_allclose(rout, out, rtol=1e-5, atol=1e-5)
-  np.testing.assert_array_equal(np.isneginf(rlse), np.isneginf(lse))
-  finite = np.isfinite(np.asarray(lse))
-  np.testing.assert_allclose(np.asarray(rlse)[finite], np.asarray(lse)[finite], atol=1e-5)
-  for g, rg in zip(grads, rgrads):
-    np.testing.assert_allclose(rg, g, rtol=1e-4, atol=1e-5)
+  helpers.assert_same_results(helpers.results_with_grads(ring, inputs), result)
 
 
 # The plans the realistic cases below do not reach (head groups, odd rates, partial sub-rings

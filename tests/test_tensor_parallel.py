@@ -71,25 +71,16 @@ def test_a_call_on_a_slice_of_the_heads_matches_the_reference(name, implementati
 
 
 def _inputs(shape, kv_heads, seed=0):
-  rng = np.random.default_rng(seed)
-  q = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-  k, v = (jnp.asarray(rng.standard_normal(shape[:2] + (kv_heads,) + shape[3:]), jnp.float32)
-          for _ in "kv")
-  return q, k, v
+  """q, k, v, dout and dlse (`helpers.random_inputs`) of `[B, N, H, D]` queries."""
+  b, n, h, d = shape
+  case = helpers.Case(n, h, kv_heads, (n,), (1,), batch=b, head_dim=d)
+  return helpers.random_inputs(case, jnp.float32, seed)
 
 
 def _equal_with_grads(fn, whole, inputs):
   """`fn` and `whole` agree on outputs, lse and gradients."""
-  (out, lse), grads = helpers.with_grads(fn)(*inputs, (jnp.ones_like(inputs[0]),
-                                                       jnp.ones(inputs[0].shape[:3])))
-  (rout, rlse), rgrads = helpers.with_grads(whole)(*inputs, (jnp.ones_like(inputs[0]),
-                                                             jnp.ones(inputs[0].shape[:3])))
-  np.testing.assert_allclose(out, rout, rtol=1e-5, atol=1e-5)
-  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(rlse))
-  np.testing.assert_allclose(np.where(np.isneginf(rlse), 0, lse),
-                             np.where(np.isneginf(rlse), 0, rlse), atol=1e-5)
-  for g, rg in zip(grads, rgrads):
-    np.testing.assert_allclose(g, rg, rtol=1e-4, atol=1e-5)
+  helpers.assert_same_results(helpers.results_with_grads(fn, inputs),
+                              helpers.results_with_grads(whole, inputs))
 
 
 # (The oldest JAX meets shard_map through the ring's test below.)
@@ -107,8 +98,8 @@ def test_heads_axis_computes_each_shards_heads_as_the_whole_call(name, kv_heads)
   whole = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
   _equal_with_grads(split("model"), whole, inputs)
   if name == "residues":  # (head groups of 2 heads: 3 branches need 3, without heads_axis)
-    out, _ = jax.jit(split(None))(*inputs)
-    assert not np.allclose(out, whole(*inputs)[0], atol=1e-3)
+    out, _ = jax.jit(split(None))(*inputs[:3])
+    assert not np.allclose(out, whole(*inputs[:3])[0], atol=1e-3)
 
 
 @pytest.mark.old_jax
@@ -129,17 +120,16 @@ def test_ring_with_heads_axis_on_a_model_by_sequence_mesh():
   _equal_with_grads(ring, whole, inputs)
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # no replicas along "model"
-    out, _ = sharded_dilated_attention(q=inputs[0], k=inputs[1], v=inputs[2], pattern=pattern,
-                                       mesh=mesh, axis_name="seq", heads_axis="model",
-                                       return_lse=True)
+    out, _ = sharded_dilated_attention(*inputs[:3], pattern, mesh=mesh, axis_name="seq",
+                                       heads_axis="model", return_lse=True)
   assert tuple(out.sharding.spec[1:3]) == ("seq", "model")
-  np.testing.assert_allclose(out, whole(*inputs)[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out, whole(*inputs[:3])[0], rtol=1e-5, atol=1e-5)
 
 
 def test_bad_heads_axis_raises_naming_it():
   mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
   pattern = PATTERNS["residues"]
-  q, k, v = _inputs((1, 48, 4, 8), 2)
+  q, k, v, _, _ = _inputs((1, 48, 4, 8), 2)
   in_map = lambda fn, kv_spec=P(None, None, "model"): jax.shard_map(
       fn, mesh=mesh, in_specs=(P(None, None, "model"), kv_spec, kv_spec),
       out_specs=P(None, None, "model"))
@@ -206,7 +196,7 @@ def test_heads_axis_with_packed_documents():
   """`segment_ids` (replicated over "model") through the shards' switch and through the ring
   with `heads_axis`: equal to one call's."""
   pattern = DilatedPattern((64, 256), (1, 4), causal=True)
-  q, k, v = _inputs((1, 256, 8, 16), 8, seed=2)
+  q, k, v, _, _ = _inputs((1, 256, 8, 16), 8, seed=2)
   ids = jnp.asarray(np.repeat(np.arange(5), 52)[None, :256], jnp.int32)
   expected = dilated_attention(q, k, v, pattern, segment_ids=ids)
   heads = jax.make_mesh((4,), ("model",), axis_types=(AUTO,), devices=jax.devices()[:4])
