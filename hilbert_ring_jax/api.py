@@ -139,35 +139,36 @@ def _head_shards(pattern: DilatedPattern, heads_axis, q, k):
   return shards
 
 
-def on_head_shards(pattern, heads_axis, call, q, k, v, ids, collectives=False):
+def on_head_shards(pattern, heads_axis, call, q, k, v, ids, switched=None):
   """`call(pattern, q, k, v, ids)`; with `heads_axis`, with this device's pattern of its
   shard of the heads (`_head_shards`): the shards whose heads compute alike share one
   program; where they differ, `lax.switch` on the device's index along `heads_axis` picks its
-  program. A `call` with `collectives` cannot be switched (each device must meet the same
-  collectives): `NotImplementedError` there (a limitation, not bad input)."""
+  program.
+
+  A call with collectives cannot sit in a `lax.switch` (every device must meet the same
+  collectives): it passes `switched(patterns, index)`, a call like `call`'s that switches
+  around its kernels itself, `patterns[index[s]]` shard `s`'s pattern. Its shards must
+  differ in residues only: with `head_groups` their branches cover different heads, which
+  it refuses (`NotImplementedError`, a limitation, not bad input)."""
   patterns = _head_shards(pattern, heads_axis, q, k)
   if patterns is None:
     return call(pattern, q, k, v, ids)
   num_heads, distinct, index = q.shape[2], {}, []
   for p in patterns:
     index.append(distinct.setdefault(p.shard_key(num_heads), (len(distinct), p))[0])
-  programs = [functools.partial(call, p) for _, p in distinct.values()]
-  if len(programs) == 1:
-    return programs[0](q, k, v, ids)
-  if collectives:
-    pattern = patterns[0]
-    lcm = math.lcm(*pattern.dilation_rates) if pattern.offsets == "head" else 1
-    why = [*(["head_groups=True gives each branch a group of all the heads"]
-             if pattern.head_groups else []),
-           *([f"offsets='head' has head h read residue h % r (rates {pattern.dilation_rates})"]
-             if lcm > 1 else [])]
-    raise NotImplementedError(
-        f"heads_axis={heads_axis!r}: the shards of {num_heads} heads compute differently "
-        f"({'; '.join(why)}), and a ring cannot yet run shards that differ. They are alike "
-        f"without head_groups where each holds a multiple of {lcm} heads (the rates' lcm) "
-        f"or offsets='all'")
+  kinds = tuple(p for _, p in distinct.values())
+  if len(kinds) == 1:
+    return call(kinds[0], q, k, v, ids)
+  if switched is not None:
+    if pattern.head_groups:
+      raise NotImplementedError(
+          f"heads_axis={heads_axis!r}: with head_groups=True the shards of {num_heads} heads "
+          f"cover different branches (each branch a group of all the heads), and a ring "
+          f"cannot yet run shards that differ so; without head_groups they differ in "
+          f"residues only, which it runs")
+    return switched(kinds, tuple(index))(q, k, v, ids)
   which = jnp.asarray(index, jnp.int32)[jax.lax.axis_index(heads_axis)]
-  return jax.lax.switch(which, programs, q, k, v, ids)
+  return jax.lax.switch(which, [functools.partial(call, p) for p in kinds], q, k, v, ids)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -343,6 +343,49 @@ class _RingBranch:
     return backends.vary_like(grads, q, k, v)
 
 
+class _Switched:
+  """One branch's steps where the shards of the heads differ (`heads_axis`, `offsets="head"`:
+  other residues): a `_RingBranch` for each kind of shard, their plans alike but for the
+  heads' residues, and this device's kind `which` (traced). Each kernel call and layout op
+  is a `lax.switch` over the kinds; the collectives between them are the same on every
+  device, outside any switch (a collective inside one hangs: each branch's is its own op)."""
+
+  def __init__(self, kinds, which):
+    self.kinds, self.which = kinds, which
+    self.plan, self.causal, self.gathers = kinds[0].plan, kinds[0].causal, kinds[0].gathers
+
+  def _switch(self, fn, *operands):
+    return jax.lax.switch(self.which, [functools.partial(fn, st) for st in self.kinds],
+                          *operands)
+
+  def gathering_kernel(self, q, k):
+    del q, k  # a kernel that gathers keys runs one branch of every head: shards alike
+    return None
+
+  def query(self, x):
+    return self._switch(_RingBranch.query, x) if self.plan.compact else x
+
+  def key(self, x):
+    return self._switch(_RingBranch.key, x) if self.plan.compact else x
+
+  def unquery(self, x, like):
+    return self._switch(lambda st, x: st.unquery(x, like), x) if self.plan.compact else x
+
+  def unkey(self, x, like):
+    return self._switch(lambda st, x: st.unkey(x, like), x) if self.plan.compact else x
+
+  def covered(self, num_heads):
+    return jnp.stack([st.covered(num_heads) for st in self.kinds])[self.which]
+
+  def forward(self, q, k, v, causal, ids=None, final=False):
+    return self._switch(lambda st, *xs: st.forward(*xs[:3], causal, xs[3], final),
+                        q, k, v, ids)
+
+  def backward(self, q, k, v, dout, lse, delta, causal, ids=None, final=False):
+    return self._switch(lambda st, *xs: st.backward(*xs[:6], causal, xs[6], final),
+                        q, k, v, dout, lse, delta, ids)
+
+
 def _ids_like(ids, x):
   """`[B, n]` document ids as `[B, n, X, 1]`, one per token and head of `x` `[B, n, X, D]`:
   the step layouts (compaction, zigzag halves, transfers) then move them as they move `x`."""
@@ -798,24 +841,39 @@ class _Ring:
   axis_name: str
   names: tuple[str, ...]
   config: object = None
+  # Shards of the heads that differ (`api.on_head_shards`' `switched`): `(heads_axis,
+  # patterns, index)`, shard `s` of `heads_axis` computing `patterns[index[s]]`; `pattern`
+  # is `patterns[0]`.
+  head_shards: tuple | None = None
   saves: typing.ClassVar[bool] = True  # a branch's kernel may gather keys (`KERNEL_GATHER`)
 
   def _branches(self, q, k, packed):
-    """`(plan, _RingBranch)` pairs, one per branch; the local branches as one pair (the
-    first local plan's) where the backend each would get on its own runs them all."""
+    """`(plan, steps)` pairs, one per branch, `steps` its `_RingBranch` (or `_Switched`
+    over those of the kinds of head shards); the local branches as one pair (the first
+    local plan's) where the backend each would get on its own runs them all."""
     shards = jax.lax.axis_size(self.axis_name)
     per_kv = heads_per_kv(q.shape[2], k.shape[2])
-    plans = list(_plans(self.pattern, q.shape[1], shards, q.shape[2], per_kv))
-    make = lambda plan, branches=None: _RingBranch(plan, self.pattern, self.scale, self.names,
-                                                   self.config, q, k, branches, packed)
-    pairs = [(plan, make(plan)) for plan in plans]
-    local = [(plan, st) for plan, st in pairs if plan.kind == "local"]
+    kinds = (self.pattern,) if self.head_shards is None else self.head_shards[1]
+    plans = [list(_plans(p, q.shape[1], shards, q.shape[2], per_kv)) for p in kinds]
+    make = lambda i, plan, branches=None: _RingBranch(plan, kinds[i], self.scale, self.names,
+                                                      self.config, q, k, branches, packed)
+    steps = [[make(i, plan) for plan in plans[i]] for i in range(len(kinds))]
+    local = [j for j, plan in enumerate(plans[0]) if plan.kind == "local"]
     if len(local) > 1:
-      together = make(local[0][0], tuple(plan.branch.index for plan, _ in local))
+      together = [make(i, plans[i][local[0]], tuple(plans[i][j].branch.index for j in local))
+                  for i in range(len(kinds))]
       chosen = lambda st: st.backend(q, k, st.causal)[0]
-      if all(chosen(st) is chosen(together) for _, st in local):
-        pairs = [(local[0][0], together)] + [(p, st) for p, st in pairs if p.kind != "local"]
-    return pairs
+      if all(chosen(steps[i][j]) is chosen(together[i])
+             for i in range(len(kinds)) for j in local):
+        plans = [[p[local[0]]] + [x for j, x in enumerate(p) if j not in local] for p in plans]
+        steps = [[t] + [x for j, x in enumerate(s) if j not in local]
+                 for t, s in zip(together, steps)]
+    if len(kinds) == 1:
+      return list(zip(plans[0], steps[0]))
+    heads_axis, _, index = self.head_shards
+    which = jnp.asarray(index, jnp.int32)[jax.lax.axis_index(heads_axis)]
+    return [(plan, _Switched(list(kind_steps), which))
+            for plan, kind_steps in zip(plans[0], zip(*steps))]
 
   def forward(self, q, k, v, segment_ids=None, save=False):
     """`(out, lse)`, and with `save` the keys each branch's kernel gathered (None where it
@@ -914,11 +972,12 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
                      f"heads_axis={heads_axis!r}")
   names = backends.candidates(implementation)
   backends.check_config(config)
-  call = lambda pattern, q, k, v, ids: backends.attention(
-      q, k, v, _Ring(pattern, scale, axis_name, names, config), ids)
-  out, lse = on_head_shards(pattern, heads_axis, call, q, k, v,
-                            None if segment_ids is None else (segment_ids, segment_ids),
-                            collectives=True)
+  ring = lambda pattern, head_shards=None: lambda q, k, v, ids: backends.attention(
+      q, k, v, _Ring(pattern, scale, axis_name, names, config, head_shards), ids)
+  out, lse = on_head_shards(
+      pattern, heads_axis, lambda pattern, *xs: ring(pattern)(*xs), q, k, v,
+      None if segment_ids is None else (segment_ids, segment_ids),
+      switched=lambda kinds, index: ring(kinds[0], (heads_axis, kinds, index)))
   return (out, lse) if return_lse else out
 
 

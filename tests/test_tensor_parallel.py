@@ -14,6 +14,7 @@ import helpers
 import reference_np
 from hilbert_ring_jax import (DilatedPattern, dilated_attention, ring_dilated_attention,
                               sharded_dilated_attention)
+from hilbert_ring_jax import ring as ring_module
 from hilbert_ring_jax.backends import mosaic
 
 AUTO = jax.sharding.AxisType.Auto
@@ -83,8 +84,9 @@ def _equal_with_grads(fn, whole, inputs):
                               helpers.results_with_grads(whole, inputs))
 
 
-# (The oldest JAX meets shard_map through the ring's test below.)
-@pytest.mark.parametrize("name,kv_heads", [("residues", 4), ("groups", 8), ("groups_all", 4)])
+# (The oldest JAX meets two mesh axes in test_ring.py's data x sequence ring.)
+@pytest.mark.parametrize("name,kv_heads", [("residues", 4), ("groups_all", 4),
+                                           pytest.param("groups", 8, marks=pytest.mark.slow)])
 def test_heads_axis_computes_each_shards_heads_as_the_whole_call(name, kv_heads):
   """`dilated_attention(heads_axis=)` in a `shard_map` splitting 8 heads over 4 devices equals
   one call on all of them (shards that compute differently each take their own program);
@@ -102,15 +104,18 @@ def test_heads_axis_computes_each_shards_heads_as_the_whole_call(name, kv_heads)
     assert not np.allclose(out, whole(*inputs[:3])[0], atol=1e-3)
 
 
-@pytest.mark.old_jax
-def test_ring_with_heads_axis_on_a_model_by_sequence_mesh():
-  """Tensor x sequence parallelism on a (model 2, seq 4) mesh: the ring inside a user's
-  `shard_map` and `sharded_dilated_attention` (no replicas: no warning) equal one call,
-  gradients too; 4 heads a shard, a multiple of the rates (a compact ring of 1024 keys a
-  shard beside a local branch; 2 key/value heads split alike)."""
-  pattern = DilatedPattern((512, 4096), (1, 4), causal=True)
+def test_ring_with_heads_axis_on_a_model_by_sequence_mesh(monkeypatch):
+  """Tensor x sequence parallelism on a (model 2, seq 4) mesh, LongNet with 2 heads a shard
+  (the two shards read other residues: each kernel call and compaction switches on the
+  shard, the collectives between them alike), 1024 keys a shard: a local branch, a ring
+  whose steps call kernels on dilated segments, a compact ring. The ring inside a user's
+  `shard_map` equals one call, gradients too (natural order); `sharded_dilated_attention`
+  (no replicas: no warning) with packed documents in zigzag order equals one call."""
+  pattern = DilatedPattern((512, 2048, 4096), (1, 2, 4), causal=True)
   mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
-  inputs = _inputs((1, 4096, 8, 8), 4, seed=1)
+  inputs = _inputs((1, 4096, 4, 8), 2, seed=1)
+  assert len({p.shard_key(2) for p in (dataclasses.replace(pattern, head_offset=o,
+                                                           total_heads=4) for o in (0, 2))}) == 2
   spec = P(None, "seq", "model")
   ring = jax.shard_map(
       lambda q, k, v: ring_dilated_attention(q, k, v, pattern, axis_name="seq",
@@ -118,12 +123,15 @@ def test_ring_with_heads_axis_on_a_model_by_sequence_mesh():
       mesh=mesh, in_specs=spec, out_specs=(spec, spec))
   whole = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
   _equal_with_grads(ring, whole, inputs)
+  monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)  # zigzag order
+  ids = jnp.asarray(np.repeat(np.arange(9), 500)[None, :4096], jnp.int32)
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # no replicas along "model"
     out, _ = sharded_dilated_attention(*inputs[:3], pattern, mesh=mesh, axis_name="seq",
-                                       heads_axis="model", return_lse=True)
+                                       heads_axis="model", segment_ids=ids, return_lse=True)
   assert tuple(out.sharding.spec[1:3]) == ("seq", "model")
-  np.testing.assert_allclose(out, whole(*inputs[:3])[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out, dilated_attention(*inputs[:3], pattern, segment_ids=ids),
+                             rtol=1e-5, atol=1e-5)
 
 
 def test_bad_heads_axis_raises_naming_it():
@@ -143,10 +151,11 @@ def test_bad_heads_axis_raises_naming_it():
   with pytest.raises(ValueError, match="k and v must split their heads over heads_axis"):
     in_map(lambda q, k, v: dilated_attention(q, k, v, pattern, heads_axis="model"),
            P())(q, k, v)
-  # A ring cannot switch between shards that compute differently: 2 heads a shard, rate 3.
-  with pytest.raises(NotImplementedError, match=r"heads_axis='model': the shards of 2 heads"):
+  # A ring cannot run shards that cover different branches (head groups: the first shard's
+  # 2 heads are the first branch's, the second's the others').
+  with pytest.raises(NotImplementedError, match=r"heads_axis='model': with head_groups=True"):
     jax.shard_map(lambda q, k, v: ring_dilated_attention(
-        q, k, v, pattern, axis_name="seq", heads_axis="model"), mesh=mesh,
+        q, k, v, PATTERNS["groups"], axis_name="seq", heads_axis="model"), mesh=mesh,
                   in_specs=P(None, "seq", "model"), out_specs=P(None, "seq", "model"))(q, k, v)
   for bad in ("seq", "tensor"):  # the sequence's axis; no axis of the mesh
     with pytest.raises(ValueError, match="heads_axis must be None or a mesh axis other"):
