@@ -223,6 +223,7 @@ def test_blocks(backend, case, causal, dtype, options):
 RANDOM_EXAMPLES = {"pallas": 4, "xla": 6}
 
 
+@pytest.mark.slow  # CASES has each corner; this draws their mixtures (~25-40 s a backend)
 @pytest.mark.parametrize("backend", [
     pytest.param(b, id=b.id, marks=b.marks) for b in BACKENDS
     if b.declares(CASES["gqa"], True, F32)])
@@ -510,7 +511,7 @@ def test_pallas_declines_inside_shard_map():
   assert not support and "shard_map" in support.reason
 
 
-@pytest.mark.parametrize("replicated", ["kv_and_ids", "q"])
+@pytest.mark.parametrize("replicated", ["kv_and_ids", pytest.param("q", marks=pytest.mark.slow)])
 def test_inside_shard_map_with_replicated_operands(replicated):
   """In a user's `shard_map`, operands may vary over different mesh axes (the batch split
   over "data", some operands replicated): forward and gradients equal the unsharded call's,

@@ -30,6 +30,7 @@ def finite(*xs):
   return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
 
 
+@pytest.mark.slow  # ~45 s; lm_packed's and train_lm's tests run the same training loop
 def test_lm_real(examples, tmp_path):
   """Two of the three models (the local one is the dilated layer with one branch: it is built
   and counted below, not trained, to keep the test short)."""

@@ -98,10 +98,10 @@ def _assert_ring_matches_reference(ring, case, causal, inputs):
 LARGE = ["spanning_head", "partial_sub_rings", "spanning_all_gqa"]
 
 
-# (The second and third large rings with `-m slow`: ~20 and ~12 s.)
+# (The large rings with `-m slow`: ~12-24 s each; the realistic cases below run their plans.)
 @pytest.mark.parametrize("name,large", [(name, False) for name in SMALL]
-                         + [pytest.param(name, True, marks=() if name == LARGE[0] else
-                                         pytest.mark.slow) for name in LARGE],
+                         + [pytest.param(name, True, marks=pytest.mark.slow)
+                            for name in LARGE],
                          ids=SMALL + [f"{name}-large" for name in LARGE])
 def test_ring_matches_reference(monkeypatch, name, large):
   p, n, h, hkv, pattern = CASES[name]
@@ -736,7 +736,7 @@ def test_realistic_cases_cover_every_plan(monkeypatch):
 
 
 # On the oldest JAX too: the plain ring and data x sequence, causal in natural order here and
-# in zigzag order packed below (a compact ring meets it in the user's shard_map below).
+# compact in zigzag order packed below (a compact ring meets it in the user's shard_map below).
 # "longnet_causal" runs packed below (zigzag); without ids a compact causal ring runs in the
 # user's shard_map (2048 keys a shard, blocks of 128).
 # ("full_rotating" next to "full": they share one device's result where one worker runs both.)
@@ -774,10 +774,13 @@ def _documents(batch, n, seed):
                      jnp.int32)
 
 
-# ("data2_seq4_causal", the ring small, with `-m slow`: its "_large" twin runs by default.)
+# With `-m slow`: "data2_seq4_causal" (the ring small: its "_large" twin runs by default) and
+# "longnet_gqa" (not causal: its plans run without ids above). On the oldest JAX: zigzag order
+# with ids travelling beside the keys ("longnet_causal_large").
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=OLD_JAX if name == "data2_seq4_causal_large" else pytest.mark.slow
-                 if name == "data2_seq4_causal" else ()) for name in RUN_PACKED])
+    pytest.param(name, marks=OLD_JAX if name == "longnet_causal_large" else pytest.mark.slow
+                 if name in ("data2_seq4_causal", "longnet_gqa") else ())
+    for name in RUN_PACKED])
 def test_packed_ring_at_realistic_shard_sizes(monkeypatch, name):
   """Packed sequences on the ring (the keys' document ids travel with them, or are gathered
   with them) equal one device's packed call: compact and zigzag rings, rings in natural
