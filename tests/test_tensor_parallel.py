@@ -104,26 +104,35 @@ def test_heads_axis_computes_each_shards_heads_as_the_whole_call(name, kv_heads)
     assert not np.allclose(out, whole(*inputs[:3])[0], atol=1e-3)
 
 
-def test_ring_with_heads_axis_on_a_model_by_sequence_mesh(monkeypatch):
-  """Tensor x sequence parallelism on a (model 2, seq 4) mesh, LongNet with 2 heads a shard
-  (the two shards read other residues: each kernel call and compaction switches on the
-  shard, the collectives between them alike), 1024 keys a shard: a local branch, a ring
-  whose steps call kernels on dilated segments, a compact ring. The ring inside a user's
-  `shard_map` equals one call, gradients too (natural order); `sharded_dilated_attention`
-  (no replicas: no warning) with packed documents in zigzag order equals one call."""
-  pattern = DilatedPattern((512, 2048, 4096), (1, 2, 4), causal=True)
+# Tensor x sequence parallelism on a (model 2, seq 4) mesh, LongNet with 2 heads a shard (the
+# two shards read other residues: each kernel call and compaction switches on the shard, the
+# collectives between them alike), 1024 keys a shard: a local branch, a ring whose steps call
+# kernels on dilated segments, a compact ring.
+RING_TP = DilatedPattern((512, 2048, 4096), (1, 2, 4), causal=True)
+
+
+def test_ring_with_heads_axis_on_a_model_by_sequence_mesh():
+  """The ring inside a user's `shard_map` equals one call, gradients too (`RING_TP`)."""
   mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
   inputs = _inputs((1, 4096, 4, 8), 2, seed=1)
-  assert len({p.shard_key(2) for p in (dataclasses.replace(pattern, head_offset=o,
+  assert len({p.shard_key(2) for p in (dataclasses.replace(RING_TP, head_offset=o,
                                                            total_heads=4) for o in (0, 2))}) == 2
   spec = P(None, "seq", "model")
   ring = jax.shard_map(
-      lambda q, k, v: ring_dilated_attention(q, k, v, pattern, axis_name="seq",
+      lambda q, k, v: ring_dilated_attention(q, k, v, RING_TP, axis_name="seq",
                                              heads_axis="model", return_lse=True),
       mesh=mesh, in_specs=spec, out_specs=(spec, spec))
-  whole = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
+  whole = lambda q, k, v: dilated_attention(q, k, v, RING_TP, return_lse=True)
   _equal_with_grads(ring, whole, inputs)
-  monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)  # zigzag order
+
+
+@pytest.mark.slow  # ~20 s: the same switches in zigzag order, ids beside the keys
+def test_sharded_with_heads_axis_packed_in_zigzag_order(monkeypatch):
+  """`sharded_dilated_attention` (no replicas: no warning) with packed documents, its rings
+  in zigzag order (`RING_TP`), equals one call."""
+  mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
+  inputs, pattern = _inputs((1, 4096, 4, 8), 2, seed=1), RING_TP
+  monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)
   ids = jnp.asarray(np.repeat(np.arange(9), 500)[None, :4096], jnp.int32)
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # no replicas along "model"
