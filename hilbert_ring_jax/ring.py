@@ -972,12 +972,15 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
                      f"heads_axis={heads_axis!r}")
   names = backends.candidates(implementation)
   backends.check_config(config)
-  ring = lambda pattern, head_shards=None: lambda q, k, v, ids: backends.attention(
-      q, k, v, _Ring(pattern, scale, axis_name, names, config, head_shards), ids)
+  def call(pattern, q, k, v, ids, head_shards=None):
+    return backends.attention(
+        q, k, v, _Ring(pattern, scale, axis_name, names, config, head_shards), ids)
+
   out, lse = on_head_shards(
-      pattern, heads_axis, lambda pattern, *xs: ring(pattern)(*xs), q, k, v,
+      pattern, heads_axis, call, q, k, v,
       None if segment_ids is None else (segment_ids, segment_ids),
-      switched=lambda kinds, index: ring(kinds[0], (heads_axis, kinds, index)))
+      switched=lambda kinds, index: functools.partial(
+          call, kinds[0], head_shards=(heads_axis, kinds, index)))
   return (out, lse) if return_lse else out
 
 
