@@ -148,8 +148,8 @@ def on_head_shards(pattern, heads_axis, call, q, k, v, ids, switched=None):
   A call with collectives cannot sit in a `lax.switch` (every device must meet the same
   collectives): it passes `switched(patterns, index)`, a call like `call`'s that switches
   around its kernels itself, `patterns[index[s]]` shard `s`'s pattern. Its shards must
-  differ in residues only: with `head_groups` their branches cover different heads, which
-  it refuses (`NotImplementedError`, a limitation, not bad input)."""
+  differ in residues only: with `head_groups` (of several branches) they cover different
+  branches, which it refuses (`NotImplementedError`, a limitation, not bad input)."""
   patterns = _head_shards(pattern, heads_axis, q, k)
   if patterns is None:
     return call(pattern, q, k, v, ids)
@@ -160,7 +160,7 @@ def on_head_shards(pattern, heads_axis, call, q, k, v, ids, switched=None):
   if len(kinds) == 1:
     return call(kinds[0], q, k, v, ids)
   if switched is not None:
-    if pattern.head_groups:
+    if pattern.head_groups and pattern.num_branches > 1:
       raise NotImplementedError(
           f"heads_axis={heads_axis!r}: with head_groups=True the shards of {num_heads} heads "
           f"cover different branches (each branch a group of all the heads), and a ring "
