@@ -126,6 +126,17 @@ def test_ring_with_heads_axis_on_a_model_by_sequence_mesh():
   _equal_with_grads(ring, whole, inputs)
 
 
+def test_ring_with_heads_axis_and_head_groups_of_one_branch():
+  """Head groups of one branch are all the heads: the shards differ in residues only (2 heads
+  a shard, rate 4), which a ring runs."""
+  pattern = DilatedPattern((64,), (4,), causal=True, head_groups=True)
+  mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
+  q, k, v, _, _ = _inputs((1, 64, 4, 8), 4, seed=3)
+  out = sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq",
+                                  heads_axis="model")
+  np.testing.assert_allclose(out, dilated_attention(q, k, v, pattern), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow  # ~20 s: the same switches in zigzag order, ids beside the keys
 def test_sharded_with_heads_axis_packed_in_zigzag_order(monkeypatch):
   """`sharded_dilated_attention` (no replicas: no warning) with packed documents, its rings
