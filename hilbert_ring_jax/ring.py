@@ -847,33 +847,36 @@ class _Ring:
   head_shards: tuple | None = None
   saves: typing.ClassVar[bool] = True  # a branch's kernel may gather keys (`KERNEL_GATHER`)
 
-  def _branches(self, q, k, packed):
-    """`(plan, steps)` pairs, one per branch, `steps` its `_RingBranch` (or `_Switched`
-    over those of the kinds of head shards); the local branches as one pair (the first
-    local plan's) where the backend each would get on its own runs them all."""
+  def _pairs(self, pattern, q, k, packed, merge_local=True):
+    """`(plan, _RingBranch)` pairs of `pattern`, one per branch; with `merge_local`, the
+    local branches as one pair (the first local plan's) where the backend each would get on
+    its own runs them all."""
     shards = jax.lax.axis_size(self.axis_name)
     per_kv = heads_per_kv(q.shape[2], k.shape[2])
-    kinds = (self.pattern,) if self.head_shards is None else self.head_shards[1]
-    plans = [list(_plans(p, q.shape[1], shards, q.shape[2], per_kv)) for p in kinds]
-    make = lambda i, plan, branches=None: _RingBranch(plan, kinds[i], self.scale, self.names,
-                                                      self.config, q, k, branches, packed)
-    steps = [[make(i, plan) for plan in plans[i]] for i in range(len(kinds))]
-    local = [j for j, plan in enumerate(plans[0]) if plan.kind == "local"]
-    if len(local) > 1:
-      together = [make(i, plans[i][local[0]], tuple(plans[i][j].branch.index for j in local))
-                  for i in range(len(kinds))]
+    plans = list(_plans(pattern, q.shape[1], shards, q.shape[2], per_kv))
+    make = lambda plan, branches=None: _RingBranch(plan, pattern, self.scale, self.names,
+                                                   self.config, q, k, branches, packed)
+    pairs = [(plan, make(plan)) for plan in plans]
+    local = [(plan, st) for plan, st in pairs if plan.kind == "local"]
+    if merge_local and len(local) > 1:
+      together = make(local[0][0], tuple(plan.branch.index for plan, _ in local))
       chosen = lambda st: st.backend(q, k, st.causal)[0]
-      if all(chosen(steps[i][j]) is chosen(together[i])
-             for i in range(len(kinds)) for j in local):
-        plans = [[p[local[0]]] + [x for j, x in enumerate(p) if j not in local] for p in plans]
-        steps = [[t] + [x for j, x in enumerate(s) if j not in local]
-                 for t, s in zip(together, steps)]
-    if len(kinds) == 1:
-      return list(zip(plans[0], steps[0]))
-    heads_axis, _, index = self.head_shards
+      if all(chosen(st) is chosen(together) for _, st in local):
+        pairs = [(local[0][0], together)] + [(p, st) for p, st in pairs if p.kind != "local"]
+    return pairs
+
+  def _branches(self, q, k, packed):
+    """`(plan, steps)` pairs, one per branch (`_pairs`); with head shards that differ,
+    `steps` is a `_Switched` over each kind's `_RingBranch` (their plans alike)."""
+    if self.head_shards is None:
+      return self._pairs(self.pattern, q, k, packed)
+    heads_axis, kinds, index = self.head_shards
+    per_kind = [self._pairs(p, q, k, packed) for p in kinds]
+    if len({len(pairs) for pairs in per_kind}) > 1:  # local branches merged in some kinds only
+      per_kind = [self._pairs(p, q, k, packed, merge_local=False) for p in kinds]
     which = jnp.asarray(index, jnp.int32)[jax.lax.axis_index(heads_axis)]
-    return [(plan, _Switched(list(kind_steps), which))
-            for plan, kind_steps in zip(plans[0], zip(*steps))]
+    return [(pairs[0][0], _Switched([st for _, st in pairs], which))
+            for pairs in zip(*per_kind)]
 
   def forward(self, q, k, v, segment_ids=None, save=False):
     """`(out, lse)`, and with `save` the keys each branch's kernel gathered (None where it
