@@ -71,9 +71,10 @@ SMALL_STEP_ROWS: int = 4096
 # attends to its own, instead of an all-gather before (docs/performance.md, "Keys gathered
 # inside the kernel"). Its programs claim the blocks they push as they run, so it completes
 # however few of them are resident (beside a collective on another stream holding SMs).
-# Off by default, and only with XLA's command buffers off (`_command_buffers_off`): with them
-# on, the kernel returned wrong results in some calls of a layer's jitted forward+backward on
-# 2 x H200. False: the all-gather, then one call. Read when a call is traced.
+# Off by default, and only with custom calls kept out of XLA's command buffers
+# (`_custom_calls_out_of_command_buffers`): captured in one beside fusions, the kernel received
+# a peer's keys wrong in some calls on 2 x H200, where the calls' buffers reuse memory. False:
+# the all-gather, then one call. Read when a call is traced.
 KERNEL_GATHER: bool = False
 
 
@@ -96,12 +97,19 @@ def _kernel_gather() -> bool:
   return KERNEL_GATHER
 
 
-def _command_buffers_off() -> bool:
-  """Whether XLA_FLAGS turns XLA's GPU command buffers off (`--xla_gpu_enable_command_buffer=`
-  with no command type, its last setting there)."""
+def _custom_calls_out_of_command_buffers() -> bool:
+  """Whether XLA_FLAGS keeps custom calls out of XLA's GPU command buffers: its last
+  `--xla_gpu_enable_command_buffer=` names the command types without CUSTOM_CALL (none: off),
+  or only takes types from XLA's default (`-TYPE`s, CUSTOM_CALL among them). Unset, or with
+  a `+TYPE`, XLA's default holds custom calls."""
   flag = "--xla_gpu_enable_command_buffer="
   values = [t[len(flag):] for t in os.environ.get("XLA_FLAGS", "").split() if t.startswith(flag)]
-  return bool(values) and values[-1] in ("", '""', "''")
+  if not values:
+    return False
+  types = [t.strip().upper() for t in values[-1].strip("'\"").split(",") if t.strip()]
+  if types and all(t.startswith(("+", "-")) for t in types):
+    return "-CUSTOM_CALL" in types and "+CUSTOM_CALL" not in types
+  return "CUSTOM_CALL" not in types
 
 
 def _gather_limit() -> int:
@@ -289,11 +297,12 @@ class _RingBranch:
     gathers = getattr(backend, "gathers", None)
     if gathers is None or not gathers(q.shape, k.shape, q.dtype, plan.shards, self.scale):
       return None
-    if not _command_buffers_off():
+    if not _custom_calls_out_of_command_buffers():
       raise ValueError(
-          "ring.KERNEL_GATHER = True needs XLA's command buffers off (XLA_FLAGS="
-          "--xla_gpu_enable_command_buffer=, set before JAX starts): with them on, the kernel "
-          "that gathers the keys returned wrong results in some calls (docs/ring.md)")
+          "ring.KERNEL_GATHER = True needs custom calls kept out of XLA's command buffers "
+          "(XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN, or = for "
+          "none, set before JAX starts): captured in one, the kernel that gathers the keys "
+          "received wrong keys from a peer in some calls (docs/ring.md)")
     return backend, config
 
   # Layout: compaction for the "compact" ring, identity otherwise.
