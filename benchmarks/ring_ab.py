@@ -5,8 +5,9 @@ over all GPUs as the defaults run it ("default"), and the ring with the mosaic `
 given by `--config` (e.g. `persistent=True`, the persistent programs ring steps ran before
 2026-11-27) or, with `--set NAME=VALUE`, the defaults with the ring module's setting NAME
 (`GATHER_LIMIT_BYTES`: 0, whole rings rotate their keys instead of gathering them;
-`SMALL_STEP_ROWS`: 0, no ring is small; `KERNEL_GATHER`: False, whole rings of full
-attention all-gather their keys before one call instead of inside the kernel) set to VALUE.
+`SMALL_STEP_ROWS`: 0, no ring is small; `KERNEL_GATHER`: True, whole rings of full
+attention gather their keys inside the kernel instead of an all-gather before one call, with
+custom calls out of XLA's command buffers) set to VALUE.
 Each round times every variant once (10 calls back to back, 3 where one GPU takes over 50 ms
 a call), so that drifts between processes and over time hit them alike; medians over
 `--rounds`. Efficiency as in `ring_scaling.py`: `T_1 / (P T_P)`. "dispatch" is the host's
