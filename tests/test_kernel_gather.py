@@ -243,8 +243,8 @@ def test_gathered_keys_of_calls_whose_buffers_reuse_memory():
   buffers: the kernel in a program with projections before it, 32 calls on new inputs, each
   call's results dropped before the next (so the calls' buffers reuse memory): every
   device's gathered keys and values equal the keys and values. With XLA's default command
-  buffers, the kernel among the captured fusions, 31 of 40 calls had one peer's keys wrong
-  on 2 x H200; with every result held (no memory reused), none."""
+  buffers, the kernel among the captured fusions, 33 of 40 such calls had one peer's keys
+  wrong on 2 x H200; with every result held (no memory reused), none."""
   gpus = _gpus_for_the_kernel()
   p, n, dm, d = len(gpus), len(gpus) * 2048, 256, 128
   m = jax.make_mesh((p,), ("seq",), axis_types=(AUTO,), devices=gpus)
