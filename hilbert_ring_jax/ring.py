@@ -477,7 +477,9 @@ def _permute(x, axis_name, pairs):
 
 def _to_zigzag(x, plan, axis_name, inverse=False):
   """`[B, L, ...]` natural halves <-> `[B, L, ...]` zigzag `(early chunk, late chunk)`: two
-  collective-permutes, one in sub-rings of 2 (whose devices keep their even chunks)."""
+  collective-permutes, one in sub-rings of 2 (whose devices keep their even chunks). Each
+  array moves on its own: a call's arrays joined into one buffer were slower on 2 x H200
+  (docs/performance.md, "zigzag order" in "Measurements behind design choices")."""
   even, odd = _zigzag_pairs(plan)
   if inverse:
     even, odd = [(d, s) for s, d in even], [(d, s) for s, d in odd]
