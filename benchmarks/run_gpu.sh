@@ -86,6 +86,16 @@ for stage in "$@"; do
     generate) timeout 580 python3 examples/generate.py --preset gpu 2>&1 | tail -3 ;;
     tests-ring) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_ring.py \
                   -k gpus 2>&1 | tail -15 ;;
+    tests-ring-all) timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu \
+                  tests/test_ring.py tests/test_tensor_parallel.py 2>&1 | tail -15 ;;
+    # The gathering kernel (ring.KERNEL_GATHER) needs custom calls out of XLA's command buffers.
+    tests-kernel-gather) XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN \
+                  timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu \
+                  tests/test_kernel_gather.py 2>&1 | tail -15 ;;
+    ring-kernel-gather) XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN \
+                  timeout 560 python3 benchmarks/ring_ab.py --patterns full --passes fwd,fwdbwd \
+                  --per-gpu 8192,32768 --set KERNEL_GATHER=True --rounds 3 \
+                  --json "$OUT/kernel_gather_ab.json" 2>&1 | grep -v "^W1\|^I1\|bfc_allocator" ;;
     ring) timeout 420 python3 benchmarks/ring_scaling.py --devices 1,$(nvidia-smi -L | wc -l) \
               --per-gpu 8192,32768 --strong 65536 --runs 3 --longest --longest-start 4194304 \
               --json "$OUT/ring.json" 2>&1 | grep -v "^W1\|^I1\|bfc_allocator\|^\*" ;;
