@@ -98,18 +98,20 @@ def _kernel_gather() -> bool:
 
 
 def _custom_calls_out_of_command_buffers() -> bool:
-  """Whether XLA_FLAGS keeps custom calls out of XLA's GPU command buffers: its last
-  `--xla_gpu_enable_command_buffer=` names the command types without CUSTOM_CALL (none: off),
-  or only takes types from XLA's default (`-TYPE`s, CUSTOM_CALL among them). Unset, or with
-  a `+TYPE`, XLA's default holds custom calls."""
+  """Whether XLA_FLAGS keeps custom calls out of XLA's GPU command buffers. Its last
+  `--xla_gpu_enable_command_buffer=` (unset: XLA's default, which holds CUSTOM_CALL) lists
+  the command types (none: off), or changes XLA's default in order (`+TYPE`, `-TYPE`)."""
   flag = "--xla_gpu_enable_command_buffer="
   values = [t[len(flag):] for t in os.environ.get("XLA_FLAGS", "").split() if t.startswith(flag)]
   if not values:
     return False
   types = [t.strip().upper() for t in values[-1].strip("'\"").split(",") if t.strip()]
   if types and all(t.startswith(("+", "-")) for t in types):
-    return "-CUSTOM_CALL" in types and "+CUSTOM_CALL" not in types
-  return "CUSTOM_CALL" not in types
+    held = True
+    for t in types:
+      held = t[0] == "+" if t[1:] == "CUSTOM_CALL" else held
+    return not held
+  return "CUSTOM_CALL" not in [t.lstrip("+") for t in types]
 
 
 def _gather_limit() -> int:

@@ -163,12 +163,13 @@ def test_the_setting_is_checked_off_by_default_and_keeps_custom_calls_out_of_com
   monkeypatch.setattr(ring_module, "KERNEL_GATHER", True)
   flag = "--xla_gpu_enable_command_buffer="
   for flags in ("", f"{flag}FUSION,CUSTOM_CALL", f"{flag} {flag}fusion,custom_call",
-                f"{flag}+CUDNN", f"{flag}-CUDNN", f"{flag}-CUSTOM_CALL,+CUSTOM_CALL"):
+                f"{flag}+CUDNN", f"{flag}-CUDNN", f"{flag}-CUSTOM_CALL,+custom_call"):
     monkeypatch.setenv("XLA_FLAGS", flags)
     with pytest.raises(ValueError, match="KERNEL_GATHER = True needs custom calls kept out"):
       call()
   for flags in (flag, f"--a=1 {flag}''", f"{flag}FUSION,CUBLAS,CUBLASLT,CUDNN",
-                f"{flag}-CUSTOM_CALL", f"{flag}CUSTOM_CALL {flag}FUSION"):
+                f"{flag}-CUSTOM_CALL", f"{flag}+CUSTOM_CALL,-CUSTOM_CALL,+CUDNN",
+                f"{flag}CUSTOM_CALL {flag}FUSION"):
     monkeypatch.setenv("XLA_FLAGS", flags)
     call()
   assert calls == [8]  # (the others: the same program, from the cache)
