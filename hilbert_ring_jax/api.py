@@ -139,6 +139,12 @@ def _head_shards(pattern: DilatedPattern, heads_axis, q, k):
   return shards
 
 
+def head_shard_kind(index, heads_axis):
+  """This device's kind of head shard (traced): `index[s]` for shard `s` of `heads_axis`
+  (`on_head_shards`)."""
+  return jnp.asarray(index, jnp.int32)[jax.lax.axis_index(heads_axis)]
+
+
 def on_head_shards(pattern, heads_axis, call, q, k, v, ids, switched=None):
   """`call(pattern, q, k, v, ids)`; with `heads_axis`, with this device's pattern of its
   shard of the heads (`_head_shards`): the shards whose heads compute alike share one
@@ -167,8 +173,8 @@ def on_head_shards(pattern, heads_axis, call, q, k, v, ids, switched=None):
           f"cannot yet run shards that differ so; without head_groups they differ in "
           f"residues only, which it runs")
     return switched(kinds, tuple(index))(q, k, v, ids)
-  which = jnp.asarray(index, jnp.int32)[jax.lax.axis_index(heads_axis)]
-  return jax.lax.switch(which, [functools.partial(call, p) for p in kinds], q, k, v, ids)
+  return jax.lax.switch(head_shard_kind(index, heads_axis),
+                        [functools.partial(call, p) for p in kinds], q, k, v, ids)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import backends
-from .api import check_flag, check_inputs, check_scale, check_segment_ids, on_head_shards
+from .api import (check_flag, check_inputs, check_scale, check_segment_ids, head_shard_kind,
+                  on_head_shards)
 from .merge import merge
 from .pattern import Branch, DilatedPattern, heads_per_kv
 
@@ -887,7 +888,7 @@ class _Ring:
     per_kind = [self._pairs(p, q, k, packed) for p in kinds]
     if len({len(pairs) for pairs in per_kind}) > 1:  # local branches merged in some kinds only
       per_kind = [self._pairs(p, q, k, packed, merge_local=False) for p in kinds]
-    which = jnp.asarray(index, jnp.int32)[jax.lax.axis_index(heads_axis)]
+    which = head_shard_kind(index, heads_axis)
     return [(pairs[0][0], _Switched([st for _, st in pairs], which))
             for pairs in zip(*per_kind)]
 
