@@ -150,18 +150,20 @@ SMALL_F32 = {f"{name}-causal": (CASES[name], True, F32) for name in CASES} | {
     f"{name}-full": (CASES[name], False, F32) for name in NON_CAUSAL}
 
 
-# Interpreted on a CPU (~4 s a case), "pallas" runs here the causal cases that test_pallas.py's
-# padded shapes (each causal and not: short, partial and several segments, r not dividing w,
-# GQA, MQA with offsets "all") do not repeat: a batch of two, offsets "all" over two strided
-# branches, head groups (unaligned with GQA too), w beyond N, one token. Its other non-causal
-# corners: the random configurations.
+# Interpreted on a CPU (~4-12 s a case), "pallas" runs here the causal cases that
+# test_pallas.py's padded shapes (each causal and not: short, partial and several segments, r
+# not dividing w, GQA, MQA with offsets "all") do not repeat: a batch of two, head groups
+# unaligned with GQA, one token; with `-m slow` also offsets "all" over two strided branches,
+# head groups alone and w beyond N. Its other non-causal corners: the random configurations.
 _INTERPRETED_PALLAS = jax.default_backend() != "gpu"
 _PALLAS_F32 = [f"{name}-causal" for name in ("three_partial", "offsets_all", "head_groups",
                                             "gqa_head_groups_unaligned", "w_beyond_n",
                                             "single_token")]
+_PALLAS_F32_SLOW = [f"{name}-causal" for name in ("offsets_all", "head_groups", "w_beyond_n")]
 
 
-@on_backends(SMALL_F32, only={"pallas": _PALLAS_F32} if _INTERPRETED_PALLAS else None)
+@on_backends(SMALL_F32, only={"pallas": _PALLAS_F32} if _INTERPRETED_PALLAS else None,
+             slow={"pallas": _PALLAS_F32_SLOW} if _INTERPRETED_PALLAS else None)
 def test_float32(backend, case, causal, dtype):
   """Forward, lse and gradients against the reference; causal "three_partial" also leaks
   nothing (`_check_causal_leak`, on the same compiled program)."""
@@ -206,10 +208,12 @@ BLOCKS = {
 BLOCK_CASES = {name: case[:3] for name, case in BLOCKS.items()}
 
 
-# Interpreted, the mosaic kernels run the first case by default, the others with `-m slow`
-# (~25-40 s each on a CPU); on a Hopper GPU the suite runs all three for real.
+# Interpreted (~25-40 s each on a CPU), the mosaic kernels run these with `-m slow` (their
+# paths, at smaller tiles: test_mosaic.py and the packed kernels' tests); on a Hopper GPU the
+# suite runs all three for real. Interpreted "pallas" runs the partial segment with `-m slow`.
 @on_backends(BLOCKS, extra=["options"],
-             slow={"mosaic_interpret": ["partial_segment", "one_segment"]})
+             slow={"mosaic_interpret": list(BLOCKS),
+                   **({"pallas": ["partial_segment"]} if _INTERPRETED_PALLAS else {})})
 def test_blocks(backend, case, causal, dtype, options):
   configs = {name: backends.load(name).Config(**kw) for name, kw in options.items()}
   helpers.check_case(case, causal, dtype, None,
@@ -314,7 +318,8 @@ def test_float16_backward_does_not_overflow(backend, case, causal, dtype):
 
 
 @on_backends({name: (Case(32, 2, 2, (16,), (1,)), True, dtype)
-              for name, dtype in (("f16", F16), ("bf16", BF16))})
+              for name, dtype in (("f16", F16), ("bf16", BF16))},
+             slow={"pallas": ["bf16"]} if _INTERPRETED_PALLAS else None)
 def test_huge_logits_keep_gradients_finite(backend, case, causal, dtype):
   """Logits of ~1e9 (q, k ~ 6e4): float32 lse rounding must not turn p = exp(s - lse) into
   inf. The softmax is one-hot there and the true gradient about 0."""
@@ -354,8 +359,11 @@ PARTIALS = {"f32": (_SMALL, True, F32, ((1,),)), "bf16": (_SMALL, True, BF16, ((
                             ((1,),))}
 
 
-# (Interpreted, the tiles' case is slow, ~45 s: `-m slow`; a Hopper GPU runs it for real.)
-@on_backends(PARTIALS, extra=["selections"], slow={"mosaic_interpret": ["blocks-bf16"]})
+# (Interpreted, the tiles' case is slow, ~45 s: `-m slow`; a Hopper GPU runs it for real.
+# Interpreted "pallas" runs all branches in float16 and one at its tiles by default.)
+@on_backends(PARTIALS, extra=["selections"],
+             slow={"mosaic_interpret": ["blocks-bf16"],
+                   **({"pallas": ["f32", "bf16"]} if _INTERPRETED_PALLAS else {})})
 def test_partials_are_float32(backend, case, causal, dtype, selections):
   """Forward partials and backward contributions are float32 whatever the input dtype (the
   ring merges them); `out_dtype` gives a final output in the input dtype, and `grad_dtype`

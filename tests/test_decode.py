@@ -71,7 +71,8 @@ def _run(case, dtype, prefill, seed=0):
 
 @pytest.mark.parametrize("case,prefill", [
     (Case(29, 4, 2, (8, 6), (3, 4)), 0),                     # r does not divide w
-    (Case(33, 4, 2, (8, 6), (3, 4), offsets="all"), 5),
+    # (~12 s, `-m slow`: offsets "all" below, a prefill in the next)
+    pytest.param(Case(33, 4, 2, (8, 6), (3, 4), offsets="all"), 5, marks=pytest.mark.slow),
     (Case(31, 4, 1, (4, 10, 7), (1, 4, 2), head_groups=True), 9),  # MQA, head groups
     (Case(27, 4, 4, (5, 12), (2, 5), batch=2), 0),          # H < r: residues no head reads
     (Case(25, 3, 3, (6, 9), (2, 3), offsets="all", head_groups=True), 0),

@@ -51,7 +51,10 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# ("options", ~16 s, with `-m slow`: its head groups and offsets "all" decode in test_decode.py,
+# normalize_qk in the Linen test below.)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow)
+                                  if name == "options" else name for name in CONFIGS])
 def test_nnx_decoding_matches_the_layer(name):
   kwargs, prefill, how = CONFIGS[name]
   layer = DilatedMultiHeadAttention(in_features=F, rngs=nnx.Rngs(0), **kwargs)
@@ -137,6 +140,7 @@ def test_nnx_decode_errors():
     make(mesh=mesh, seq_axis="seq", decode=True)
 
 
+@pytest.mark.slow  # ~17 s: the layers flatten batch dims as they do without decoding
 def test_decoding_with_other_batch_dims():
   """Inputs without batch dims (`[N, F]`) or with several decode as the flattened batch:
   `init_cache` takes their shape, and the steps equal the layer on the whole sequence."""

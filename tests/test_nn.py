@@ -589,8 +589,10 @@ def test_mesh_needs_seq_axis():
     layer(inputs())
 
 
-@pytest.mark.parametrize("axes", [{"batch_axis": "data"}, {"heads_axis": "model"}],
-                         ids=["data", "heads"])
+# (`batch_axis` with `-m slow`, ~15 s: the layers pass it through as they pass `heads_axis`;
+# test_ring.py runs data x sequence rings.)
+@pytest.mark.parametrize("axes", [pytest.param({"batch_axis": "data"}, marks=pytest.mark.slow),
+                                  {"heads_axis": "model"}], ids=["data", "heads"])
 def test_layers_with_a_second_mesh_axis(axes):
   """NNX and Linen layers on a (data=2, seq=4) mesh, or with the heads split over "model"
   (tensor x sequence parallelism: 2 heads a shard, rates 1 and 2, shards alike as the ring

@@ -47,9 +47,13 @@ def test_a_slice_of_the_heads_lays_out_as_in_the_whole(name):
             b for b, w in enumerate(whole) if set(range(offset, offset + heads)) & set(w.heads)))
 
 
-@pytest.mark.parametrize("implementation", ["xla", pytest.param("pallas",
-                                                                  marks=pytest.mark.pallas)])
-@pytest.mark.parametrize("name", list(PATTERNS))
+# Interpreted "pallas" (~3-7 s a pattern): the head groups without offsets "all" with
+# `-m slow` ("groups_all" meets head groups too).
+@pytest.mark.parametrize("name,implementation", [
+    pytest.param(name, implementation, id=f"{name}-{implementation}", marks=(
+        () if implementation == "xla" else
+        (pytest.mark.pallas, pytest.mark.slow) if name == "groups" else pytest.mark.pallas))
+    for implementation in ("xla", "pallas") for name in PATTERNS])
 def test_a_call_on_a_slice_of_the_heads_matches_the_reference(name, implementation):
   """`dilated_attention` with `head_offset` and `total_heads` (a branch covering none of the
   slice's heads left out) against the float64 reference's rows of those heads."""
@@ -85,7 +89,10 @@ def _equal_with_grads(fn, whole, inputs):
 
 
 # (The oldest JAX meets two mesh axes in test_ring.py's data x sequence ring.)
-@pytest.mark.parametrize("name,kv_heads", [("residues", 4), ("groups_all", 4),
+# (`-m slow`: residues by head alone, and head groups without offsets "all", ~8-16 s each;
+# "groups_all" meets both.)
+@pytest.mark.parametrize("name,kv_heads", [pytest.param("residues", 4, marks=pytest.mark.slow),
+                                           ("groups_all", 4),
                                            pytest.param("groups", 8, marks=pytest.mark.slow)])
 def test_heads_axis_computes_each_shards_heads_as_the_whole_call(name, kv_heads):
   """`dilated_attention(heads_axis=)` in a `shard_map` splitting 8 heads over 4 devices equals
