@@ -89,8 +89,8 @@ def _equal_with_grads(fn, whole, inputs):
 
 
 # (The oldest JAX meets two mesh axes in test_ring.py's data x sequence ring.)
-# (`-m slow`: residues by head alone, and head groups without offsets "all", ~8-16 s each;
-# "groups_all" meets both.)
+# (`-m slow`, ~8-16 s each: residues by head, which the packed and ring tests below split by
+# `heads_axis` too, and head groups without offsets "all", which "groups_all" meets.)
 @pytest.mark.parametrize("name,kv_heads", [pytest.param("residues", 4, marks=pytest.mark.slow),
                                            ("groups_all", 4),
                                            pytest.param("groups", 8, marks=pytest.mark.slow)])
