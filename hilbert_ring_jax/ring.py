@@ -107,11 +107,8 @@ def _custom_calls_out_of_command_buffers() -> bool:
   if not values:
     return False
   types = [t.strip().upper() for t in values[-1].strip("'\"").split(",") if t.strip()]
-  if types and all(t.startswith(("+", "-")) for t in types):
-    held = True
-    for t in types:
-      held = t[0] == "+" if t[1:] == "CUSTOM_CALL" else held
-    return not held
+  if types and all(t.startswith(("+", "-")) for t in types):  # the last change of it decides
+    return [t[0] for t in types if t[1:] == "CUSTOM_CALL"][-1:] == ["-"]
   return "CUSTOM_CALL" not in [t.lstrip("+") for t in types]
 
 
