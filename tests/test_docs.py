@@ -3,10 +3,14 @@
 A block is a whole program: its own imports, the 8 virtual CPU devices a mesh needs set by the
 block itself, and asserts (or prints) of what it computes, so a reader can paste it as it is.
 What cannot run on a CPU (a multi-process launch, a kernel sketch) belongs in a ```bash or
-plain fence. A block that does not run fails here, named by its file and index. Also: the
-backend names of the code, docs/SPEC.md, README.md and docs/backends.md agree.
+plain fence. A block that does not run fails here, named by its file and index (README's and
+docs/ring.md's by default, the others with `-m slow`; every block's imports by default). Also:
+the backend names of the code, docs/SPEC.md, README.md and docs/backends.md agree.
 """
 
+import ast
+import importlib
+import importlib.util
 import os
 import pathlib
 import re
@@ -21,6 +25,11 @@ FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # A fence of its own line, indented or not (inside a list item), up to the closing fence.
 BLOCK = re.compile(r"^([ \t]*)```python[ \t]*\n(.*?)^\1```[ \t]*$", re.M | re.S)
 TIMEOUT_S = 300  # each block takes seconds; this only stops a hang
+# The blocks of these run by default; the other docs' blocks, each a twin of tests of the same
+# calls (docs/backends.md's of test_backends, decoding.md's of test_decode and
+# test_layer_decode, layer.md's of test_nn and test_packed), with `-m slow` (~55 s of CPU), and
+# every block's imports are checked by default (test_block_parses_and_its_imports_exist).
+RUN_BY_DEFAULT = ("README.md", "docs/ring.md")
 def blocks():
   """A `pytest.param(file, line, code)` per python block, its id `file:index`."""
   for path in FILES:
@@ -29,7 +38,8 @@ def blocks():
     for i, match in enumerate(BLOCK.finditer(text)):
       line = text.count("\n", 0, match.start()) + 1
       code = textwrap.dedent(match.group(2))
-      yield pytest.param(rel, line, code, id=f"{rel}:{i}")
+      yield pytest.param(rel, line, code, id=f"{rel}:{i}",
+                         marks=() if rel in RUN_BY_DEFAULT else pytest.mark.slow)
 
 
 BLOCKS = list(blocks())
@@ -54,6 +64,22 @@ def test_backend_names_agree():
   named = set(re.findall(r"`(\w+)`", spec)) & {"xla", "pallas", "triton", "mosaic", "cudnn",
                                                    "tokamax", "jax_triton"}
   assert named == set(NAMES), named
+
+
+@pytest.mark.parametrize("rel, line, code", [pytest.param(*p.values, id=p.id) for p in BLOCKS])
+def test_block_parses_and_its_imports_exist(rel, line, code):
+  """Every block is Python, and every module and name it imports exists (a renamed or
+  removed name fails here, where its block only runs with `-m slow`)."""
+  tree = ast.parse(code, filename=f"{rel}, the block at line {line}")
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        importlib.import_module(alias.name)
+    elif isinstance(node, ast.ImportFrom):
+      module = importlib.import_module(node.module)
+      for alias in node.names:
+        assert hasattr(module, alias.name) or importlib.util.find_spec(
+            f"{node.module}.{alias.name}"), f"{rel}:{line}: {node.module}.{alias.name}"
 
 
 @pytest.mark.parametrize("rel, line, code", BLOCKS)
