@@ -3,9 +3,9 @@
 A block is a whole program: its own imports, the 8 virtual CPU devices a mesh needs set by the
 block itself, and asserts (or prints) of what it computes, so a reader can paste it as it is.
 What cannot run on a CPU (a multi-process launch, a kernel sketch) belongs in a ```bash or
-plain fence. A block that does not run fails here, named by its file and index (README's and
-docs/ring.md's by default, the others with `-m slow`; every block's imports by default). Also:
-the backend names of the code, docs/SPEC.md, README.md and docs/backends.md agree.
+plain fence. A block that does not run fails here, named by its file and index (README's by
+default, those of docs/*.md with `-m slow`; every block's imports by default). Also: the
+backend names of the code, docs/SPEC.md, README.md and docs/backends.md agree.
 """
 
 import ast
@@ -25,11 +25,12 @@ FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # A fence of its own line, indented or not (inside a list item), up to the closing fence.
 BLOCK = re.compile(r"^([ \t]*)```python[ \t]*\n(.*?)^\1```[ \t]*$", re.M | re.S)
 TIMEOUT_S = 300  # each block takes seconds; this only stops a hang
-# The blocks of these run by default; the other docs' blocks, each a twin of tests of the same
-# calls (docs/backends.md's of test_backends, decoding.md's of test_decode and
-# test_layer_decode, layer.md's of test_nn and test_packed), with `-m slow` (~55 s of CPU), and
-# every block's imports are checked by default (test_block_parses_and_its_imports_exist).
-RUN_BY_DEFAULT = ("README.md", "docs/ring.md")
+# README's blocks run by default; those of docs/*.md, each a twin of tests of the same calls
+# (backends.md's of test_backends, decoding.md's of test_decode and test_layer_decode,
+# layer.md's of test_nn and test_packed, ring.md's of test_ring and test_tensor_parallel), with
+# `-m slow` (~75 s of CPU), and every block's imports are checked by default
+# (test_block_parses_and_its_imports_exist).
+RUN_BY_DEFAULT = ("README.md",)
 def blocks():
   """A `pytest.param(file, line, code)` per python block, its id `file:index`."""
   for path in FILES:

@@ -82,8 +82,8 @@ def test_lm_real(examples, tmp_path):
   assert again["runs"][1] == runs["full"]
 
 
-@pytest.mark.slow  # ~30 s, four short trainings: its flags are checked below, a layer in Hilbert
-# order trained on images by test_hilbert_study, `common.train` by lm_packed's test
+@pytest.mark.slow  # ~30 s, four short trainings: its flags are checked below, the layers in
+# Hilbert order by test_nn and test_hilbert_study, `common.train` by lm_packed's test
 def test_image_digits(examples, tmp_path):
   pytest.importorskip("sklearn")
   import image_digits  # pylint: disable=import-outside-toplevel
