@@ -128,6 +128,9 @@ def _check_mosaic(case, causal, ids, **kwargs):
 
 
 @INTERPRET
+@pytest.mark.slow  # ~45 s interpreted, CI's largest; a Hopper runs the kernels with ids for
+# real (test_mosaic_packed_on_a_gpu), test_mosaic_packed_lowers_for_the_gpu lowers them here
+# and test_mosaic_packed_items_taken_by_several_programs runs the forward's here
 def test_mosaic_packed_matches_the_reference():
   """LongNet, causal, GQA, in rows of whole 128-blocks (launches of an unstrided and strided
   branches: the forward, dq and dk/dv kernels, split): documents of ~60 tokens, so the
