@@ -296,7 +296,7 @@ def test_vmap_and_scale(backend, case, causal, dtype):
 
 
 # The mosaic kernels' known bug (interpreted, ~8 s) with `-m slow`: `mosaic.supports` keeps a
-# float16 backward off them (test_backends' routing tests, test_mosaic's declines).
+# float16 backward off them (test_mosaic's test_a_float16_backward_goes_to_the_next_backend).
 @on_backends({"d64": (Case(16, 1, 1, (16,), (1,), head_dim=64), False, F16)}, xfail={
     "mosaic": "the mosaic kernels round ds to float16 for its products (mosaic_backward.py: "
               "ds.astype(dtype)): inf in their float32 gradients, +-65504 after the cast; "

@@ -31,6 +31,8 @@ TIMEOUT_S = 300  # each block takes seconds; this only stops a hang
 # `-m slow` (~75 s of CPU), and every block's imports are checked by default
 # (test_block_parses_and_its_imports_exist).
 RUN_BY_DEFAULT = ("README.md",)
+
+
 def blocks():
   """A `pytest.param(file, line, code)` per python block, its id `file:index`."""
   for path in FILES:

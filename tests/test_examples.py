@@ -30,7 +30,7 @@ def finite(*xs):
   return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
 
 
-@pytest.mark.slow  # ~45 s; lm_packed's and train_lm's tests run the same training loop
+@pytest.mark.slow  # ~45 s; lm_packed's and train_lm's tests (also slow) run the same loop
 def test_lm_real(examples, tmp_path):
   """Two of the three models (the local one is the dilated layer with one branch: it is built
   and counted below, not trained, to keep the test short)."""
@@ -83,7 +83,7 @@ def test_lm_real(examples, tmp_path):
 
 
 @pytest.mark.slow  # ~30 s, four short trainings: its flags are checked below, the layers in
-# Hilbert order by test_nn and test_hilbert_study, `common.train` by lm_packed's test
+# Hilbert order by test_nn and test_hilbert_study
 def test_image_digits(examples, tmp_path):
   pytest.importorskip("sklearn")
   import image_digits  # pylint: disable=import-outside-toplevel
@@ -136,13 +136,25 @@ def common_digest(train_lm, argv):
   return train_lm.common.config_digest(train_lm.run_config(args))
 
 
+TRAIN_LM_TINY = ["--seq-len", "32", "--local", "8", "--dim", "16", "--layers", "1", "--heads",
+                 "2", "--kv-heads", "1", "--batch", "4", "--steps", "1", "--eval-every", "1"]
+
+
+def test_train_lm_digests_its_flags(examples):
+  """The digest that names a run's checkpoint folder changes with each flag of the run."""
+  import train_lm  # pylint: disable=import-outside-toplevel
+  digest = common_digest(train_lm, TRAIN_LM_TINY)
+  assert digest == common_digest(train_lm, list(TRAIN_LM_TINY))
+  for flag in (["--seed", "1"], ["--lr", "1e-3"], ["--dim", "32"]):
+    assert common_digest(train_lm, TRAIN_LM_TINY + flag) != digest, flag
+
+
+@pytest.mark.slow  # ~17 s (two models' first step, compile-bound); its digest: the test above
 def test_train_lm_keys_checkpoints_by_its_flags(examples, tmp_path, capsys):
   """Another --seed (or --lr, --dim) never resumes this run's checkpoint: each configuration
   has its own folder, and the run says in one line that others exist."""
   import train_lm  # pylint: disable=import-outside-toplevel
-  tiny = ["--seq-len", "32", "--local", "8", "--dim", "16", "--layers", "1", "--heads", "2",
-          "--kv-heads", "1", "--batch", "4", "--steps", "1", "--eval-every", "1",
-          "--ckpt-dir", str(tmp_path)]
+  tiny = TRAIN_LM_TINY + ["--ckpt-dir", str(tmp_path)]
   for name in ("dilated", "local_only"):  # checkpoints of other flags (their folders)
     (tmp_path / f"{name}-0123456789").mkdir()
   train_lm.main(tiny)

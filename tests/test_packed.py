@@ -273,6 +273,8 @@ def test_packed_and_padded_rows(monkeypatch):
       assert mask[r].sum() == piece.size - 1 and np.all(mask[r, :piece.size - 1] == 1)
 
 
+@pytest.mark.slow  # ~19 s, two short trainings: its rows are checked above, its packed layer
+# by the tests of this file
 def test_lm_packed_runs(monkeypatch, tmp_path):
   pytest.importorskip("optax")
   monkeypatch.syspath_prepend(str(EXAMPLES))
