@@ -150,12 +150,19 @@ SMALL_F32 = {f"{name}-causal": (CASES[name], True, F32) for name in CASES} | {
     f"{name}-full": (CASES[name], False, F32) for name in NON_CAUSAL}
 
 
+_INTERPRETED_PALLAS = jax.default_backend() != "gpu"
+
+
+def _slow_where_pallas_is_interpreted(*names):
+  """`on_backends`' `slow` entry marking these cases slow for "pallas" off a GPU."""
+  return {"pallas": list(names)} if _INTERPRETED_PALLAS else {}
+
+
 # Interpreted on a CPU (~4-12 s a case), "pallas" runs here the causal cases that
 # test_pallas.py's padded shapes (each causal and not: short, partial and several segments, r
 # not dividing w, GQA, MQA with offsets "all") do not repeat: a batch of two, head groups
 # unaligned with GQA, one token; with `-m slow` also offsets "all" over two strided branches,
 # head groups alone and w beyond N. Its other non-causal corners: the random configurations.
-_INTERPRETED_PALLAS = jax.default_backend() != "gpu"
 _PALLAS_F32 = [f"{name}-causal" for name in ("three_partial", "offsets_all", "head_groups",
                                             "gqa_head_groups_unaligned", "w_beyond_n",
                                             "single_token")]
@@ -163,7 +170,7 @@ _PALLAS_F32_SLOW = [f"{name}-causal" for name in ("offsets_all", "head_groups", 
 
 
 @on_backends(SMALL_F32, only={"pallas": _PALLAS_F32} if _INTERPRETED_PALLAS else None,
-             slow={"pallas": _PALLAS_F32_SLOW} if _INTERPRETED_PALLAS else None)
+             slow=_slow_where_pallas_is_interpreted(*_PALLAS_F32_SLOW))
 def test_float32(backend, case, causal, dtype):
   """Forward, lse and gradients against the reference; causal "three_partial" also leaks
   nothing (`_check_causal_leak`, on the same compiled program)."""
@@ -213,7 +220,7 @@ BLOCK_CASES = {name: case[:3] for name, case in BLOCKS.items()}
 # suite runs all three for real. Interpreted "pallas" runs the partial segment with `-m slow`.
 @on_backends(BLOCKS, extra=["options"],
              slow={"mosaic_interpret": list(BLOCKS),
-                   **({"pallas": ["partial_segment"]} if _INTERPRETED_PALLAS else {})})
+                   **_slow_where_pallas_is_interpreted("partial_segment")})
 def test_blocks(backend, case, causal, dtype, options):
   configs = {name: backends.load(name).Config(**kw) for name, kw in options.items()}
   helpers.check_case(case, causal, dtype, None,
@@ -321,7 +328,7 @@ def test_float16_backward_does_not_overflow(backend, case, causal, dtype):
 
 @on_backends({name: (Case(32, 2, 2, (16,), (1,)), True, dtype)
               for name, dtype in (("f16", F16), ("bf16", BF16))},
-             slow={"pallas": ["bf16"]} if _INTERPRETED_PALLAS else None)
+             slow=_slow_where_pallas_is_interpreted("bf16"))
 def test_huge_logits_keep_gradients_finite(backend, case, causal, dtype):
   """Logits of ~1e9 (q, k ~ 6e4): float32 lse rounding must not turn p = exp(s - lse) into
   inf. The softmax is one-hot there and the true gradient about 0."""
@@ -365,7 +372,7 @@ PARTIALS = {"f32": (_SMALL, True, F32, ((1,),)), "bf16": (_SMALL, True, BF16, ((
 # Interpreted "pallas" runs all branches in float16 and one at its tiles by default.)
 @on_backends(PARTIALS, extra=["selections"],
              slow={"mosaic_interpret": ["blocks-bf16"],
-                   **({"pallas": ["f32", "bf16"]} if _INTERPRETED_PALLAS else {})})
+                   **_slow_where_pallas_is_interpreted("f32", "bf16")})
 def test_partials_are_float32(backend, case, causal, dtype, selections):
   """Forward partials and backward contributions are float32 whatever the input dtype (the
   ring merges them); `out_dtype` gives a final output in the input dtype, and `grad_dtype`
