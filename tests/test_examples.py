@@ -163,3 +163,13 @@ def test_train_lm_keys_checkpoints_by_its_flags(examples, tmp_path, capsys):
   assert "resumed" not in said and said.count("holds checkpoints of other flags") == 2
   ours = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith("-0123456789"))
   assert len(ours) == 2 and all(len(name.rsplit("-", 1)[1]) == 10 for name in ours)
+
+
+def test_quickstart(examples):
+  """README's first command at a smaller size (its default grid of 64 x 64 takes ~25 s on
+  one CPU core): the check against the dense reference, then the timed passes."""
+  import quickstart  # pylint: disable=import-outside-toplevel
+  result = quickstart.main(["--grid", "8", "--large-grid", "16", "--runs", "1"])
+  assert result["max_abs_error"] < 1e-5
+  assert [r[0] for r in result["rows"]] == ["forward", "forward+backward", "dense reference"]
+  assert all(math.isfinite(x) and x > 0 for r in result["rows"] for x in r[1:])
