@@ -171,7 +171,7 @@ def test_quickstart(monkeypatch):
   none of the examples' extras.)"""
   monkeypatch.syspath_prepend(str(EXAMPLES))
   import quickstart  # pylint: disable=import-outside-toplevel
-  result = quickstart.main(["--grid", "8", "--large-grid", "16", "--runs", "1"])
+  result = quickstart.main(["--grid", "8", "--large-grid", "8", "--runs", "1"])
   assert result["max_abs_error"] < 1e-5
   assert [r[0] for r in result["rows"]] == ["forward", "forward+backward", "dense reference"]
   assert all(math.isfinite(x) and x > 0 for r in result["rows"] for x in r[1:])
