@@ -195,6 +195,13 @@ class _Dispatch:
                            branches=self.branches,
                            config=backends.config_for(backend, self.config), **ids)
 
+  def differentiable(self):
+    """This call by the "xla" backend, whose code JAX differentiates (`backends.Kernel`), or
+    None where it runs there already."""
+    if self.forward_backend == self.backward_backend == "xla":
+      return None
+    return dataclasses.replace(self, forward_backend="xla", backward_backend="xla")
+
   def backward(self, q, k, v, dout, lse, delta, **ids):
     backend = backends.load(self.backward_backend)
     return backend.backward(q, k, v, dout, lse, delta, self.pattern, self.scale,

@@ -858,6 +858,11 @@ class _Ring:
   head_shards: tuple | None = None
   saves: typing.ClassVar[bool] = True  # a branch's kernel may gather keys (`KERNEL_GATHER`)
 
+  def differentiable(self):
+    """This ring with every step on the "xla" backend, whose code JAX differentiates
+    (`backends.Kernel`), or None where they run only there already."""
+    return None if self.names == ("xla",) else dataclasses.replace(self, names=("xla",))
+
   def _pairs(self, pattern, q, k, packed, merge_local=True):
     """`(plan, _RingBranch)` pairs of `pattern`, one per branch; with `merge_local`, the
     local branches as one pair (the first local plan's) where the backend each would get on

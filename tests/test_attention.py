@@ -1,5 +1,8 @@
-"""`dilated_attention` itself: what the "xla" backend's memory grows with, and the numerical
-range on the ring. (Every backend against the reference: test_backends.py.)"""
+"""`dilated_attention` itself: what the "xla" backend's memory grows with, the numerical range
+on the ring, and gradients of gradients. (Every backend against the reference:
+test_backends.py.)"""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +10,10 @@ import numpy as np
 import pytest
 
 import helpers
-from hilbert_ring_jax import DilatedPattern, dilated_attention, sharded_dilated_attention
+import reference_np
+from hilbert_ring_jax import (DilatedPattern, backends, dilated_attention,
+                              dilated_attention_reference, sharded_dilated_attention)
+from hilbert_ring_jax.api import _Dispatch
 
 
 def _temp_bytes(n, w, r, grad):
@@ -38,3 +44,104 @@ def test_huge_logits_forward_is_exact_on_the_ring():
                        devices=jax.devices()[:4])
   out = sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq")
   np.testing.assert_array_equal(np.asarray(out, np.float32), 1.0)
+
+
+def _second_order(attention):
+  """`d/d(q, k, v)` of the squared norm of the gradient of a loss on `attention`'s output and
+  log-sum-exp: a gradient of a gradient (reverse over reverse)."""
+  def loss(q, k, v):
+    out, lse = attention(q, k, v)
+    return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(lse))
+
+  def norm(q, k, v):
+    return sum(jnp.sum(g.astype(jnp.float32) ** 2)
+               for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+  return jax.jit(jax.grad(norm, argnums=(0, 1, 2)))
+
+
+SECOND_ORDER_CASE = helpers.Case(128, 2, 1, (32, 128), (1, 4), head_dim=8)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoDerivatives:
+  """A kernel without derivatives of its own, as the GPU kernels are: the contract computed by
+  the float64 NumPy reference behind `jax.pure_callback`, which JAX cannot differentiate;
+  `differentiable()` is the same call on the "xla" backend."""
+  pattern: DilatedPattern
+  heads: int
+  scale: float
+
+  def _reference(self, q, k, v, *cotangents):
+    m = reference_np.multiplicity(q.shape[1], self.heads, self.pattern.segment_lengths,
+                                  self.pattern.dilation_rates, self.pattern.causal,
+                                  self.pattern.offsets)
+    return reference_np.attention(q, k, v, m, self.scale, *cotangents)
+
+  def forward(self, q, k, v):
+    host = lambda *x: tuple(y.astype(np.float32) for y in self._reference(*x))
+    shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+              jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+    return jax.pure_callback(host, shapes, q, k, v)
+
+  def backward(self, q, k, v, dout, lse, delta):
+    def host(q, k, v, dout, lse, delta):
+      out, _ = self._reference(q, k, v)
+      dlse = (dout * out).sum(-1) - delta  # as `delta` was made
+      return tuple(g.astype(np.float32) for g in self._reference(q, k, v, dout, dlse)[2])
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
+    return jax.pure_callback(host, shapes, q, k, v, dout, lse, delta)
+
+  def differentiable(self):
+    return _Dispatch(self.pattern, self.scale, "xla", "xla")
+
+
+def test_a_gradient_of_a_gradient():
+  """Reverse over reverse through a kernel without derivatives of its own: where a gradient
+  is differentiated, `attention`'s halves take those of the kernel's `differentiable()`
+  twin (before, the GPU kernels failed there: "pallas" with a bare AssertionError, "mosaic"
+  with "Differentiation rule for 'mpmd_map' not implemented"). Against the dense
+  reference's second derivatives."""
+  case = SECOND_ORDER_CASE
+  pattern = case.pattern(causal=True)
+  q, k, v = helpers.random_inputs(case, jnp.float32, 3)[:3]
+  kernel = _NoDerivatives(pattern, case.heads, case.head_dim ** -0.5)
+  ours = _second_order(lambda q, k, v: backends.attention(q, k, v, kernel))(q, k, v)
+  ref = _second_order(lambda q, k, v: dilated_attention_reference(
+      q, k, v, pattern, return_lse=True))(q, k, v)
+  for x, r in zip(ours, ref):
+    assert helpers.rel_err(x, np.asarray(r, np.float64)) < 1e-4
+
+
+@pytest.mark.pallas
+@pytest.mark.slow  # ~8 s interpreted; the mechanism: test_a_gradient_of_a_gradient
+def test_a_gradient_of_a_gradient_through_pallas():
+  """The same through the "pallas" kernels (interpreted off a GPU)."""
+  case = SECOND_ORDER_CASE
+  pattern = case.pattern(causal=True)
+  q, k, v = helpers.random_inputs(case, jnp.float32, 3)[:3]
+  ours = _second_order(lambda q, k, v: dilated_attention(
+      q, k, v, pattern, return_lse=True, implementation="pallas"))(q, k, v)
+  ref = _second_order(lambda q, k, v: dilated_attention_reference(
+      q, k, v, pattern, return_lse=True))(q, k, v)
+  for x, r in zip(ours, ref):
+    assert helpers.rel_err(x, np.asarray(r, np.float64)) < 1e-4
+
+
+@pytest.mark.slow  # ~8 s; the mechanism: test_a_gradient_of_a_gradient, and the ring's first
+# order through it: test_ring's test_each_step_takes_the_first_backend_that_runs_it
+def test_a_gradient_of_a_gradient_on_the_ring():
+  """The same on 2 devices, the branch of 128 a ring; "pallas" first among the candidates (it
+  declines inside shard_map, so the steps run on "xla"), so that the ring's halves take the
+  derivatives of its all-"xla" twin."""
+  case = SECOND_ORDER_CASE
+  pattern = case.pattern(causal=True)
+  q, k, v = helpers.random_inputs(case, jnp.float32, 3)[:3]
+  mesh = jax.make_mesh((2,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:2])
+  ours = _second_order(lambda q, k, v: sharded_dilated_attention(
+      q, k, v, pattern, mesh=mesh, axis_name="seq", return_lse=True,
+      implementation=("pallas", "xla")))(q, k, v)
+  ref = _second_order(lambda q, k, v: dilated_attention_reference(
+      q, k, v, pattern, return_lse=True))(q, k, v)
+  for x, r in zip(ours, ref):
+    assert helpers.rel_err(x, np.asarray(r, np.float64)) < 1e-4

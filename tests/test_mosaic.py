@@ -343,3 +343,27 @@ def _large_logits(case):
   q, k = (jnp.asarray(np.asarray(x, np.float32) * a, jnp.bfloat16) for x in (q, k))
   assert 2 ** 25 <= top(q, k) < 2 ** 27
   return q, k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_gradient_of_a_gradient_gpu(causal):
+  """Reverse over reverse through the compiled kernels (before, "Differentiation rule for
+  'mpmd_map' not implemented"): the second derivatives of the same call on "xla", the first
+  derivatives the kernels' own."""
+  case = Case(1024, 4, 2, (256, 1024), (1, 2), head_dim=64)
+  pattern = case.pattern(causal)
+  q, k, v = helpers.random_inputs(case, jnp.bfloat16, 4)[:3]
+
+  def second_order(implementation):
+    def loss(q, k, v):
+      out = dilated_attention(q, k, v, pattern, implementation=implementation)
+      return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    def norm(q, k, v):
+      return sum(jnp.sum(g.astype(jnp.float32) ** 2)
+                 for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+    return jax.jit(jax.grad(norm, argnums=(0, 1, 2)))(q, k, v)
+
+  for x, ref in zip(second_order("mosaic"), second_order("xla")):
+    assert helpers.rel_err(x, np.asarray(ref, np.float64)) < helpers.TOL[jnp.bfloat16]

@@ -234,7 +234,11 @@ class Kernel(Protocol):
   A kernel called with `segment_ids` (`attention`'s argument) gets them as a keyword. A
   kernel whose `saves` is true keeps residuals of its own for its backward: differentiated,
   its forward is called with `save=True` and returns `(out, lse, saved)`, and its backward
-  gets `saved=` (the ring: keys its forward gathered, which the backward then need not)."""
+  gets `saved=` (the ring: keys its forward gathered, which the backward then need not).
+  A kernel may also provide `differentiable()`: the same computation by backends whose code
+  JAX differentiates ("xla"), or None where its own is; where a gradient is itself
+  differentiated (a gradient of a gradient), the halves take that one's derivatives (the GPU
+  kernels have none of their own)."""
 
   saves: bool = False
 
@@ -260,6 +264,31 @@ def attention(q, k, v, kernel: Kernel, segment_ids=None):
   return _forward(q, k, v, kernel, segment_ids, save=False)[:2]
 
 
+def _differentiated_as(fallback, fn, *args):
+  """`fn(*args)`, whose derivatives, where JAX takes some (a gradient of a gradient), are
+  those of `fallback(*args)`: the same function's first outputs by code JAX differentiates
+  (`Kernel.differentiable`; None: `fn`'s own). Outputs past `fallback`'s (the kernel's saved
+  residuals) get zero tangents: the backward's fallback does not read them."""
+  if fallback is None:
+    return fn(*args)
+  call = jax.custom_jvp(fn)
+
+  def jvp(primals, tangents):
+    out = fn(*primals)
+    _, derived = jax.jvp(fallback, primals, tangents)
+    derived = [d.astype(o.dtype) for d, o in zip(derived, out)]
+    return out, (*derived, *(jax.tree.map(jnp.zeros_like, o) for o in out[len(derived):]))
+
+  call.defjvp(jvp)
+  return call(*args)
+
+
+def _differentiable(kernel):
+  """`kernel.differentiable()`, or None where the kernel has none."""
+  differentiable = getattr(kernel, "differentiable", None)
+  return None if differentiable is None else differentiable()
+
+
 def _forward(q, k, v, kernel, segment_ids, save: bool):
   """`(out, lse, saved)`: `saved` the kernel's own residuals where `save` and it keeps some
   (`Kernel.saves`), else None."""
@@ -267,11 +296,18 @@ def _forward(q, k, v, kernel, segment_ids, save: bool):
   # replicated): the kernel gets them typed alike, and the backward sums the gradients back.
   leaves, tree = jax.tree.flatten(segment_ids)
   q, k, v, *leaves = vary_alike(q, k, v, *leaves)
-  ids = _ids(jax.tree.unflatten(tree, leaves))
-  if save and getattr(kernel, "saves", False):
-    out, lse, saved = kernel.forward(q, k, v, save=True, **ids)
-  else:
-    (out, lse), saved = kernel.forward(q, k, v, **ids), None
+  saves = save and getattr(kernel, "saves", False)
+
+  def forward(kernel, saves, q, k, v, *leaves):
+    ids = _ids(jax.tree.unflatten(tree, leaves))
+    if saves:
+      return kernel.forward(q, k, v, save=True, **ids)
+    return (*kernel.forward(q, k, v, **ids), None)
+
+  other = _differentiable(kernel)
+  out, lse, saved = _differentiated_as(
+      None if other is None else lambda *arrays: forward(other, False, *arrays)[:2],
+      functools.partial(forward, kernel, saves), q, k, v, *leaves)
   return (*vary_alike(out.astype(q.dtype), lse.astype(jnp.float32), q)[:2], saved)
 
 
@@ -287,8 +323,15 @@ def _attention_bwd(kernel, res, cotangents):
   delta = delta - dlse.astype(jnp.float32)
   leaves, tree = jax.tree.flatten(segment_ids)
   operands = vary_alike(q, k, v, dout, lse, delta, *leaves)
-  ids = _ids(jax.tree.unflatten(tree, operands[6:]))
-  grads = kernel.backward(*operands[:6], **ids, **({} if saved is None else {"saved": saved}))
+
+  def backward(kernel, saved, *operands):
+    ids = _ids(jax.tree.unflatten(tree, operands[6:]))
+    return kernel.backward(*operands[:6], **ids, **({} if saved is None else {"saved": saved}))
+
+  other = _differentiable(kernel)
+  grads = _differentiated_as(
+      None if other is None else lambda _, *operands: backward(other, None, *operands),
+      functools.partial(backward, kernel), saved, *operands)
   # Integer ids get no cotangent (None: zero).
   return (*(_saturate(cotangent_like(g, x), x.dtype) for g, x in zip(grads, (q, k, v))),
           jax.tree.map(lambda _: None, segment_ids))
