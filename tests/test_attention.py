@@ -62,6 +62,19 @@ def _second_order(attention):
 SECOND_ORDER_CASE = helpers.Case(128, 2, 1, (32, 128), (1, 4), head_dim=8)
 
 
+def _check_second_order(attention):
+  """`attention(q, k, v, pattern)` -> `(out, lse)` on `SECOND_ORDER_CASE`, causal: its second
+  derivatives against the dense reference's."""
+  case = SECOND_ORDER_CASE
+  pattern = case.pattern(causal=True)
+  inputs = helpers.random_inputs(case, jnp.float32, 3)[:3]
+  ours = _second_order(lambda q, k, v: attention(q, k, v, pattern))(*inputs)
+  ref = _second_order(lambda q, k, v: dilated_attention_reference(
+      q, k, v, pattern, return_lse=True))(*inputs)
+  for x, r in zip(ours, ref):
+    assert helpers.rel_err(x, np.asarray(r, np.float64)) < 1e-4
+
+
 @dataclasses.dataclass(frozen=True)
 class _NoDerivatives:
   """A kernel without derivatives of its own, as the GPU kernels are: the contract computed by
@@ -102,29 +115,16 @@ def test_a_gradient_of_a_gradient():
   with "Differentiation rule for 'mpmd_map' not implemented"). Against the dense
   reference's second derivatives."""
   case = SECOND_ORDER_CASE
-  pattern = case.pattern(causal=True)
-  q, k, v = helpers.random_inputs(case, jnp.float32, 3)[:3]
-  kernel = _NoDerivatives(pattern, case.heads, case.head_dim ** -0.5)
-  ours = _second_order(lambda q, k, v: backends.attention(q, k, v, kernel))(q, k, v)
-  ref = _second_order(lambda q, k, v: dilated_attention_reference(
-      q, k, v, pattern, return_lse=True))(q, k, v)
-  for x, r in zip(ours, ref):
-    assert helpers.rel_err(x, np.asarray(r, np.float64)) < 1e-4
+  _check_second_order(lambda q, k, v, pattern: backends.attention(
+      q, k, v, _NoDerivatives(pattern, case.heads, case.head_dim ** -0.5)))
 
 
 @pytest.mark.pallas
 @pytest.mark.slow  # ~8 s interpreted; the mechanism: test_a_gradient_of_a_gradient
 def test_a_gradient_of_a_gradient_through_pallas():
   """The same through the "pallas" kernels (interpreted off a GPU)."""
-  case = SECOND_ORDER_CASE
-  pattern = case.pattern(causal=True)
-  q, k, v = helpers.random_inputs(case, jnp.float32, 3)[:3]
-  ours = _second_order(lambda q, k, v: dilated_attention(
-      q, k, v, pattern, return_lse=True, implementation="pallas"))(q, k, v)
-  ref = _second_order(lambda q, k, v: dilated_attention_reference(
-      q, k, v, pattern, return_lse=True))(q, k, v)
-  for x, r in zip(ours, ref):
-    assert helpers.rel_err(x, np.asarray(r, np.float64)) < 1e-4
+  _check_second_order(lambda q, k, v, pattern: dilated_attention(
+      q, k, v, pattern, return_lse=True, implementation="pallas"))
 
 
 @pytest.mark.slow  # ~8 s; the mechanism: test_a_gradient_of_a_gradient, and the ring's first
@@ -133,15 +133,8 @@ def test_a_gradient_of_a_gradient_on_the_ring():
   """The same on 2 devices, the branch of 128 a ring; "pallas" first among the candidates (it
   declines inside shard_map, so the steps run on "xla"), so that the ring's halves take the
   derivatives of its all-"xla" twin."""
-  case = SECOND_ORDER_CASE
-  pattern = case.pattern(causal=True)
-  q, k, v = helpers.random_inputs(case, jnp.float32, 3)[:3]
   mesh = jax.make_mesh((2,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:2])
-  ours = _second_order(lambda q, k, v: sharded_dilated_attention(
+  _check_second_order(lambda q, k, v, pattern: sharded_dilated_attention(
       q, k, v, pattern, mesh=mesh, axis_name="seq", return_lse=True,
-      implementation=("pallas", "xla")))(q, k, v)
-  ref = _second_order(lambda q, k, v: dilated_attention_reference(
-      q, k, v, pattern, return_lse=True))(q, k, v)
-  for x, r in zip(ours, ref):
-    assert helpers.rel_err(x, np.asarray(r, np.float64)) < 1e-4
+      implementation=("pallas", "xla")))
