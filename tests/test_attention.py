@@ -47,8 +47,9 @@ def test_huge_logits_forward_is_exact_on_the_ring():
 
 
 def _second_order(attention):
-  """`d/d(q, k, v)` of the squared norm of the gradient of a loss on `attention`'s output and
-  log-sum-exp: a gradient of a gradient (reverse over reverse)."""
+  """Second derivatives of a loss on `attention`'s output and log-sum-exp: `d/d(q, k, v)` of
+  the squared norm of its gradient (reverse over reverse), and its Hessian times `(q, k, v)`
+  (forward over reverse: `jax.jvp` of the gradient)."""
   def loss(q, k, v):
     out, lse = attention(q, k, v)
     return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(lse))
@@ -56,7 +57,11 @@ def _second_order(attention):
   def norm(q, k, v):
     return sum(jnp.sum(g.astype(jnp.float32) ** 2)
                for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
-  return jax.jit(jax.grad(norm, argnums=(0, 1, 2)))
+
+  def both(q, k, v):
+    hvp = jax.jvp(jax.grad(loss, argnums=(0, 1, 2)), (q, k, v), (q, k, v))[1]
+    return (*jax.grad(norm, argnums=(0, 1, 2))(q, k, v), *hvp)
+  return jax.jit(both)
 
 
 SECOND_ORDER_CASE = helpers.Case(128, 2, 1, (32, 128), (1, 4), head_dim=8)
@@ -109,11 +114,11 @@ class _NoDerivatives:
 
 
 def test_a_gradient_of_a_gradient():
-  """Reverse over reverse through a kernel without derivatives of its own: where a gradient
-  is differentiated, `attention`'s halves take those of the kernel's `differentiable()`
-  twin (before, the GPU kernels failed there: "pallas" with a bare AssertionError, "mosaic"
-  with "Differentiation rule for 'mpmd_map' not implemented"). Against the dense
-  reference's second derivatives."""
+  """Reverse over reverse and forward over reverse (Hessian-vector products) through a kernel
+  without derivatives of its own: where a gradient is differentiated, `attention`'s halves
+  take those of the kernel's `differentiable()` twin (before, the GPU kernels failed there:
+  "pallas" with a bare AssertionError, "mosaic" with "Differentiation rule for 'mpmd_map' not
+  implemented"). Against the dense reference's second derivatives."""
   case = SECOND_ORDER_CASE
   _check_second_order(lambda q, k, v, pattern: backends.attention(
       q, k, v, _NoDerivatives(pattern, case.heads, case.head_dim ** -0.5)))
