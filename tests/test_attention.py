@@ -47,16 +47,15 @@ def test_huge_logits_forward_is_exact_on_the_ring():
 
 
 def _second_order(attention):
-  """Second derivatives of a loss on `attention`'s output and log-sum-exp: `d/d(q, k, v)` of
-  the squared norm of its gradient (reverse over reverse), and its Hessian times `(q, k, v)`
-  (forward over reverse: `jax.jvp` of the gradient)."""
+  """Second derivatives of a loss on `attention`'s output and log-sum-exp, in the inputs'
+  dtype: `d/d(q, k, v)` of the squared norm of its gradient (reverse over reverse), and its
+  Hessian times `(q, k, v)` (forward over reverse: `jax.jvp` of the gradient)."""
   def loss(q, k, v):
     out, lse = attention(q, k, v)
-    return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(lse))
+    return jnp.sum(out ** 2) + jnp.sum(jnp.sin(lse))
 
   def norm(q, k, v):
-    return sum(jnp.sum(g.astype(jnp.float32) ** 2)
-               for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+    return sum(jnp.sum(g ** 2) for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
 
   def both(q, k, v):
     hvp = jax.jvp(jax.grad(loss, argnums=(0, 1, 2)), (q, k, v), (q, k, v))[1]
@@ -69,15 +68,18 @@ SECOND_ORDER_CASE = helpers.Case(128, 2, 1, (32, 128), (1, 4), head_dim=8)
 
 def _check_second_order(attention):
   """`attention(q, k, v, pattern)` -> `(out, lse)` on `SECOND_ORDER_CASE`, causal: its second
-  derivatives against the dense reference's."""
+  derivatives against the dense reference's, in float64."""
   case = SECOND_ORDER_CASE
   pattern = case.pattern(causal=True)
   inputs = helpers.random_inputs(case, jnp.float32, 3)[:3]
   ours = _second_order(lambda q, k, v: attention(q, k, v, pattern))(*inputs)
-  ref = _second_order(lambda q, k, v: dilated_attention_reference(
-      q, k, v, pattern, return_lse=True))(*inputs)
+  with jax.enable_x64():
+    ref = _second_order(lambda q, k, v: dilated_attention_reference(
+        q, k, v, pattern, return_lse=True))(*(jnp.asarray(x, jnp.float64) for x in inputs))
+    ref = [np.asarray(r) for r in ref]
+  assert ref[0].dtype == np.float64
   for x, r in zip(ours, ref):
-    assert helpers.rel_err(x, np.asarray(r, np.float64)) < 1e-4
+    assert helpers.rel_err(x, r) < 1e-4
 
 
 @dataclasses.dataclass(frozen=True)
