@@ -13,12 +13,17 @@ from hilbert_ring_jax import DilatedPattern, dilated_attention
 class Kernels:
   """A backend's forward and backward as `backends.attention` differentiates them, the way
   `dilated_attention` calls them (final output and gradients in the input dtype; packed rows'
-  `segment_ids` passed through)."""
+  `segment_ids` passed through; the "xla" twin's derivatives where a gradient is itself
+  differentiated: `differentiable`)."""
 
   backend: object
   pattern: DilatedPattern
   scale: float
   config: object
+
+  def differentiable(self):
+    from hilbert_ring_jax.backends import xla  # pylint: disable=import-outside-toplevel
+    return None if self.backend is xla else Kernels(xla, self.pattern, self.scale, None)
 
   def forward(self, q, k, v, **ids):
     return self.backend.forward(q, k, v, self.pattern, self.scale, config=self.config,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .common import vary_like, varying_axes
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -137,20 +140,54 @@ def turns(turn, wg):
   return take, give, lambda: pl.when(wg == 1)(take), lambda: pl.when(wg == 0)(take)
 
 
+class Zeroed(typing.NamedTuple):
+  """An input of `run`: a buffer of zeros that the kernel updates in place (dq's float32
+  accumulators, dynamic work's counter), whose final value `run` returns after the outputs.
+
+  `run` makes it a ref of one `run_state` around the launch. A ref made with `jax.new_ref`
+  would do on its own, but not inside the kernel contract's `jax.custom_jvp` halves
+  (`base._differentiated_as`): JAX discharges no ref made inside a custom_jvp function
+  ("No state discharge rule implemented for primitive: custom_jvp_call")."""
+  shape: tuple
+  dtype: typing.Any
+
+
 def run(entry, out_type, grid, args, interpret: bool, num_threads: int = 3):
-  """Launch `entry` over `grid` (names "row", "bp"; `num_threads` warpgroups "wg").
-  Interpret mode runs one block at a time only (barriers of concurrent blocks collide): one
-  launch per program, its coordinates as the `origin` input, each writing its own rows into
-  zeroed buffers."""
+  """Launch `entry` over `grid` (names "row", "bp"; `num_threads` warpgroups "wg"); the list
+  of its outputs, then the final values of its `Zeroed` inputs, in order. Interpret mode
+  runs one block at a time only (barriers of concurrent blocks collide): one launch per
+  program, its coordinates as the `origin` input, each writing its own rows into zeroed
+  buffers."""
   launch = functools.partial(
       plgpu.kernel, entry, out_type=out_type, grid_names=("row", "bp"), num_threads=num_threads,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))
-  if not interpret:
-    return launch(grid=grid)(jnp.zeros((2,), jnp.int32), *args)
-  call = launch(grid=(1, 1), interpret=plgpu.InterpretGPUParams(
-      out_of_bounds_reads="uninitialized", uninitialized_memory="zero"))
-  outs = [jnp.zeros(t.shape, t.dtype) for t in out_type]
-  for origin in np.ndindex(*grid):
-    outs = [a + b for a, b in zip(outs, call(jnp.asarray(origin, jnp.int32), *args))]
-  return outs
+
+  def outputs(args):
+    if not interpret:
+      return list(launch(grid=grid)(jnp.zeros((2,), jnp.int32), *args))
+    call = launch(grid=(1, 1), interpret=plgpu.InterpretGPUParams(
+        out_of_bounds_reads="uninitialized", uninitialized_memory="zero"))
+    outs = [jnp.zeros(t.shape, t.dtype) for t in out_type]
+    for origin in np.ndindex(*grid):
+      outs = [a + b for a, b in zip(outs, call(jnp.asarray(origin, jnp.int32), *args))]
+    return outs
+
+  zeroed = [a for a in args if isinstance(a, Zeroed)]
+  if not zeroed:
+    return outputs(args)
+  arrays = [a for a in args if not isinstance(a, Zeroed)]
+  axes = frozenset().union(*(varying_axes(a) for a in arrays))
+  # The outputs' refs vary like the inputs (inside shard_map), as every output then does.
+  typed = lambda x: x if varying_axes(x) == axes else vary_like(x, *arrays)
+
+  def body(refs):
+    buffers, outs = iter(refs[:len(zeroed)]), refs[len(zeroed):]
+    results = outputs([next(buffers) if isinstance(a, Zeroed) else a for a in args])
+    for ref, x in zip(outs, results):
+      ref[...] = typed(x)
+
+  final = pl.run_state(body)(
+      [jnp.zeros(z.shape, z.dtype) for z in zeroed]
+      + [typed(jnp.zeros(t.shape, t.dtype)) for t in out_type])
+  return [*final[len(zeroed):], *final[:len(zeroed)]]

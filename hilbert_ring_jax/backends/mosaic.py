@@ -62,7 +62,7 @@ from ..pattern import DilatedPattern
 from . import common, mosaic_backward, mosaic_decode, mosaic_forward, mosaic_gather, schedule
 from .base import YES, Problem, Support, no
 from .common import batched
-from .hopper import LOG2E, is_hopper
+from .hopper import LOG2E, Zeroed, is_hopper
 from .mosaic_plan import (BWD_BLOCK, ROW_BLOCK, Config, geometry_problem, launches,
                           long_key_rows, out_length)
 
@@ -307,11 +307,11 @@ def _fused_backward(x, stats, transposed: schedule.Schedule, n, causal, scale, c
   shapes = [(copies * batch, n_acc, num_heads, d)]
   if L > 1:
     shapes.append((copies * batch, n_acc // L, L, num_heads, d))
-  accs = [jax.new_ref(jnp.zeros(shape, jnp.float32)) for shape in shapes]
-  dk, dv = mosaic_backward.dkdv_launch(*x, stats, transposed.arrays(), transposed, n, causal,
-                                       scale, config, dq_accs=accs, out_dtype=out_dtype,
-                                       prior=None if prior is None else prior[1:], ids=ids)
-  dq = sum(acc[...].reshape(copies, batch, n_acc, num_heads, d).sum(0) for acc in accs)
+  dk, dv, *accs = mosaic_backward.dkdv_launch(
+      *x, stats, transposed.arrays(), transposed, n, causal, scale, config,
+      dq_accs=[Zeroed(shape, jnp.float32) for shape in shapes], out_dtype=out_dtype,
+      prior=None if prior is None else prior[1:], ids=ids)
+  dq = sum(acc.reshape(copies, batch, n_acc, num_heads, d).sum(0) for acc in accs)
   dq = dq[:, :dk.shape[1]] * scale
   return dq if prior is None else dq + prior[0], dk, dv
 

@@ -236,8 +236,9 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   `out_dtype` (float32 when fused: the output tile stages dq too), plus `prior` (the
   earlier launches' `(dk, dv)`, `[B, No, Hkv, D]` in `out_dtype`), added in the epilogues.
 
-  With `dq_accs` (float32 refs `[C B, Na, H, D]` and, for L > 1, `[C B, Na/L, L, H, D]`,
-  C = 2 in interpret mode, else 1) the kernel also adds dq into them: each step both
+  With `dq_accs` (float32 accumulators `[C B, Na, H, D]` and, for L > 1, `[C B, Na/L, L, H,
+  D]`, C = 2 in interpret mode, else 1: `hopper.Zeroed` buffers, whose final values follow
+  dk and dv in the result) the kernel also adds dq into them: each step both
   consumers put their ds^T in shared memory, and one of them (taking turns) computes the
   dq of the query block from both halves (dq = ds_0 k_0 + ds_1 k_1) and adds it with a TMA
   reduce-add store.
@@ -526,5 +527,5 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   args = (work.table(rows), pieces.reshape(-1), bias, view(k), view(v), q, view(q), dout,
           view(dout), *stats, *(id_tiles.inputs(ids, n_pad) if packed else ()),
           *(dq_accs or ()), *map(view, prior or ()))
-  dk, dv = run(entry, out_type, work.grid, args, interpret)
-  return tuple(x.reshape(batch, n_out, num_kv, d) for x in (dk, dv))
+  dk, dv, *accs = run(entry, out_type, work.grid, args, interpret)
+  return (*(x.reshape(batch, n_out, num_kv, d) for x in (dk, dv)), *accs)

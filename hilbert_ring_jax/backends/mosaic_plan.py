@@ -51,7 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..pattern import DilatedPattern
 from . import schedule
-from .hopper import SMEM_BYTES, aligned, ceil_div, fetch_add, sm_count
+from .hopper import SMEM_BYTES, Zeroed, aligned, ceil_div, fetch_add, sm_count
 
 # Barriers beside the tiles (no reduction scratch: `hopper.run`'s kernels reduce within warps
 # only), and the alignment of every buffer.
@@ -434,7 +434,7 @@ class Work:
   def counter(self):
     """Dynamic work's input, after the kernel's fixed ones: `(counter,)`, an int32 `[1]` of
     zeros that the programs take their items from (`claimed`); else `()`."""
-    return (jax.new_ref(jnp.zeros((1,), jnp.int32)),) if self.dynamic else ()
+    return (Zeroed((1,), jnp.int32),) if self.dynamic else ()
 
   def _claimed(self, origin_ref, rows_ref, claims, producer: bool):
     """`mine` of dynamic work (`dynamic`): program `p` walks item `p`, then takes the next
