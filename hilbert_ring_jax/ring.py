@@ -285,17 +285,19 @@ class _RingBranch:
 
   def gathering_kernel(self, q, k):
     """`(backend, config)` whose kernel gathers this branch's keys itself (`KERNEL_GATHER`),
-    or None: a gathered ring of plain full attention (dilation 1, every head, non-causal)
-    over every device of the process, its step's backend one that has such a kernel and
-    runs these shapes."""
+    or None: a gathered ring of plain full attention (dilation 1, every head; non-causal, or
+    causal in zigzag order) over every device of the process, its step's backend one that
+    has such a kernel and runs these shapes."""
     plan, br = self.plan, self.plan.branch
-    if not (_kernel_gather() and self.gathers and not plan.compact and not self.causal
-            and br.r == 1 and len(br.heads) == q.shape[2] and not self.packed
+    if not (_kernel_gather() and self.gathers and not plan.compact
+            and (plan.zigzag or not self.causal) and br.r == 1
+            and len(br.heads) == q.shape[2] and not self.packed
             and plan.shards == jax.device_count() == jax.local_device_count()):
       return None
-    backend, config = self.backend(q, k, False)
+    backend, config = self.backend(q, k, self.causal)
     gathers = getattr(backend, "gathers", None)
-    if gathers is None or not gathers(q.shape, k.shape, q.dtype, plan.shards, self.scale):
+    if gathers is None or not gathers(q.shape, k.shape, q.dtype, plan.shards, self.scale,
+                                      self.causal):
       return None
     if not _custom_calls_out_of_command_buffers():
       raise ValueError(
@@ -509,11 +511,21 @@ def _merge2(a, b):
 
 def _kernel_gathered_forward(st, kernel, q, k, v, axis_name):
   """`(o, lse, (k, v) gathered)` of a ring branch that the backend's kernel gathers itself
-  (`_RingBranch.gathering_kernel`, whose `(backend, config)` is `kernel`)."""
+  (`_RingBranch.gathering_kernel`, whose `(backend, config)` is `kernel`). Causal: q, k and
+  v move into zigzag order first, so that on every device its own keys are `1 / P` of its
+  work, done while the peers' arrive; o and lse move back, the keys gathered stay in that
+  order (`_zigzag_calls` reads them)."""
   backend, config = kernel
+  plan, causal = st.plan, st.causal
+  if causal:
+    q, k, v = (_to_zigzag(x, plan, axis_name) for x in (q, k, v))
   out, lse, gathered = backend.gathered_forward(q, k, v, st.scale, axis_name=axis_name,
-                                                shards=st.plan.shards, config=config)
-  return (*backends.vary_like((out, lse), q, k, v), backends.vary_like(gathered, q, k, v))
+                                                shards=plan.shards, causal=causal,
+                                                config=config)
+  out, lse = backends.vary_like((out, lse), q, k, v)
+  if causal:
+    out, lse = (_to_zigzag(x, plan, axis_name, inverse=True) for x in (out, lse))
+  return out, lse, backends.vary_like(gathered, q, k, v)
 
 
 def _ring_forward(st, q, k, v, axis_name, ids=None):
@@ -645,17 +657,19 @@ def _gathered_backward(st, rows, qi, kv, axis_name, gathered=None):
   return (dq, *_home((dk, dv), st.plan, axis_name))
 
 
-def _zigzag_calls(st, rows, qi, kv, axis_name):
+def _zigzag_calls(st, rows, qi, kv, axis_name, gathered=None):
   """The two calls of a causal whole ring gathered in zigzag order, on device `j` of `P`.
 
   Its early query chunk `j` sees the natural key chunks `0 .. j - 1` whole, its late one
   `2P - 1 - j` sees `0 .. 2P - 2 - j`: `2P - 1` fully visible pairs on every device, folded
   into the batch for one non-causal call, and the two diagonal pairs (each query chunk
   against its own keys) for one causal call. `rows`: `(q,)` or the backward's `(q, dout,
-  lse, delta)`, in the step layout; `qi`: their ids or None; `kv`: `(k, v[, kv_ids])`.
-  Returns `(pairs, diagonal, early, index, own)`: each call's `(rows[, ids], keys)`, whether
-  each pair's queries are the early chunk, each pair's key chunk (`t` if early, else `t - j`),
-  the diagonal's two."""
+  lse, delta)`, in the step layout; `qi`: their ids or None; `kv`: `(k, v[, kv_ids])`;
+  `gathered`: None, or `(k, v)` already gathered in zigzag order (`_kernel_gathered_forward`:
+  device `d`'s chunks `d, 2P - 1 - d` at blocks `2d, 2d + 1`). Returns `(pairs, diagonal,
+  early, index, own)`: each call's `(rows[, ids], keys)`, whether each pair's queries are the
+  early chunk, each pair's natural key chunk (`t` if early, else `t - j`), the diagonal's
+  two."""
   shards = st.plan.shards
   j = jax.lax.axis_index(axis_name)
   t = jnp.arange(2 * shards - 1)
@@ -663,13 +677,18 @@ def _zigzag_calls(st, rows, qi, kv, axis_name):
   index, own = jnp.where(early, t, t - j), jnp.stack([j, 2 * shards - 1 - j])
   halves = [_halves(_to_zigzag(x, st.plan, axis_name))[0]
             for x in (*rows, qi) if x is not None]  # (early, late) chunks
-  chunks = _together(lambda x: _blocks(_gather(x, axis_name), 2 * shards), kv, st.plan)
+  if gathered is None:
+    chunks = _together(lambda x: _blocks(_gather(x, axis_name), 2 * shards), kv, st.plan)
+    at = lambda c: c  # natural chunk c's block
+  else:
+    chunks = [_blocks(x, 2 * shards) for x in gathered]
+    at = lambda c: jnp.where(c < shards, 2 * c, 4 * shards - 1 - 2 * c)
   pick = lambda a, b: jnp.where(early.reshape((1, -1) + (1,) * (a.ndim - 1)), a[:, None],
                                 b[:, None])
   pairs = ([_fold(pick(a, b)) for a, b in halves],
-           [_fold(jnp.take(x, index, axis=1)) for x in chunks])
+           [_fold(jnp.take(x, at(index), axis=1)) for x in chunks])
   diagonal = ([_fold(jnp.stack([a, b], axis=1)) for a, b in halves],
-              [_fold(jnp.take(x, own, axis=1)) for x in chunks])
+              [_fold(jnp.take(x, at(own), axis=1)) for x in chunks])
   return pairs, diagonal, early, index, own
 
 
@@ -697,11 +716,12 @@ def _gathered_zigzag_forward(st, qs, qi, kv, axis_name):
           _to_zigzag(lse, plan, axis_name, inverse=True))
 
 
-def _gathered_zigzag_backward(st, rows, qi, kv, axis_name):
-  """The backward of `_gathered_zigzag_forward`: the same two calls; each query chunk sums
-  its pairs' dq, and dk, dv (added up by key chunk) go home by reduce-scatter."""
+def _gathered_zigzag_backward(st, rows, qi, kv, axis_name, gathered=None):
+  """The backward of `_gathered_zigzag_forward` (or of a causal `_kernel_gathered_forward`,
+  whose `gathered` keys it reads): the same two calls; each query chunk sums its pairs' dq,
+  and dk, dv (added up by natural key chunk) go home by reduce-scatter."""
   plan, b = st.plan, rows[0].shape[0]
-  pairs, diagonal, early, index, own = _zigzag_calls(st, rows, qi, kv, axis_name)
+  pairs, diagonal, early, index, own = _zigzag_calls(st, rows, qi, kv, axis_name, gathered)
   (dq, dk, dv), (ddq, ddk, ddv) = (_folded_call(st.backward, x, causal, b, qi is not None)
                                    for x, causal in ((pairs, False), (diagonal, True)))
   mine = lambda keep: jnp.sum(jnp.where(keep.reshape((1, -1) + (1,) * (dq.ndim - 2)), dq, 0.0),
@@ -783,7 +803,7 @@ def _ring_backward(st, q, k, v, dout, lse, delta, axis_name, ids=None, gathered=
   qi, kv = _with_ids(st, ids, q, k, (st.key(k), st.key(v)))
   if st.gathers:
     if plan.zigzag:
-      return _gathered_zigzag_backward(st, rows, qi, kv, axis_name)
+      return _gathered_zigzag_backward(st, rows, qi, kv, axis_name, gathered)
     return _gathered_backward(st, rows, qi, kv, axis_name, gathered)
   if plan.zigzag:
     return _zigzag_backward(st, rows + (() if qi is None else (qi,)), kv, axis_name)

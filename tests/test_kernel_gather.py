@@ -25,18 +25,19 @@ AUTO = jax.sharding.AxisType.Auto
 def test_the_kernel_lowers_for_the_gpu_on_a_cpu():
   """Through Mosaic GPU's own lowering, for the CUDA platform, on 4 CPU devices: the remote
   stores into each peer's receive buffers, the semaphores and the pushes' counter (an atomic
-  add) included; GQA (2 query heads a key/value head), and an output tile of its own
-  (float32)."""
+  add) included; GQA (2 query heads a key/value head), an output tile of its own (float32),
+  and causal (zigzag order: the diagonal block's mask, the walks of varying length)."""
   mesh = jax.make_mesh((4,), ("seq",), axis_types=(AUTO,), devices=jax.devices()[:4])
   spec = jax.P(None, "seq")
   q = jax.ShapeDtypeStruct((1, 4 * 1024, 4, 128), jnp.bfloat16,
                            sharding=jax.NamedSharding(mesh, spec))
   kv = jax.ShapeDtypeStruct((1, 4 * 1024, 2, 128), jnp.bfloat16,
                             sharding=jax.NamedSharding(mesh, spec))
-  for out_dtype in (None, jnp.float32):
+  for out_dtype, causal, block_k in ((None, False, 64), (jnp.float32, False, 64),
+                                     (None, True, 128)):
     fn = jax.shard_map(functools.partial(
         mosaic_gather.gathered_forward, scale=0.1, axis_name="seq", shards=4,
-        out_dtype=out_dtype, block_k=64), mesh=mesh, in_specs=(spec,) * 3,
+        out_dtype=out_dtype, causal=causal, block_k=block_k), mesh=mesh, in_specs=(spec,) * 3,
         out_specs=(spec, spec, spec, spec),
         check_vma=False)
     text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
@@ -44,14 +45,19 @@ def test_the_kernel_lowers_for_the_gpu_on_a_cpu():
 
 
 def test_the_kernel_declines_what_it_does_not_run():
-  """`mosaic.gathers`: shards of whole blocks, 2 or more of them, head dims 64 and 128, a
-  positive scale, 16-bit inputs; each refusal says why (and off Hopper, everything)."""
+  """`mosaic.gathers`: shards of whole blocks (causal: two chunks of whole blocks), 2 or more
+  of them, head dims 64 and 128, a positive scale, 16-bit inputs; each refusal says why (and
+  off Hopper, everything)."""
   ok = ((1, 1024, 4, 128), (1, 1024, 2, 128), jnp.bfloat16, 4, 0.1)
   assert mosaic_gather.fits(1024, 128, 2) and not mosaic_gather.fits(1000, 128, 2)
+  assert mosaic_gather.fits(384, 128, 2) and not mosaic_gather.fits(384, 128, 2, causal=True)
+  assert mosaic_gather.fits(512, 128, 2, causal=True)
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(mosaic, "is_hopper", lambda: True)
     patch.setattr(jax, "__version_info__", (0, 11, 2))
-    assert mosaic.gathers(*ok)
+    assert mosaic.gathers(*ok) and mosaic.gathers(*ok, causal=True)
+    support = mosaic.gathers((1, 384, 4, 128), (1, 384, 4, 128), jnp.bfloat16, 4, 0.1, True)
+    assert not support and "whole blocks" in support.reason and "causal" in support.reason
     for bad in ((1, 1000, 4, 128), (1, 1024, 4, 256)):
       support = mosaic.gathers(bad, bad, jnp.bfloat16, 4, 0.1)
       assert not support and "whole blocks" in support.reason
@@ -60,18 +66,50 @@ def test_the_kernel_declines_what_it_does_not_run():
   assert not mosaic.gathers(*ok) or hopper.is_hopper()
 
 
+@pytest.mark.parametrize("shards", [2, 4])
+def test_causal_items_are_planned_where_the_split_is_unbalanced(shards):
+  """`mosaic_gather._plan` (causal, H = 16, 132 programs): at 8K tokens a GPU the split `p,
+  p + programs, ...` leaves a program 1.8x the mean, so each device gets a list schedule
+  that walks every item once, its busiest program within 10% of the mean; at 32K the split
+  is balanced and kept (None)."""
+  for n, planned in ((8192, True), (32768, False)):
+    q_blocks = n // 128
+    items = 16 * q_blocks
+    plan = mosaic_gather._plan(items, q_blocks, shards, 132)
+    assert (plan is not None) == planned
+    if plan is None:
+      continue
+    plan = np.asarray(plan)
+    assert plan.shape == (shards, 133 + items)
+    qb = q_blocks - 1 - np.arange(items) % q_blocks
+    for j, row in enumerate(plan):
+      offsets, order = row[:133], row[133:]
+      assert offsets[0] == 0 and offsets[-1] == items and np.all(np.diff(offsets) > 0)
+      assert sorted(order) == list(range(items))
+      cost = qb + 3 + j * q_blocks // 2 + np.where(qb >= q_blocks // 2,
+                                                   (shards - 1 - j) * q_blocks, 0)
+      loads = [cost[order[a:b]].sum() for a, b in zip(offsets[:-1], offsets[1:])]
+      assert max(loads) <= 1.1 * np.mean(loads)
+
+
 def _recording_xla(monkeypatch, calls):
   """The "xla" backend given a gathering kernel of its own (an all-gather, then attention
   over the gathered keys in jnp), so that the ring's choice of it runs on a CPU; `calls`
   records each use."""
 
-  def gathered_forward(q, k, v, scale, *, axis_name, shards, config=None):
+  def gathered_forward(q, k, v, scale, *, axis_name, shards, causal, config=None):
     del config
-    calls.append(shards)
+    calls.append((shards, causal))
     per_kv = q.shape[2] // k.shape[2]
     gathered = tuple(jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))
     k, v = (jnp.repeat(x, per_kv, axis=2) for x in gathered)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:  # zigzag order: device d holds chunks d and 2P - 1 - d of n / 2 positions
+      c = q.shape[1] // 2
+      at = lambda d: jnp.concatenate([d * c + jnp.arange(c), (2 * shards - 1 - d) * c
+                                      + jnp.arange(c)])
+      keys = jnp.concatenate([at(d) for d in range(shards)])
+      s = jnp.where(keys <= at(jax.lax.axis_index(axis_name))[:, None], s, -jnp.inf)
     lse = jax.nn.logsumexp(s, axis=-1)
     out = jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - lse[..., None]), v)
     return out.astype(q.dtype), lse.transpose(0, 2, 1), gathered
@@ -84,12 +122,14 @@ def _recording_xla(monkeypatch, calls):
                       functools.lru_cache(maxsize=64)(ring_module._sharded.__wrapped__))
 
 
-# (pattern over N, Hkv): "full_gqa" is the one a gathering kernel runs.
+# (pattern over N, Hkv, ring.SMALL_STEP_ROWS): "full_gqa" and "full_causal" (zigzag order)
+# are the ones a gathering kernel runs; a small causal ring keeps natural order.
 ROUTES = {
-    "full_gqa": (lambda n: DilatedPattern((n,), (1,)), 1),
-    "full_causal": (lambda n: DilatedPattern((n,), (1,), causal=True), 2),
-    "dilated_whole_ring": (lambda n: DilatedPattern((n,), (2,)), 2),
-    "longnet": (lambda n: DilatedPattern((1024, n), (1, 1)), 2),
+    "full_gqa": (lambda n: DilatedPattern((n,), (1,)), 1, None),
+    "full_causal": (lambda n: DilatedPattern((n,), (1,), causal=True), 2, 0),
+    "full_causal_small": (lambda n: DilatedPattern((n,), (1,), causal=True), 2, None),
+    "dilated_whole_ring": (lambda n: DilatedPattern((n,), (2,)), 2, None),
+    "longnet": (lambda n: DilatedPattern((1024, n), (1, 1)), 2, None),
 }
 
 
@@ -97,9 +137,11 @@ def _ring_case(monkeypatch, name, calls):
   """`(ring, single, inputs)` of a ROUTES case at 256 tokens a device on all 8 (the
   kernel needs a ring over every device), `KERNEL_GATHER` set, on the recording backend
   with key blocks of 64 (several a step, as at the sizes users run)."""
-  make, hkv = ROUTES[name]
+  make, hkv, small_rows = ROUTES[name]
   _recording_xla(monkeypatch, calls)
   monkeypatch.setattr(ring_module, "KERNEL_GATHER", True)
+  if small_rows is not None:
+    monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", small_rows)
   _command_buffers_said_off(monkeypatch)
   n = 8 * 256
   pattern = make(n)
@@ -115,21 +157,24 @@ def _ring_case(monkeypatch, name, calls):
 
 @pytest.mark.parametrize("name", ROUTES)
 def test_rings_take_the_kernel_only_where_it_applies(monkeypatch, name):
-  """With `KERNEL_GATHER` set, a whole ring of plain full attention, non-causal and the
-  call's only branch, runs as the backend's gathering kernel; causal, dilated or one branch
-  of several, the ring runs as before (traced only: the next test computes)."""
+  """With `KERNEL_GATHER` set, a whole ring of plain full attention, the call's only branch,
+  non-causal or causal in zigzag order, runs as the backend's gathering kernel; causal in
+  natural order (small), dilated or one branch of several, the ring runs as before (traced
+  only: the next test computes)."""
   calls = []
   ring, _, (q, k, v, _, _) = _ring_case(monkeypatch, name, calls)
   jax.make_jaxpr(ring)(q, k, v)
-  assert set(calls) == ({8} if name == "full_gqa" else set())
+  expected = {"full_gqa": {(8, False)}, "full_causal": {(8, True)}}
+  assert set(calls) == expected.get(name, set())
 
 
-def test_a_ring_through_the_kernel_equals_one_device(monkeypatch):
-  """The kernel's partials go back into the ring's layout (lse per row and head) and its
-  backward, on the keys the kernel gathered (no all-gather of its own), matches: output,
-  lse and gradients equal one device's."""
+@pytest.mark.parametrize("name", ["full_gqa", "full_causal"])
+def test_a_ring_through_the_kernel_equals_one_device(monkeypatch, name):
+  """The kernel's partials go back into the ring's layout (lse per row and head; causal: out
+  of zigzag order) and its backward, on the keys the kernel gathered (no all-gather of its
+  own; causal: in zigzag order), matches: output, lse and gradients equal one device's."""
   calls = []
-  ring, single, (q, k, v, dout, dlse) = _ring_case(monkeypatch, "full_gqa", calls)
+  ring, single, (q, k, v, dout, dlse) = _ring_case(monkeypatch, name, calls)
   (out, lse), vjp = jax.vjp(ring, q, k, v)
   assert calls
   backward = str(jax.make_jaxpr(vjp)((dout, dlse)))
@@ -174,7 +219,7 @@ def test_the_setting_is_checked_off_by_default_and_keeps_custom_calls_out_of_com
                 f"{flag}CUSTOM_CALL {flag}FUSION"):
     monkeypatch.setenv("XLA_FLAGS", flags)
     call()
-  assert calls == [8]  # (the others: the same program, from the cache)
+  assert calls == [(8, False)]  # (the others: the same program, from the cache)
   monkeypatch.setattr(ring_module, "KERNEL_GATHER", 1)
   with pytest.raises(ValueError, match="ring.KERNEL_GATHER must be a bool"):
     call()
@@ -194,21 +239,23 @@ def _gpus_for_the_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hkv,d", [(4, 128), (2, 64)])
-def test_the_kernel_on_gpus(monkeypatch, hkv, d):
+@pytest.mark.parametrize("hkv,d,causal", [(4, 128, False), (2, 64, False), (2, 128, True),
+                                          (4, 64, True)])
+def test_the_kernel_on_gpus(monkeypatch, hkv, d, causal):
   """On every GPU of the host (Hopper, two or more): the ring with `KERNEL_GATHER`, bf16,
-  2048 tokens a GPU, against one GPU's float32 result (output, lse, gradients through the
-  all-gathering backward), and the kernel ran; 20 calls on new queries, keys and values
-  equal the ring without it, another program (the semaphores and the counter start afresh
-  in each launch)."""
+  2048 tokens a GPU (causal: in zigzag order, which small rings otherwise leave), against
+  one GPU's float32 result (output, lse, gradients through the all-gathering backward), and
+  the kernel ran; 20 calls on new queries, keys and values equal the ring without it,
+  another program (the semaphores and the counter start afresh in each launch)."""
   gpus = _gpus_for_the_kernel()
   ran = []
   kernel = mosaic_gather.gathered_forward
   monkeypatch.setattr(mosaic_gather, "gathered_forward",
                       lambda *a, **kw: (ran.append(1), kernel(*a, **kw))[1])
   monkeypatch.setattr(ring_module, "KERNEL_GATHER", True)
+  monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)
   n = len(gpus) * 2048
-  pattern = DilatedPattern((n,), (1,))
+  pattern = DilatedPattern((n,), (1,), causal=causal)
   case = helpers.Case(n, 4, hkv, (n,), (1,), head_dim=d)
   q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 3)
   m = jax.make_mesh((len(gpus),), ("seq",), axis_types=(AUTO,), devices=gpus)
@@ -318,6 +365,30 @@ def test_layer_steps_through_the_kernel_equal_the_ring_without(monkeypatch):
     for name in grads:
       assert helpers.rel_err(grads_k[name], np.asarray(grads[name], np.float64)) < 0.03, (
           seed, name)
+
+
+@pytest.mark.gpu
+def test_causal_items_planned_or_split_give_the_same_bits(monkeypatch):
+  """On every GPU of the host (Hopper, two or more): the causal kernel (zigzag order) at 8192
+  tokens a GPU, its items list-scheduled (`_plan`) and split `p, p + programs, ...`, gives
+  the same output and lse bit for bit (each item is one program's, its blocks walked in one
+  order), and gathers the keys."""
+  gpus = _gpus_for_the_kernel()
+  p, n = len(gpus), len(gpus) * 8192
+  m = jax.make_mesh((p,), ("seq",), axis_types=(AUTO,), devices=gpus)
+  spec = jax.P(None, "seq")
+  q, k, v = (jax.random.normal(jax.random.key(i), (1, n, h, 128), jnp.bfloat16)
+             for i, h in enumerate((8, 4, 4)))
+  launch = lambda: jax.jit(jax.shard_map(functools.partial(
+      mosaic_gather.gathered_forward, scale=0.1, axis_name="seq", shards=p, causal=True),
+      mesh=m, in_specs=(spec,) * 3, out_specs=(spec,) * 4, check_vma=False))(q, k, v)
+  assert mosaic_gather._plan(8 * 64, 64, p, hopper.sm_count()) is not None
+  planned = launch()
+  monkeypatch.setattr(mosaic_gather, "_plan", lambda *args: None)
+  split = launch()
+  for a, b in zip(planned, split):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(np.asarray(planned[2])[:, :n], np.asarray(k))
 
 
 @pytest.mark.gpu

@@ -36,10 +36,12 @@ A backend is a module of `hilbert_ring_jax.backends` that provides (see `Backend
 A backend may also provide `ring_step_config(config) -> Config`: the config its ring steps
 run with (`config`: the caller's, or None), where other work (the next step's transfers)
 shares the device with them; and a kernel that gathers a ring's keys itself (the ring's
-`KERNEL_GATHER`): `gathers(q_shape, kv_shape, dtype, shards, scale) -> Support` and
-`gathered_forward(q, k, v, scale, *, axis_name, shards, config=None)` -> `(out, lse, (k, v))`,
-full non-causal attention of a device's queries over every device's keys (inside shard_map),
-out in q's dtype, and the keys and values gathered `[B, P n, Hkv, D]`.
+`KERNEL_GATHER`): `gathers(q_shape, kv_shape, dtype, shards, scale, causal) -> Support` and
+`gathered_forward(q, k, v, scale, *, axis_name, shards, causal, config=None)` -> `(out, lse,
+(k, v))`, full attention of a device's queries over every device's keys (inside shard_map;
+causal: each device's shard holds chunks `j` and `2P - 1 - j` of `2P`, zigzag order, queries
+and keys alike), out in q's dtype, and the keys and values gathered `[B, P n, Hkv, D]` (each
+device's shard in device order).
 
 `resolve` picks the first candidate whose `supports` says yes, once per call (or per ring
 branch): forward and backward are resolved from the same facts, and when every candidate

@@ -105,31 +105,33 @@ def supports(problem: Problem) -> Support:
   return YES
 
 
-def gathers(q_shape, kv_shape, dtype, shards: int, scale: float) -> Support:
+def gathers(q_shape, kv_shape, dtype, shards: int, scale: float, causal: bool = False
+            ) -> Support:
   """Whether `gathered_forward` runs these shard shapes: Hopper, JAX >= 0.11, bf16 or f16,
-  head dim 64 or 128, a positive scale, shards of whole blocks (`mosaic_gather.fits`), over
-  `shards >= 2` devices."""
+  head dim 64 or 128, a positive scale, shards of whole blocks (`mosaic_gather.fits`; causal:
+  two chunks of whole blocks), over `shards >= 2` devices."""
   if not is_hopper() or jax.__version_info__ < (0, 11):
     return no("the gathering kernel runs on Hopper GPUs (sm_90) with JAX >= 0.11")
   if not any(jnp.dtype(dtype) == t for t in (jnp.bfloat16, jnp.float16)):
     return no(f"the gathering kernel runs bf16 and f16, got {dtype}")
   n, d = q_shape[1], q_shape[3]
   if (shards < 2 or d not in (64, 128) or not scale > 0 or kv_shape[1] != n
-      or not mosaic_gather.fits(n, d, jnp.dtype(dtype).itemsize)):
+      or not mosaic_gather.fits(n, d, jnp.dtype(dtype).itemsize, causal=causal)):
     return no(f"the gathering kernel needs 2 or more shards of whole blocks, head dim 64 or "
               f"128 and a positive scale; got shards of {n} at head dim {d} over {shards}, "
-              f"scale {scale}")
+              f"scale {scale}{', causal' if causal else ''}")
   return YES
 
 
-def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, config=None):
+def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, causal: bool = False,
+                     config=None):
   """`(out [B, n, H, D] in q's dtype, lse [B, n, H], (k, v) gathered [B, P n, Hkv, D])`:
-  full attention, non-causal, of this device's queries over the keys of all `shards`
-  devices of `axis_name` (inside shard_map), gathered inside the kernel (`mosaic_gather`;
-  `gathers` says which shapes run)."""
+  full attention of this device's queries over the keys of all `shards` devices of
+  `axis_name` (inside shard_map), gathered inside the kernel (`mosaic_gather`; `gathers`
+  says which shapes run). `causal`: the shards in zigzag order (`mosaic_gather`)."""
   del config  # the kernel's blocks are its own
   out, lse, k_all, v_all = mosaic_gather.gathered_forward(q, k, v, scale, axis_name=axis_name,
-                                                          shards=shards)
+                                                          shards=shards, causal=causal)
   return out, lse, (k_all, v_all)
 
 

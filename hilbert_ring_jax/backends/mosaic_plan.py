@@ -301,6 +301,23 @@ class Program:
                start=start, busy=busy)
 
 
+def list_schedule(costs: np.ndarray, programs: int) -> np.ndarray:
+  """List scheduling, decided on the host: the items in launch order (row by row, which
+  keeps the programs in flight on neighbouring keys), each to the program that frees first
+  by its estimated cost (`costs`, one per item): what the GPU's block scheduler does with a
+  program per item. Returns int32 `[programs + 1 + items]`: program `p`'s items are
+  `order[offsets[p]:offsets[p + 1]]`, in launch order, `offsets` first."""
+  free = [(0, p) for p in range(programs)]
+  owner = np.empty(len(costs), np.int32)
+  for item, c in enumerate(costs.tolist()):
+    t, p = heapq.heappop(free)
+    owner[item] = p
+    heapq.heappush(free, (t + c, p))
+  order = np.argsort(owner, kind="stable")
+  offsets = np.searchsorted(owner[order], np.arange(programs + 1))
+  return np.concatenate([offsets, order]).astype(np.int32)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Work:
   """A launch's work items (`sched.grid`'s programs, flattened) over `programs` programs
@@ -370,21 +387,10 @@ class Work:
       return np.tile(np.asarray(jax.vmap(cost)(jnp.arange(per_batch))), batch)
 
   def _plan(self, costs: np.ndarray) -> np.ndarray:
-    """List scheduling, decided on the host: the items in launch order (row by row, which
-    keeps the programs in flight on neighbouring keys), each to the program that frees
-    first by its estimated cost: what the GPU's block scheduler does with a program per
-    item. A static split (`p, p + programs, ...`) of LongNet's causal items left the SMs
-    idle for part of the launch, its busiest program well above the mean; the plan's is
-    near it (ncu and the estimate: docs/performance.md)."""
-    free = [(0, p) for p in range(self.programs)]
-    owner = np.empty(self.items, np.int32)
-    for item, c in enumerate(costs.tolist()):
-      t, p = heapq.heappop(free)
-      owner[item] = p
-      heapq.heappush(free, (t + c, p))
-    order = np.argsort(owner, kind="stable")
-    offsets = np.searchsorted(owner[order], np.arange(self.programs + 1))
-    return np.concatenate([offsets, order]).astype(np.int32)
+    """`list_schedule` of the items: a static split (`p, p + programs, ...`) of LongNet's
+    causal items left the SMs idle for part of the launch, its busiest program well above
+    the mean; the plan's is near it (ncu and the estimate: docs/performance.md)."""
+    return list_schedule(costs, self.programs)
 
   @property
   def grid(self):
