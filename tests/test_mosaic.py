@@ -348,9 +348,9 @@ def _large_logits(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_gradient_of_a_gradient_gpu(causal):
-  """Reverse over reverse through the compiled kernels (before, "Differentiation rule for
-  'mpmd_map' not implemented"): the second derivatives of the same call on "xla", the first
-  derivatives the kernels' own."""
+  """Reverse over reverse and forward over reverse (a Hessian-vector product) through the
+  compiled kernels (before, "Differentiation rule for 'mpmd_map' not implemented"): the
+  second derivatives of the same call on "xla", the first derivatives the kernels' own."""
   case = Case(1024, 4, 2, (256, 1024), (1, 2), head_dim=64)
   pattern = case.pattern(causal)
   q, k, v = helpers.random_inputs(case, jnp.bfloat16, 4)[:3]
@@ -363,7 +363,11 @@ def test_a_gradient_of_a_gradient_gpu(causal):
     def norm(q, k, v):
       return sum(jnp.sum(g.astype(jnp.float32) ** 2)
                  for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
-    return jax.jit(jax.grad(norm, argnums=(0, 1, 2)))(q, k, v)
+
+    def both(q, k, v):
+      hvp = jax.jvp(jax.grad(loss, argnums=(0, 1, 2)), (q, k, v), (q, k, v))[1]
+      return (*jax.grad(norm, argnums=(0, 1, 2))(q, k, v), *hvp)
+    return jax.jit(both)(q, k, v)
 
   for x, ref in zip(second_order("mosaic"), second_order("xla")):
     assert helpers.rel_err(x, np.asarray(ref, np.float64)) < helpers.TOL[jnp.bfloat16]
