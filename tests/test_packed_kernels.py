@@ -266,13 +266,16 @@ def test_mosaic_packed_lowers_for_the_gpu():
                q, kv, kv, q, lse, lse, *ids)
   assert "stablehlo.while" not in text
   # Full causal attention's long items, which the forward's programs take from a counter
-  # (`Work.mine`, dynamic work: an atomic add inlined through `plgpu.inline_mgpu`).
+  # (`Work.mine`, dynamic work: an atomic add inlined through `plgpu.inline_mgpu`; the
+  # counter a `hopper.Zeroed` buffer), through the kernel contract's custom_jvp halves as
+  # `dilated_attention` runs them.
   n = 32768
   full = DilatedPattern((n,), (1,), causal=True)
   rows = [jax.ShapeDtypeStruct((1, n, h, 128), jnp.bfloat16) for h in (2, 1, 1)]
   one = jax.ShapeDtypeStruct((1, n), jnp.int32)
-  text = lower(lambda q, k, v, ids: mosaic.forward(q, k, v, full, 0.1, out_dtype=q.dtype,
-                                                   segment_ids=(ids, ids)), *rows, one)
+  kernel = helpers.Kernels(mosaic, full, 0.1, None)
+  text = lower(lambda q, k, v, ids: backends.attention(q, k, v, kernel, (ids, ids))[0],
+               *rows, one)
   assert "atomic_rmw" in text
   # The token step of a packed cache (reading each row from its `start`).
   from hilbert_ring_jax import decode  # pylint: disable=import-outside-toplevel

@@ -146,7 +146,7 @@ class Zeroed(typing.NamedTuple):
 
   `run` makes it a ref of one `run_state` around the launch. A ref made with `jax.new_ref`
   would do on its own, but not inside the kernel contract's `jax.custom_jvp` halves
-  (`base._differentiated_as`): JAX discharges no ref made inside a custom_jvp function
+  (`base._differentiated_as`), where JAX cannot discharge one that is read after the launch
   ("No state discharge rule implemented for primitive: custom_jvp_call")."""
   shape: tuple
   dtype: typing.Any
