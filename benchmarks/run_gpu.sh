@@ -96,6 +96,11 @@ for stage in "$@"; do
                   timeout 560 python3 benchmarks/ring_ab.py --patterns full --passes fwd,fwdbwd \
                   --per-gpu 8192,32768 --set KERNEL_GATHER=True --rounds 3 \
                   --json "$OUT/kernel_gather_ab.json" 2>&1 | grep -v "^W1\|^I1\|bfc_allocator" ;;
+    ring-kernel-gather-causal) XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN \
+                  timeout 560 python3 benchmarks/ring_ab.py --causal --patterns full \
+                  --passes fwd,fwdbwd --per-gpu 8192,32768 --set KERNEL_GATHER=True --rounds 5 \
+                  --json "$OUT/causal_kernel_gather_ab.json" 2>&1 | \
+                  grep -v "^W1\|^I1\|bfc_allocator" ;;
     ring) timeout 420 python3 benchmarks/ring_scaling.py --devices 1,$(nvidia-smi -L | wc -l) \
               --per-gpu 8192,32768 --strong 65536 --runs 3 --longest --longest-start 4194304 \
               --json "$OUT/ring.json" 2>&1 | grep -v "^W1\|^I1\|bfc_allocator\|^\*" ;;
