@@ -83,8 +83,9 @@ def _plan(items: int, q_blocks: int, shards: int, programs: int):
   more of the peers' keys) and by device. Where a head's items do not align with the
   programs, the split deals some programs late items only (busiest 1.8x the mean at 8K tokens
   a GPU on 2 GPUs): the list schedule ran 1.54 against 2.02 ms there, but at 32K, where the
-  split is within 4%, 19.2 against 16.9 ms: the split keeps the programs in flight on one
-  head's keys (docs/performance.md). Items in launch order: (b, h, qb from the last)."""
+  split is within 4%, 19.2 against 16.9 ms (the split keeps the programs in flight on one
+  head's keys, which may be why: not traced; docs/performance.md). Items in launch order:
+  (b, h, qb from the last)."""
   k_blocks, half = q_blocks, q_blocks // 2
   qb = q_blocks - 1 - np.arange(items) % q_blocks
 
