@@ -34,6 +34,23 @@ class Kernels:
                                  config=self.config, grad_dtype=q.dtype, **ids)
 
 
+def second_derivatives(loss):
+  """Jitted `(q, k, v) ->` second derivatives of the scalar `loss(q, k, v)`: `d/d(q, k, v)` of
+  the squared norm of its gradient (reverse over reverse; 16-bit gradients squared in
+  float32), then its Hessian times `(q, k, v)` (forward over reverse: `jax.jvp` of the
+  gradient)."""
+  grad = jax.grad(loss, argnums=(0, 1, 2))
+
+  def norm(q, k, v):
+    return sum(jnp.sum(g.astype(jnp.promote_types(g.dtype, jnp.float32)) ** 2)
+               for g in grad(q, k, v))
+
+  def both(q, k, v):
+    hvp = jax.jvp(grad, (q, k, v), (q, k, v))[1]
+    return (*jax.grad(norm, argnums=(0, 1, 2))(q, k, v), *hvp)
+  return jax.jit(both)
+
+
 # Relative L2 error allowed against the float64 reference, by input dtype.
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 6e-3}
 

@@ -47,20 +47,12 @@ def test_huge_logits_forward_is_exact_on_the_ring():
 
 
 def _second_order(attention):
-  """Second derivatives of a loss on `attention`'s output and log-sum-exp, in the inputs'
-  dtype: `d/d(q, k, v)` of the squared norm of its gradient (reverse over reverse), and its
-  Hessian times `(q, k, v)` (forward over reverse: `jax.jvp` of the gradient)."""
+  """`helpers.second_derivatives` of a loss on `attention`'s output and log-sum-exp, in the
+  inputs' dtype."""
   def loss(q, k, v):
     out, lse = attention(q, k, v)
     return jnp.sum(out ** 2) + jnp.sum(jnp.sin(lse))
-
-  def norm(q, k, v):
-    return sum(jnp.sum(g ** 2) for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
-
-  def both(q, k, v):
-    hvp = jax.jvp(jax.grad(loss, argnums=(0, 1, 2)), (q, k, v), (q, k, v))[1]
-    return (*jax.grad(norm, argnums=(0, 1, 2))(q, k, v), *hvp)
-  return jax.jit(both)
+  return helpers.second_derivatives(loss)
 
 
 SECOND_ORDER_CASE = helpers.Case(128, 2, 1, (32, 128), (1, 4), head_dim=8)

@@ -367,15 +367,7 @@ def test_a_gradient_of_a_gradient_gpu(causal):
     def loss(q, k, v):
       out = dilated_attention(q, k, v, pattern, implementation=implementation)
       return jnp.sum(out.astype(jnp.float32) ** 2)
-
-    def norm(q, k, v):
-      return sum(jnp.sum(g.astype(jnp.float32) ** 2)
-                 for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
-
-    def both(q, k, v):
-      hvp = jax.jvp(jax.grad(loss, argnums=(0, 1, 2)), (q, k, v), (q, k, v))[1]
-      return (*jax.grad(norm, argnums=(0, 1, 2))(q, k, v), *hvp)
-    return jax.jit(both)(q, k, v)
+    return helpers.second_derivatives(loss)(q, k, v)
 
   for x, ref in zip(second_order("mosaic"), second_order("xla")):
     assert helpers.rel_err(x, np.asarray(ref, np.float64)) < helpers.TOL[jnp.bfloat16]

@@ -92,10 +92,11 @@ def _plan(items: int, q_blocks: int, shards: int, programs: int):
   def costs(j):  # key blocks, and each of the two phases' epilogue
     return qb + 1 + j * half + np.where(qb >= half, (shards - 1 - j) * k_blocks, 0) + 2
 
-  split = [[c[p::programs].sum() for p in range(programs)] for c in map(costs, range(shards))]
+  by_device = [costs(j) for j in range(shards)]
+  split = [[c[p::programs].sum() for p in range(programs)] for c in by_device]
   if all(max(loads) <= 1.1 * np.mean(loads) for loads in split):
     return None
-  return jnp.asarray(np.stack([list_schedule(costs(j), programs) for j in range(shards)]))
+  return jnp.asarray(np.stack([list_schedule(c, programs) for c in by_device]))
 
 
 def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, causal: bool = False,
