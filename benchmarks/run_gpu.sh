@@ -51,8 +51,8 @@ for stage in "$@"; do
                    grep -v '^{\|^  \|^Traceback' | tail -50 ;;
     tune-mosaic) timeout 420 python3 benchmarks/tune_mosaic.py --json "$OUT/mosaic.json" \
                    2>&1 | tee "$OUT/mosaic.log" | grep -v '^{\|^  \|^Traceback' | tail -50 ;;
-    tests-pallas) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention.py \
-                    -k "pallas and (float32 or low_precision)" 2>&1 | tail -25 ;;
+    tests-pallas) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_backends.py \
+                    tests/test_pallas.py tests/test_packed_kernels.py -k pallas 2>&1 | tail -25 ;;
     tune-triton) timeout 360 python3 benchmarks/tune_triton.py --json "$OUT/tune_triton.json" \
                    2>&1 | tee "$OUT/tune_triton.log" | grep -v '^{' ;;
     tune-triton-fast) timeout 300 python3 benchmarks/tune_triton.py --skip-checks \

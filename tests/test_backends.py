@@ -510,7 +510,7 @@ def test_pallas_declines_inside_shard_map():
   k does), which "pallas" declines: the ring's steps then take the next candidate."""
   problems = []
   mesh = jax.make_mesh((2,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=jax.devices()[:2])
+                       devices=jax.devices("cpu")[:2])  # also where one GPU is the default
   pattern = DilatedPattern((8,), (1,))
 
   def step(x, y):

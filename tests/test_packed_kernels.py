@@ -61,9 +61,11 @@ def test_pallas_per_head_ids_match_xla():
     grads = backend.backward(q, k, v, dout, lse, delta, pattern, d ** -0.5, segment_ids=ids)
     return (out, jnp.where(jnp.isfinite(lse), lse, 0.0), *grads)
 
-  # Each backend's passes as one program (op by op they compiled ~370 small ones: 25 s).
-  outs = {name: jax.jit(functools.partial(passes, backends.load(name)))(
-      q, k, v, dout, (q_ids, kv_ids)) for name in ("pallas", "xla")}
+  # Each backend's passes as one program (op by op they compiled ~370 small ones: 25 s); float32
+  # products in full on a GPU too, where XLA's default would round them to TF32.
+  with jax.default_matmul_precision("highest"):
+    outs = {name: jax.jit(functools.partial(passes, backends.load(name)))(
+        q, k, v, dout, (q_ids, kv_ids)) for name in ("pallas", "xla")}
   for a, ref in zip(outs["pallas"], outs["xla"]):
     np.testing.assert_allclose(a, ref, rtol=2e-5, atol=2e-5)
 
