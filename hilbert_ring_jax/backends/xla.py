@@ -239,6 +239,9 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
   (whatever `grad_dtype`)."""
   config = config or Config()
   acc = jnp.promote_types(q.dtype, jnp.float32)
+  # A loss like `out.sum()` makes dout a constant; with v a constant too (captured by a jitted
+  # gradient with respect to q), XLA would fold dp = dout v^T at compile time, slowly.
+  dout = jax.lax.optimization_barrier(dout)
   # p = exp(s - lse) must vanish on rows with no visible key (lse = -inf) and on padding.
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(acc))
   dq, dk, dv = (jnp.zeros(x.shape, acc) for x in (q, k, v))
