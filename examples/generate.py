@@ -104,7 +104,8 @@ def median_s(fn, runs):
   return statistics.median(times)
 
 
-def main():
+def main(argv=None) -> dict:
+  """Trains, generates both ways, prints and returns the result line (`argv`: the flags)."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--preset", choices=list(PRESETS), default="cpu")
   for name, val in PRESETS["cpu"].items():
@@ -114,7 +115,7 @@ def main():
   parser.add_argument("--max-period", type=int, default=6)
   parser.add_argument("--impl", default=None, help="xla | pallas | triton (default: fastest)")
   parser.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   for name, val in PRESETS[args.preset].items():
     if getattr(args, name) is None:
       setattr(args, name, val)
@@ -155,16 +156,18 @@ def main():
     logits = m(prompt, prefill=True)[:, -1]
     return nnx.state(m, nnx.Cache), logits
 
+  # The parameters ride in the scan's carry: captured by its body, Flax (0.12.12) refuses the
+  # blocks' `nnx.remat` on them ("Cannot mutate Param from a different trace level").
   @functools.partial(jax.jit, static_argnums=3, donate_argnums=0)
   def decode(cache, rest, token, steps):
     def body(carry, _):
-      cache, token = carry
+      cache, rest, token = carry
       m = nnx.merge(graphdef, cache, rest)
       logits = m(token[:, None])[:, -1]
       token = jnp.argmax(logits, axis=-1).astype(token.dtype)
-      return (nnx.state(m, nnx.Cache), token), (token, logits)
+      return (nnx.state(m, nnx.Cache), rest, token), (token, logits)
 
-    (cache, _), (tokens, logits) = jax.lax.scan(body, (cache, token), length=steps)
+    (cache, _, _), (tokens, logits) = jax.lax.scan(body, (cache, rest, token), length=steps)
     return cache, tokens.T, logits.transpose(1, 0, 2)
 
   def start():
@@ -193,15 +196,16 @@ def main():
 
   @jax.jit
   def recompute(state, prompt):
-    m = nnx.merge(plain_graphdef, state)
     buffer = jnp.zeros((batch, prompt_len + new), prompt.dtype).at[:, :prompt_len].set(prompt)
 
-    def body(buffer, i):  # token prompt_len + i from the logits at prompt_len + i - 1
-      logits = jax.lax.dynamic_index_in_dim(m(buffer), prompt_len + i - 1, 1, keepdims=False)
+    def body(carry, i):  # token prompt_len + i from the logits at prompt_len + i - 1
+      buffer, state = carry  # (the parameters in the carry, as in `decode`)
+      logits = nnx.merge(plain_graphdef, state)(buffer)
+      logits = jax.lax.dynamic_index_in_dim(logits, prompt_len + i - 1, 1, keepdims=False)
       token = jnp.argmax(logits, axis=-1).astype(buffer.dtype)
-      return buffer.at[:, prompt_len + i].set(token), (token, logits)
+      return (buffer.at[:, prompt_len + i].set(token), state), (token, logits)
 
-    _, (tokens, logits) = jax.lax.scan(body, buffer, jnp.arange(new))
+    _, (tokens, logits) = jax.lax.scan(body, (buffer, state), jnp.arange(new))
     return tokens.T, logits.transpose(1, 0, 2)
 
   # Timings: the prefill alone, cached generation (prefill + steps), recomputation.
@@ -243,6 +247,7 @@ def main():
     raise SystemExit(f"cached and recomputed logits differ: {logit_diff=}, {forced_diff=}")
   if dtype == jnp.float32 and not same.all():
     raise SystemExit("cached and recomputed generations differ")
+  return result
 
 
 if __name__ == "__main__":

@@ -175,3 +175,15 @@ def test_quickstart(monkeypatch):
   assert result["max_abs_error"] < 1e-5
   assert [r[0] for r in result["rows"]] == ["forward", "forward+backward", "dense reference"]
   assert all(math.isfinite(x) and x > 0 for r in result["rows"] for x in r[1:])
+
+
+def test_generate(examples):
+  """`generate.py` at a tiny size: a cached decode (prefill, then a scan of one-token steps)
+  and recomputation give the same tokens and logits. (Its blocks recompute their norms with
+  `nnx.remat`; with the parameters captured by the scans' bodies instead of carried, Flax
+  0.12.12 refused them.)"""
+  import generate  # pylint: disable=import-outside-toplevel
+  result = generate.main(["--steps", "2", "--runs", "1", "--prompt", "16", "--new", "8",
+                          "--batch", "4", "--dim", "32", "--layers", "1", "--gen-batch", "2"])
+  assert result["tokens_identical"] and result["max_logit_diff"] < 1e-4
+  assert result["new_tokens"] == 8 and finite(result["cached_tokens_per_s"])
