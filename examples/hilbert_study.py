@@ -696,7 +696,8 @@ def main(argv=None) -> dict | None:
         f" Gaussian fill of the holes: {result['interpolation_psnr']:.2f} dB")
   for order, s in summary.items():
     g = geometry[order]
-    line = (f"{order:20} {s['mean']:.3f} +- {s['std']:.3f} dB over {len(s['seeds'])} seeds; "
+    spread = f" +- {s['std']:.3f}" if len(s["seeds"]) > 1 else ""  # none from one seed
+    line = (f"{order:20} {s['mean']:.3f}{spread} dB over {len(s['seeds'])} seed(s); "
             f"neighbours within {g['radius']} px seen: first branch {g['first_branch']:.2f}, "
             f"any {g['any_branch']:.2f}")
     if s.get("ordering_share") is not None:

@@ -63,7 +63,8 @@ def check_inputs(q, k, v, pattern, heads_axis=None) -> None:
         f"the number of query heads must be a multiple of the key/value heads: "
         f"{q.shape=} has {q.shape[2]} heads, {k.shape=} has {k.shape[2]}")
   if not q.dtype == k.dtype == v.dtype:
-    raise ValueError(f"q, k and v must share a dtype, got {q.dtype=}, {k.dtype=}, {v.dtype=}")
+    raise ValueError(f"q, k and v must share a dtype, got q.dtype={q.dtype}, k.dtype={k.dtype}, "
+                     f"v.dtype={v.dtype}")
   if heads_axis is None:
     pattern.head_ranges(q.shape[2])  # head_groups needs H >= number of branches
 

@@ -123,7 +123,7 @@ class DilatedPattern:
     if total < k:
       raise ValueError(
           f"head_groups=True needs at least one head per branch: num_heads={total} "
-          f"< {k} branches ({self.segment_lengths=})")
+          f"< {k} branches (segment_lengths={self.segment_lengths})")
     base, extra = divmod(total, k)
     bounds = [0]
     for b in range(k):

@@ -19,7 +19,7 @@ from hilbert_ring_jax import DilatedPattern
 try:  # jax-triton imports only with a CUDA-enabled jaxlib (the plugin runs on CPU machines)
   from hilbert_ring_jax.backends import triton as tb
 except ImportError as e:
-  pytest.skip(f"jax-triton is not importable here ({e}); pip install -e '.[gpu]'",
+  pytest.skip(f"jax-triton is not importable here ({e}); pip install -e '.[triton]'",
               allow_module_level=True)
 
 PATTERNS = {
