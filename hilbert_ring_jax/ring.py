@@ -74,9 +74,8 @@ SMALL_STEP_ROWS: int = 4096
 # however few of them are resident (beside a collective on another stream holding SMs).
 # Off by default, and only with custom calls kept out of XLA's command buffers
 # (`_custom_calls_out_of_command_buffers`): captured in one beside fusions, the kernel received
-# a peer's keys wrong in some calls on 2 x H200, where the calls' buffers reuse memory; on
-# JAX 0.11 only (`mosaic.gathers`). False: the all-gather, then one call. Read when a call is
-# traced.
+# a peer's keys wrong in some calls on 2 x H200 (JAX 0.11.2), where the calls' buffers reuse
+# memory. False: the all-gather, then one call. Read when a call is traced.
 KERNEL_GATHER: bool = False
 
 

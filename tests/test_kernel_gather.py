@@ -63,10 +63,6 @@ def test_the_kernel_declines_what_it_does_not_run():
       assert not support and "whole blocks" in support.reason
     assert not mosaic.gathers(*ok[:3], 1, 0.1) and not mosaic.gathers(*ok[:4], -0.1)
     assert "bf16" in mosaic.gathers(*ok[:2], jnp.float32, 4, 0.1).reason
-    for version in ((0, 10, 2), (0, 12, 0, 1)):
-      patch.setattr(jax, "__version_info__", version)
-      support = mosaic.gathers(*ok)
-      assert not support and "JAX 0.11" in support.reason
   assert not mosaic.gathers(*ok) or hopper.is_hopper()
 
 
@@ -235,8 +231,6 @@ def _gpus_for_the_kernel():
   gpus = jax.devices("gpu")
   if len(gpus) < 2 or not hopper.is_hopper():
     pytest.skip("needs two Hopper GPUs")
-  if not mosaic.gathers((1, 1024, 2, 128), (1, 1024, 2, 128), jnp.bfloat16, 2, 0.1):
-    pytest.skip("the gathering kernel runs with JAX 0.11 (`mosaic.gathers`)")
   if not ring_module._custom_calls_out_of_command_buffers():  # the ring's reading of XLA_FLAGS
     pytest.skip("the gathering kernel runs with custom calls kept out of XLA's command "
                 "buffers: run with XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,"

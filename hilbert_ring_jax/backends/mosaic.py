@@ -107,16 +107,11 @@ def supports(problem: Problem) -> Support:
 
 def gathers(q_shape, kv_shape, dtype, shards: int, scale: float, causal: bool = False
             ) -> Support:
-  """Whether `gathered_forward` runs these shard shapes: Hopper, JAX 0.11, bf16 or f16,
+  """Whether `gathered_forward` runs these shard shapes: Hopper, JAX >= 0.11, bf16 or f16,
   head dim 64 or 128, a positive scale, shards of whole blocks (`mosaic_gather.fits`; causal:
-  two chunks of whole blocks), over `shards >= 2` devices. Not JAX 0.12: its Mosaic GPU has
-  XLA place the buffers a kernel stores into on its peers in NCCL's symmetric memory, and on
-  2 x H200 (2026-11-30, JAX 0.12.0.1, NCCL 2.28.3) programs run after the kernel's failed
-  (`ncclGetPeerDevicePointer`, illegal addresses) in 3 of 4 probes."""
-  if not is_hopper() or not (0, 11) <= jax.__version_info__ < (0, 12):
-    return no("the gathering kernel runs on Hopper GPUs (sm_90) with JAX 0.11 (on JAX 0.12, "
-              "whose Mosaic GPU puts its peers' buffers in NCCL's symmetric memory, programs "
-              "after it failed on 2 x H200)")
+  two chunks of whole blocks), over `shards >= 2` devices."""
+  if not is_hopper() or jax.__version_info__ < (0, 11):
+    return no("the gathering kernel runs on Hopper GPUs (sm_90) with JAX >= 0.11")
   if not any(jnp.dtype(dtype) == t for t in (jnp.bfloat16, jnp.float16)):
     return no(f"the gathering kernel runs bf16 and f16, got {dtype}")
   n, d = q_shape[1], q_shape[3]
