@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -38,13 +39,15 @@ def dilated_attention_reference(q, k, v, pattern: DilatedPattern, *, segment_ids
   kh = jnp.repeat(k, per_kv, axis=2).astype(acc)
   vh = jnp.repeat(v, per_kv, axis=2).astype(acc)
   # s: [B, H, N, N]
-  s = jnp.einsum("BTHD,BSHD->BHTS", q.astype(acc), kh) * scale
+  full = jax.lax.Precision.HIGHEST  # (XLA's default rounds float32 products to TF32 on GPUs)
+  s = jnp.einsum("BTHD,BSHD->BHTS", q.astype(acc), kh, precision=full) * scale
   s = jnp.where(counts > 0, s, -jnp.inf)
   mx = jnp.max(s, axis=-1, keepdims=True)
   mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
   e = counts * jnp.exp(s - mx)
   den = jnp.sum(e, axis=-1)
-  out = jnp.einsum("BHTS,BSHD->BTHD", e / jnp.where(den > 0, den, 1.0)[..., None], vh)
+  out = jnp.einsum("BHTS,BSHD->BTHD", e / jnp.where(den > 0, den, 1.0)[..., None], vh,
+                   precision=full)
   lse = jnp.moveaxis(mx[..., 0] + jnp.log(den), 1, 2)
   out = out.astype(q.dtype)
   return (out, lse.astype(jnp.float32)) if return_lse else out

@@ -1,5 +1,5 @@
-"""Array plumbing the backends and the ring share: the float16-safe operands of the `ds`
-products, transposes of linear layout maps, mesh-axes typing inside `shard_map`, `vmap`
+"""Array plumbing the backends and the ring share: float32 products in full (`einsum`), the
+float16-safe operands of the `ds` products, transposes of linear layout maps, mesh-axes typing inside `shard_map`, `vmap`
 of kernel calls by folding into the batch, and packed rows' document windows. Neutral: no
 backend's choices live here."""
 
@@ -12,6 +12,13 @@ from jax import lax
 
 # An empty window's start (its end is -1): past any position, with room to add to it in int32.
 FAR = int(np.iinfo(np.int32).max // 2)
+
+
+def einsum(spec, a, b, **kwargs):
+  """`jnp.einsum(spec, a, b, **kwargs)`, float32 and float64 operands multiplied in full, as
+  the kernels do: XLA's default on GPUs rounds them to TF32 (errors ~1e-3)."""
+  full = any(x.dtype in (jnp.float32, jnp.float64) for x in (a, b))
+  return jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST if full else None, **kwargs)
 
 
 def ds_operands(ds, x):

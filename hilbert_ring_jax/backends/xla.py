@@ -27,7 +27,7 @@ import numpy as np
 from ..merge import merge
 from ..pattern import Branch, DilatedPattern, heads_per_kv
 from .base import YES, Problem, Support
-from .common import ds_operands, transpose, vary_like
+from .common import ds_operands, einsum, transpose, vary_like
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -165,7 +165,7 @@ def _scores(fold, qs, kb, valid, first_key, q_ids=None, kv_ids=None):
   against one key block (and its documents `kv_ids`, given those of the queries)."""
   acc = jnp.promote_types(qs.dtype, jnp.float32)
   # s: [B, Z, K, T, bk]
-  s = jnp.einsum("BZKTD,BZKJD->BZKTJ", qs, kb, preferred_element_type=acc)
+  s = einsum("BZKTD,BZKJD->BZKTJ", qs, kb, preferred_element_type=acc)
   mask = valid[None, :, :, None, :]  # [1, Z, K or 1, 1, bk]
   if q_ids is not None:
     mask = mask & (q_ids[..., :, None] == kv_ids[..., None, :])
@@ -202,7 +202,7 @@ def _branch_forward(fold, q, k, v, scale, key_block, segment_ids=None):
     p = jnp.exp(s - mx[..., None])  # s and mx read one product: s - mx <= 0 exactly
     den = jnp.sum(p, axis=-1)
     # ob: [B, Z, K, T, D]
-    ob = jnp.einsum("BZKTJ,BZKJD->BZKTD", p.astype(vb.dtype), vb, preferred_element_type=acc)
+    ob = einsum("BZKTJ,BZKJD->BZKTD", p.astype(vb.dtype), vb, preferred_element_type=acc)
     ob = ob / jnp.where(den > 0, den, 1.0)[..., None]
     return merge([carry[0], ob], [carry[1], mx + jnp.log(den)]), None
 
@@ -260,13 +260,13 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
       # giving exp of a large positive error.
       p = jnp.exp(jnp.minimum(s - lsef[..., None], 0.0))
       # dvb, dkb: [B, Z, K, bk, D]
-      dvb = jnp.einsum("BZKTJ,BZKTD->BZKJD", p.astype(dof.dtype), dof,
+      dvb = einsum("BZKTJ,BZKTD->BZKJD", p.astype(dof.dtype), dof,
                        preferred_element_type=acc)
-      dp = jnp.einsum("BZKTD,BZKJD->BZKTJ", dof, vb, preferred_element_type=acc)
+      dp = einsum("BZKTD,BZKJD->BZKTJ", dof, vb, preferred_element_type=acc)
       ds = p * (dp - deltaf[..., None]) * scale
-      dqf = dqf + jnp.einsum("BZKTJ,BZKJD->BZKTD", *ds_operands(ds, kb),
+      dqf = dqf + einsum("BZKTJ,BZKJD->BZKTD", *ds_operands(ds, kb),
                              preferred_element_type=acc)
-      dkb = jnp.einsum("BZKTJ,BZKTD->BZKJD", *ds_operands(ds, qf), preferred_element_type=acc)
+      dkb = einsum("BZKTJ,BZKTD->BZKJD", *ds_operands(ds, qf), preferred_element_type=acc)
       return dqf, (dkb, dvb)
 
     init = vary_like(jnp.zeros(qf.shape, acc), q, k, v, dout, lse, delta)
@@ -285,7 +285,7 @@ def _softmax_parts(parts, scale):
   """Softmax over the union of key sets: `parts` is `[(scores, mask, values, spec)]`.
 
   `scores [B, Hkv, G, T, K_i]` are unscaled float32 dot products, `mask` broadcasts against
-  them, and `jnp.einsum(spec, p, values)` gives that part's `[B, Hkv, G, T, D]` output; with
+  them, and `einsum(spec, p, values)` gives that part's `[B, Hkv, G, T, D]` output; with
   `spec=None`, `values [B, Hkv, T, K_i, D]` are summed against `p` directly (a fused
   reduction: no transposed copy of the values, which a matrix-vector product can cost).
   Returns `(o, lse)`, with `o = 0`, `lse = -inf` where a query sees no key.
@@ -301,7 +301,7 @@ def _softmax_parts(parts, scale):
     if spec is None:
       o = o + (p[..., None] * values[:, :, None].astype(jnp.float32)).sum(axis=-2)
     else:  # as the kernels do: p in the values' dtype, float32 accumulation
-      o = o + jnp.einsum(spec, p.astype(values.dtype), values,
+      o = o + einsum(spec, p.astype(values.dtype), values,
                          preferred_element_type=jnp.float32)
   safe_den = jnp.where(seen, den, 1.0)
   lse = jnp.where(seen, shift + jnp.log(safe_den), -jnp.inf)
@@ -359,7 +359,7 @@ def _branch_step(qg, k_new, v_new, kb, vb, length, table, scale, start=None):
     mask_c = ((offset < w) & (pos < length))[None]      # [1 or B, T, rows]
     if start is not None:
       mask_c = mask_c & (pos[None] >= start[:, None, None])
-    s_c = jnp.einsum("bhgtd,bhtkd->bhgtk", qg, kc, **f32)
+    s_c = einsum("bhgtd,bhtkd->bhgtk", qg, kc, **f32)
     cached = (s_c, mask_c[:, None, None] & takes_part, vc, None)
   else:
     res = np.repeat(table.residue, table.rows, axis=1)   # [Hkv, R rows]
@@ -372,12 +372,12 @@ def _branch_step(qg, k_new, v_new, kb, vb, length, table, scale, start=None):
       mask_c = mask_c & (pos[None] >= start[:, None, None, None])
     kc = kb.reshape(batch, num_kv_heads, -1, head_dim)
     vc = vb.reshape(batch, num_kv_heads, -1, head_dim)
-    s_c = jnp.einsum("bhgtd,bhkd->bhgtk", qg, kc, **f32)
+    s_c = einsum("bhgtd,bhkd->bhgtk", qg, kc, **f32)
     cached = (s_c, mask_c[:, :, None] & takes_part, vc, "bhgtk,bhkd->bhgtd")
   mask_n = ((seg_t[:, None] == seg_t[None, :]) & (c_t[:, None] == c_t[None, :])
             & (t[None, :] <= t[:, None]))                # [T, T]
   k_new, v_new = k_new.transpose(0, 2, 1, 3), v_new.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
-  s_n = jnp.einsum("bhgtd,bhkd->bhgtk", qg, k_new, **f32)
+  s_n = einsum("bhgtd,bhkd->bhgtk", qg, k_new, **f32)
   new = (s_n, mask_n[None, None, None] & takes_part, v_new, "bhgtk,bhkd->bhgtd")
   return _softmax_parts([cached, new], scale)
 
