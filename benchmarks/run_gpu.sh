@@ -18,14 +18,36 @@ WHL=${WHL:-.whl}; SITE=${SITE:-/tmp/site}
 # and .whl_ex (the examples' needs: the same command with -d .whl_ex scikit-learn joblib
 #     threadpoolctl tqdm matplotlib contourpy cycler fonttools kiwisolver pillow pyparsing
 #     python-dateutil six, and --platform manylinux_2_28_x86_64).
+# JAX 0.12 (the machines' own is 0.11.2): its four wheels (233 MB) exceed a call's 64 MiB, so
+# they travel in parts of 58 MiB, one a call, to a machine kept warm (the next call within 30 s):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform \
+#     manylinux_2_27_x86_64 -d /tmp/w12 jax==0.12.0.1 jaxlib==0.12.0.1 \
+#     jax-cuda13-plugin==0.12.0.1 jax-cuda13-pjrt==0.12.0.1
+#   tar cf - -C /tmp/w12 . | split -b 58M -d - /tmp/j12part  # 4 parts: one in each of the
+#   # git-ignored .j12a .. .j12d (echo /.j12a/ >> .git/info/exclude, ...)
+#   then 3 calls `mkdir -p /tmp/j12 && cp .j12a/* /tmp/j12/` (carry .j12a; then b, c) and
+#   J12=.j12d bash benchmarks/run_gpu.sh STAGES               (carry .j12d)
+# On the lent H200s XLA 0.12's collective kernels failed (docs/ring.md, "What to set"): with
+# several GPUs add XLA_FLAGS=--xla_gpu_experimental_use_collective_kernels=.
 WHEELS=$(for d in "$WHL" ${WHL_EXTRA:-}; do ls "$d"/*.whl; done 2>/dev/null)
 if [ -n "$WHEELS" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$SITE" $WHEELS && export PYTHONPATH=$SITE:${PYTHONPATH:-}
 fi
+if [ -n "${J12:-}" ]; then
+  mkdir -p /tmp/j12 && cp "$J12"/* /tmp/j12/ && (cd /tmp/j12 && cat j12part* | tar xf - && \
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site12 ./*.whl) && export PYTHONPATH=/tmp/site12:${PYTHONPATH:-}
+fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import jax, triton, jax_triton; print('jax', jax.__version__, 'triton', triton.__version__, 'jax-triton', jax_triton.__version__, jax.devices())"
+python3 -c "
+import jax, triton
+try:
+  import jax_triton; jt = jax_triton.__version__
+except ImportError:
+  jt = None
+print('jax', jax.__version__, 'triton', triton.__version__, 'jax-triton', jt, jax.devices())"
 for stage in "$@"; do
   echo "=== $stage"
   case $stage in
