@@ -15,9 +15,10 @@ FAR = int(np.iinfo(np.int32).max // 2)
 
 
 def einsum(spec, a, b, **kwargs):
-  """`jnp.einsum(spec, a, b, **kwargs)`, float32 and float64 operands multiplied in full, as
-  the kernels do: XLA's default on GPUs rounds them to TF32 (errors ~1e-3)."""
-  full = any(x.dtype in (jnp.float32, jnp.float64) for x in (a, b))
+  """`jnp.einsum(spec, a, b, **kwargs)`, multiplied in full where both operands are float32
+  (or float64), as the kernels do float32 inputs: XLA's default on GPUs rounds them to TF32
+  (errors ~1e-3). A 16-bit operand keeps the default (its values are exact in TF32)."""
+  full = all(x.dtype in (jnp.float32, jnp.float64) for x in (a, b))
   return jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST if full else None, **kwargs)
 
 
