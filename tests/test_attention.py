@@ -56,8 +56,8 @@ def test_float32_products_are_full_on_every_platform():
   """With float32 inputs the "xla" backend (forward and backward) and the reference multiply
   at HIGHEST precision: XLA's default on GPUs rounds float32 products to TF32 (errors ~1e-3;
   the quickstart's check against the reference failed so on an H200 with JAX 0.12, where
-  float32 falls back to "xla"). With bf16 inputs the backend keeps XLA's default (TF32 holds
-  bf16 values exactly; the full products would be several times slower there)."""
+  float32 falls back to "xla"). With bf16 inputs the backend keeps XLA's default (TF32 rounds
+  less than bf16 did; the full products would be several times slower there)."""
   pattern = DilatedPattern((64, 256), (1, 4), causal=True)
   attend = lambda q, k, v: dilated_attention(q, k, v, pattern, implementation="xla")
   loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) ** 2)

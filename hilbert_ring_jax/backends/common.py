@@ -17,7 +17,8 @@ FAR = int(np.iinfo(np.int32).max // 2)
 def einsum(spec, a, b, **kwargs):
   """`jnp.einsum(spec, a, b, **kwargs)`, multiplied in full where both operands are float32
   (or float64), as the kernels do float32 inputs: XLA's default on GPUs rounds them to TF32
-  (errors ~1e-3). A 16-bit operand keeps the default (its values are exact in TF32)."""
+  (errors ~1e-3). A 16-bit operand keeps the default: TF32 holds its values exactly, and
+  rounds the other (float32 scaled queries) by less than the 16-bit inputs were rounded."""
   full = all(x.dtype in (jnp.float32, jnp.float64) for x in (a, b))
   return jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST if full else None, **kwargs)
 
