@@ -1,7 +1,7 @@
 """Array plumbing the backends and the ring share: float32 products in full (`einsum`), the
-float16-safe operands of the `ds` products, transposes of linear layout maps, mesh-axes typing inside `shard_map`, `vmap`
-of kernel calls by folding into the batch, and packed rows' document windows. Neutral: no
-backend's choices live here."""
+float16-safe operands of the `ds` products, transposes of linear layout maps, mesh-axes typing
+inside `shard_map`, `vmap` of kernel calls by folding into the batch, and packed rows' document
+windows. Neutral: no backend's choices live here."""
 
 from __future__ import annotations
 

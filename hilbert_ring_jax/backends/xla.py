@@ -260,12 +260,11 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
       # giving exp of a large positive error.
       p = jnp.exp(jnp.minimum(s - lsef[..., None], 0.0))
       # dvb, dkb: [B, Z, K, bk, D]
-      dvb = einsum("BZKTJ,BZKTD->BZKJD", p.astype(dof.dtype), dof,
-                       preferred_element_type=acc)
+      dvb = einsum("BZKTJ,BZKTD->BZKJD", p.astype(dof.dtype), dof, preferred_element_type=acc)
       dp = einsum("BZKTD,BZKJD->BZKTJ", dof, vb, preferred_element_type=acc)
       ds = p * (dp - deltaf[..., None]) * scale
       dqf = dqf + einsum("BZKTJ,BZKJD->BZKTD", *ds_operands(ds, kb),
-                             preferred_element_type=acc)
+                         preferred_element_type=acc)
       dkb = einsum("BZKTJ,BZKTD->BZKJD", *ds_operands(ds, qf), preferred_element_type=acc)
       return dqf, (dkb, dvb)
 
@@ -301,8 +300,7 @@ def _softmax_parts(parts, scale):
     if spec is None:
       o = o + (p[..., None] * values[:, :, None].astype(jnp.float32)).sum(axis=-2)
     else:  # as the kernels do: p in the values' dtype, float32 accumulation
-      o = o + einsum(spec, p.astype(values.dtype), values,
-                         preferred_element_type=jnp.float32)
+      o = o + einsum(spec, p.astype(values.dtype), values, preferred_element_type=jnp.float32)
   safe_den = jnp.where(seen, den, 1.0)
   lse = jnp.where(seen, shift + jnp.log(safe_den), -jnp.inf)
   return o / safe_den[..., None], lse
