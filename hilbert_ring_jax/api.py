@@ -84,6 +84,15 @@ def check_segment_ids(segment_ids, q):
   if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
     raise ValueError(f"segment_ids must have an integer dtype (a document id per token), got "
                      f"segment_ids.dtype={segment_ids.dtype}")
+  if (isinstance(segment_ids, np.ndarray) and segment_ids.dtype.itemsize == 8 and segment_ids.size
+      and not jax.config.jax_enable_x64):  # JAX would keep only the low 32 bits
+    narrow = np.iinfo(np.int32 if segment_ids.dtype.kind == "i" else np.uint32)
+    low, high = segment_ids.min(), segment_ids.max()
+    if low < narrow.min or high > narrow.max:
+      raise ValueError(
+          f"segment_ids holds ids beyond 32 bits (from {low} to {high}), which JAX without "
+          f"64-bit mode keeps the low 32 bits of, merging documents: number the documents "
+          f"from 0 (np.unique(segment_ids, return_inverse=True)) or enable jax_enable_x64")
   return jnp.asarray(segment_ids)
 
 

@@ -146,6 +146,18 @@ def test_bad_segment_ids():
   # Traced ids are checked on shape and dtype alike.
   with pytest.raises(ValueError, match="integer dtype"):
     jax.jit(lambda ids: dilated_attention(q, q, q, p, segment_ids=ids))(jnp.zeros((2, 32)))
+  # 64-bit NumPy ids beyond 32 bits: JAX without 64-bit mode would keep their low 32 bits, and
+  # ids 0 and 2**32 would be one document. Within 32 bits they are taken.
+  wide = np.repeat(np.array([0, 2 ** 32], np.int64), 16)[None].repeat(2, 0)
+  if not jax.config.jax_enable_x64:
+    for call in (dilated_attention, dilated_attention_reference):
+      with pytest.raises(ValueError, match="beyond 32 bits"):
+        call(q, q, q, p, segment_ids=wide)
+      with pytest.raises(ValueError, match="beyond 32 bits"):
+        call(q, q, q, p, segment_ids=wide.astype(np.uint64))
+  narrow = np.where(wide > 0, -(2 ** 31), 7).astype(np.int64)
+  np.testing.assert_array_equal(dilated_attention(q, q, q, p, segment_ids=narrow),
+                                dilated_attention(q, q, q, p, segment_ids=narrow.astype(np.int32)))
 
 
 def _documents_alone(call, x, ids):
