@@ -155,6 +155,10 @@ def test_bad_segment_ids():
         call(q, q, q, p, segment_ids=wide)
       with pytest.raises(ValueError, match="beyond 32 bits"):
         call(q, q, q, p, segment_ids=wide.astype(np.uint64))
+  if not jax.config.jax_enable_x64:  # also through a layer
+    layer = DilatedMultiHeadAttention(2, 8, pattern=p, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="beyond 32 bits"):
+      layer(jnp.ones((2, 32, 8)), segment_ids=wide)
   narrow = np.where(wide > 0, -(2 ** 31), 7).astype(np.int64)
   np.testing.assert_array_equal(dilated_attention(q, q, q, p, segment_ids=narrow),
                                 dilated_attention(q, q, q, p, segment_ids=narrow.astype(np.int32)))
