@@ -361,7 +361,30 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, segment_ids=N
   cache = _fill(k, v, cache, pattern, num_heads)
   if segment_ids is not None:  # where each row's last document starts
     cache = dataclasses.replace(cache, start=document_starts(segment_ids)[:, -1])
+    _check_last_runs(segment_ids, pattern)
   return (out, lse, cache) if return_lse else (out, cache)
+
+
+def _check_last_runs(segment_ids, pattern: DilatedPattern) -> None:
+  """`ValueError` where concrete ids give a row's last document an earlier run the steps'
+  segments reach: the steps read each row's cached rows from the last change of id on
+  (`cache.start`), so they would differ from `dilated_attention` there. (Traced ids are not
+  looked at.)"""
+  if isinstance(segment_ids, jax.core.Tracer):
+    return
+  ids = np.asarray(segment_ids)
+  n, w = ids.shape[1], max(pattern.segment_lengths)
+  starts = np.asarray(document_starts(ids))[:, -1]
+  for row, (row_ids, start) in enumerate(zip(ids, starts)):
+    earlier = np.flatnonzero(row_ids[n // w * w:start] == row_ids[-1])  # (the segment of n)
+    if earlier.size:
+      raise ValueError(
+          f"segment_ids: row {row}'s last document (id {row_ids[-1]}) runs from position "
+          f"{start} to the prompt's end, and its id also marks position "
+          f"{n // w * w + earlier[0]}, which the next tokens' segments reach: decoding "
+          f"continues the last run of an id only, so the steps would differ from "
+          f"dilated_attention. Give each document an id of its own (e.g. the cumulative sum "
+          f"of where the ids change)")
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))

@@ -338,6 +338,33 @@ def test_decoding_continues_the_last_document(chunk):
   assert not np.allclose(ref[:, prompt:], plain[:, prompt:], atol=1e-3)
 
 
+def test_a_returning_last_id_is_refused_where_the_steps_would_reach_it():
+  """Decoding continues each row's last run of ids (`cache.start`). Where that id also marks
+  earlier tokens that the next tokens' segments reach, `dilated_attention` would let the new
+  tokens see them and the steps would not: the prefill refuses such concrete ids. An earlier
+  run out of reach (a segment of the longest branch before) decodes as `dilated_attention`."""
+  from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
+      dilated_attention_prefill, dilated_attention_step)
+  pattern = DilatedPattern((16, 64), (1, 4), causal=True)
+  case = helpers.Case(96, 4, 2, (16, 64), (1, 4))
+  q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 13)
+  back = np.repeat([2, 7, 2], [20, 12, 8])[None].astype(np.int32)  # id 2 again at 32
+  with pytest.raises(ValueError, match="segment_ids: row 0's last document .id 2. runs from "
+                                       "position 32 .* position 0"):
+    dilated_attention_prefill(q[:, :40], k[:, :40], v[:, :40], pattern, segment_ids=back)
+  ids = np.repeat([2, 7, 2], [30, 40, 26])[None].astype(np.int32)  # earlier 2s before 64
+  prompt = 80
+  out, cache = dilated_attention_prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], pattern,
+                                         segment_ids=ids[:, :prompt])
+  outs = [out]
+  for t in range(prompt, 96):
+    o, cache = dilated_attention_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache,
+                                      pattern)
+    outs.append(o)
+  ref = dilated_attention_reference(q, k, v, pattern, segment_ids=ids)
+  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), ref, rtol=2e-5, atol=2e-5)
+
+
 def test_packed_step_backend():
   """Packed caches step on the token-step kernel where it runs (here: interpret mode, as the
   config asks), else on "xla"; chunks always on "xla"."""
