@@ -356,12 +356,13 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, segment_ids=N
                           head_dim=head_dim, dtype=q.dtype)
   _check_cache(cache, q, k, pattern)
   segment_ids = check_segment_ids(segment_ids, q)
+  if segment_ids is not None:
+    _check_last_runs(segment_ids, pattern)
   out, lse = dilated_attention(q, k, v, pattern, segment_ids=segment_ids, scale=scale,
                                return_lse=True, implementation=implementation)
   cache = _fill(k, v, cache, pattern, num_heads)
   if segment_ids is not None:  # where each row's last document starts
     cache = dataclasses.replace(cache, start=document_starts(segment_ids)[:, -1])
-    _check_last_runs(segment_ids, pattern)
   return (out, lse, cache) if return_lse else (out, cache)
 
 
@@ -373,15 +374,16 @@ def _check_last_runs(segment_ids, pattern: DilatedPattern) -> None:
   if isinstance(segment_ids, jax.core.Tracer):
     return
   ids = np.asarray(segment_ids)
-  n, w = ids.shape[1], max(pattern.segment_lengths)
+  n = ids.shape[1]
+  reach = min(n // w * w for w in pattern.segment_lengths)  # the earliest segment holding n
   starts = np.asarray(document_starts(ids))[:, -1]
   for row, (row_ids, start) in enumerate(zip(ids, starts)):
-    earlier = np.flatnonzero(row_ids[n // w * w:start] == row_ids[-1])  # (the segment of n)
+    earlier = np.flatnonzero(row_ids[reach:start] == row_ids[-1])
     if earlier.size:
       raise ValueError(
           f"segment_ids: row {row}'s last document (id {row_ids[-1]}) runs from position "
           f"{start} to the prompt's end, and its id also marks position "
-          f"{n // w * w + earlier[0]}, which the next tokens' segments reach: decoding "
+          f"{reach + earlier[0]}, which the next tokens' segments reach: decoding "
           f"continues the last run of an id only, so the steps would differ from "
           f"dilated_attention. Give each document an id of its own (e.g. the cumulative sum "
           f"of where the ids change)")

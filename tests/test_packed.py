@@ -155,8 +155,7 @@ def test_bad_segment_ids():
         call(q, q, q, p, segment_ids=wide)
       with pytest.raises(ValueError, match="beyond 32 bits"):
         call(q, q, q, p, segment_ids=wide.astype(np.uint64))
-  if not jax.config.jax_enable_x64:  # also through a layer
-    layer = DilatedMultiHeadAttention(2, 8, pattern=p, rngs=nnx.Rngs(0))
+    layer = DilatedMultiHeadAttention(2, 8, pattern=p, rngs=nnx.Rngs(0))  # through a layer
     with pytest.raises(ValueError, match="beyond 32 bits"):
       layer(jnp.ones((2, 32, 8)), segment_ids=wide)
   narrow = np.where(wide > 0, -(2 ** 31), 7).astype(np.int64)
@@ -352,6 +351,11 @@ def test_a_returning_last_id_is_refused_where_the_steps_would_reach_it():
   with pytest.raises(ValueError, match="segment_ids: row 0's last document .id 2. runs from "
                                        "position 32 .* position 0"):
     dilated_attention_prefill(q[:, :40], k[:, :40], v[:, :40], pattern, segment_ids=back)
+  # The shorter branch's segment may reach further back: at 12 tokens, w = 7's from 7 on.
+  short = np.repeat([5, 3, 5], [8, 2, 2])[None].astype(np.int32)
+  with pytest.raises(ValueError, match="runs from position 10 .* position 7,"):
+    dilated_attention_prefill(q[:, :12], k[:, :12], v[:, :12],
+                              DilatedPattern((7, 10), (1, 1), causal=True), segment_ids=short)
   ids = np.repeat([2, 7, 2], [30, 40, 26])[None].astype(np.int32)  # earlier 2s before 64
   prompt = 80
   out, cache = dilated_attention_prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], pattern,
