@@ -356,28 +356,28 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, segment_ids=N
                           head_dim=head_dim, dtype=q.dtype)
   _check_cache(cache, q, k, pattern)
   segment_ids = check_segment_ids(segment_ids, q)
-  if segment_ids is not None:
-    _check_last_runs(segment_ids, pattern)
+  if segment_ids is not None:  # where each row's last document starts
+    start = document_starts(segment_ids)[:, -1]
+    _check_last_runs(segment_ids, start, pattern)
   out, lse = dilated_attention(q, k, v, pattern, segment_ids=segment_ids, scale=scale,
                                return_lse=True, implementation=implementation)
   cache = _fill(k, v, cache, pattern, num_heads)
-  if segment_ids is not None:  # where each row's last document starts
-    cache = dataclasses.replace(cache, start=document_starts(segment_ids)[:, -1])
+  if segment_ids is not None:
+    cache = dataclasses.replace(cache, start=start)
   return (out, lse, cache) if return_lse else (out, cache)
 
 
-def _check_last_runs(segment_ids, pattern: DilatedPattern) -> None:
+def _check_last_runs(segment_ids, starts, pattern: DilatedPattern) -> None:
   """`ValueError` where concrete ids give a row's last document an earlier run the steps'
   segments reach: the steps read each row's cached rows from the last change of id on
-  (`cache.start`), so they would differ from `dilated_attention` there. (Traced ids are not
-  looked at.)"""
+  (`starts`, the cache's `start`), so they would differ from `dilated_attention` there.
+  (Traced ids are not looked at.)"""
   if isinstance(segment_ids, jax.core.Tracer):
     return
   ids = np.asarray(segment_ids)
   n = ids.shape[1]
   reach = min(n // w * w for w in pattern.segment_lengths)  # the earliest segment holding n
-  starts = np.asarray(document_starts(ids))[:, -1]
-  for row, (row_ids, start) in enumerate(zip(ids, starts)):
+  for row, (row_ids, start) in enumerate(zip(ids, np.asarray(starts))):
     earlier = np.flatnonzero(row_ids[reach:start] == row_ids[-1])
     if earlier.size:
       raise ValueError(

@@ -7,9 +7,8 @@ items:
    pushes key/value blocks of the device's own into every peer's receive buffers (a TMA load
    into one of two staging tiles, which lands while the other's stores go out through
    `plgpu.remote_ref`), spread evenly over the phase's pipeline steps (its mean length over
-   the programs); then it signals each
-   peer's semaphore with the number of blocks it pushed and waits until every block of every
-   peer has landed;
+   the programs); then it signals each peer's semaphore with the number of blocks it pushed
+   and waits until every block of every peer has landed;
 2. each item over the peers' keys, read from the receive buffers, its result merged with the
    first phase's in its epilogue (`mosaic_forward.merge_prior`).
 So the transfers run beside a quarter of the work (on 4 devices) instead of before all of it,

@@ -360,7 +360,10 @@ class Work:
     if config.persistent is None and costs.mean() > _SHORT_ITEMS:
       return dataclasses.replace(work, dynamic=True) if packed else dataclasses.replace(
           work, programs=items, persistent=False)
-    return dataclasses.replace(work, plan=work._plan(costs))
+    # A static split (`p, p + programs, ...`) of LongNet's causal items left the SMs idle for
+    # part of the launch, its busiest program well above the mean; the list schedule's is
+    # near it (ncu and the estimate: docs/performance.md).
+    return dataclasses.replace(work, plan=list_schedule(costs, programs))
 
   def costs(self, batch: int, ranges) -> np.ndarray:
     """Each item's estimated cost: the blocks it walks (by the producer's own `ranges`,
@@ -385,12 +388,6 @@ class Work:
         return lax.fori_loop(prog.p0, prog.p1, add, jnp.int32(1))
 
       return np.tile(np.asarray(jax.vmap(cost)(jnp.arange(per_batch))), batch)
-
-  def _plan(self, costs: np.ndarray) -> np.ndarray:
-    """`list_schedule` of the items: a static split (`p, p + programs, ...`) of LongNet's
-    causal items left the SMs idle for part of the launch, its busiest program well above
-    the mean; the plan's is near it (ncu and the estimate: docs/performance.md)."""
-    return list_schedule(costs, self.programs)
 
   @property
   def grid(self):
