@@ -40,6 +40,8 @@ if [ -n "${J12:-}" ]; then
       --target /tmp/site12 ./*.whl) && export PYTHONPATH=/tmp/site12:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# The gathering kernel (ring.KERNEL_GATHER) needs custom calls out of XLA's command buffers.
+NO_CB=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "
 import jax, triton
@@ -105,20 +107,20 @@ for stage in "$@"; do
                   grep -v "^W1\|^I1\|bfc_allocator\|^\*" ;;
     tests-decode) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_decode.py \
                   -k "mosaic or jit or steps_match" 2>&1 | tail -15 ;;
+    quickstart) timeout 300 python3 examples/quickstart.py 2>&1 | tail -12 ;;
     generate) timeout 580 python3 examples/generate.py --preset gpu 2>&1 | tail -3 ;;
     tests-ring) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_ring.py \
                   -k gpus 2>&1 | tail -15 ;;
     tests-ring-all) timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu \
                   tests/test_ring.py tests/test_tensor_parallel.py 2>&1 | tail -15 ;;
-    # The gathering kernel (ring.KERNEL_GATHER) needs custom calls out of XLA's command buffers.
-    tests-kernel-gather) XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN \
+    tests-kernel-gather) XLA_FLAGS="${XLA_FLAGS:-} $NO_CB" \
                   timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu \
                   tests/test_kernel_gather.py 2>&1 | tail -15 ;;
-    ring-kernel-gather) XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN \
+    ring-kernel-gather) XLA_FLAGS="${XLA_FLAGS:-} $NO_CB" \
                   timeout 560 python3 benchmarks/ring_ab.py --patterns full --passes fwd,fwdbwd \
                   --per-gpu 8192,32768 --set KERNEL_GATHER=True --rounds 3 \
                   --json "$OUT/kernel_gather_ab.json" 2>&1 | grep -v "^W1\|^I1\|bfc_allocator" ;;
-    ring-kernel-gather-causal) XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN \
+    ring-kernel-gather-causal) XLA_FLAGS="${XLA_FLAGS:-} $NO_CB" \
                   timeout 560 python3 benchmarks/ring_ab.py --causal --patterns full \
                   --passes fwd,fwdbwd --per-gpu 8192,32768 --set KERNEL_GATHER=True --rounds 5 \
                   --json "$OUT/causal_kernel_gather_ab.json" 2>&1 | \

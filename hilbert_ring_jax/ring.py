@@ -72,10 +72,12 @@ SMALL_STEP_ROWS: int = 4096
 # attends to its own, instead of an all-gather before (docs/performance.md, "Keys gathered
 # inside the kernel"). Its programs claim the blocks they push as they run, so it completes
 # however few of them are resident (beside a collective on another stream holding SMs).
-# Off by default, and only with custom calls kept out of XLA's command buffers
+# Off by default. On JAX 0.11 only with custom calls kept out of XLA's command buffers
 # (`_custom_calls_out_of_command_buffers`): captured in one beside fusions, the kernel received
 # a peer's keys wrong in some calls on 2 x H200 (JAX 0.11.2), where the calls' buffers reuse
-# memory. False: the all-gather, then one call. Read when a call is traced.
+# memory; JAX 0.12 places the buffers it stores into on its peers in NCCL's symmetric memory,
+# and its GPU tests pass under XLA's default command buffers. False: the all-gather, then one
+# call. Read when a call is traced.
 KERNEL_GATHER: bool = False
 
 
@@ -299,10 +301,10 @@ class _RingBranch:
     if gathers is None or not gathers(q.shape, k.shape, q.dtype, plan.shards, self.scale,
                                       self.causal):
       return None
-    if not _custom_calls_out_of_command_buffers():
+    if jax.__version_info__ < (0, 12) and not _custom_calls_out_of_command_buffers():
       raise ValueError(
-          "ring.KERNEL_GATHER = True needs custom calls kept out of XLA's command buffers "
-          "(XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN, or = for "
+          "ring.KERNEL_GATHER = True needs, on JAX 0.11, custom calls kept out of XLA's "
+          "command buffers (XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN, or = for "
           "none, set before JAX starts): captured in one, the kernel that gathers the keys "
           "received wrong keys from a peer in some calls (docs/ring.md)")
     return backend, config

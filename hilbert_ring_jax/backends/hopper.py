@@ -23,6 +23,12 @@ SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
 # Registers per thread of the producer and of each consumer warpgroup (`setmaxnreg`; the
 # three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
 REGISTERS = (40, 232)
+# Whether `setmaxnreg` moves them. JAX 0.12's Mosaic GPU compiles a kernel as relocatable code
+# and links it (nvJitLink), and ptxas then ignores `setmaxnreg` ("(C7504) Potential Performance
+# Loss: 'setmaxnreg' ignored to maintain compatibility across compilation units"): every
+# warpgroup keeps 168 registers a thread (65536 / 384), and tiles that need more spill
+# (docs/performance.md, "JAX 0.12"). JAX 0.11 compiles without linking, and they move.
+REGISTERS_MOVE = jax.__version_info__ < (0, 12)
 
 
 def is_hopper() -> bool:

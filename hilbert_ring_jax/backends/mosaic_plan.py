@@ -51,7 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..pattern import DilatedPattern
 from . import schedule
-from .hopper import SMEM_BYTES, Zeroed, aligned, ceil_div, fetch_add, sm_count
+from .hopper import REGISTERS_MOVE, SMEM_BYTES, Zeroed, aligned, ceil_div, fetch_add, sm_count
 
 # Barriers beside the tiles (no reduction scratch: `hopper.run`'s kernels reduce within warps
 # only), and the alignment of every buffer.
@@ -128,9 +128,11 @@ class Config:
     (full attention's forward measured faster than with 128; LongNet's pieces of a few blocks
     and the causal diagonal slower: docs/performance.md). `ValueError` if the chosen forward
     tiles do not fit; `packed`: with the document ids' buffers too. (The backward's are per
-    launch: `backward_for`.)"""
+    launch: `backward_for`.) Where `setmaxnreg` leaves the consumers at 168 registers
+    (`REGISTERS_MOVE`, JAX 0.12), blocks of 192 keys spill and were 2.6x slower than
+    128: `long_keys` then changes nothing."""
     preferred = [(64, 128 if head_dim <= 128 else 64, 2), (64, 64, 3), (64, 64, 2)]
-    if long_keys and head_dim == 128:
+    if long_keys and head_dim == 128 and REGISTERS_MOVE:
       preferred.insert(0, (64, _LONG_BLOCK_K, 2))
     for bq, bk, fwd_stages in preferred:
       config = dataclasses.replace(self, block_q=self.block_q or bq, block_k=self.block_k or bk,
