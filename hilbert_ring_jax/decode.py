@@ -41,7 +41,8 @@ from .pattern import DilatedPattern, heads_per_kv
 MAX_LENGTH = 2 ** 31 - 1
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("length", "k", "v", "start"),
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("length", "k", "v", "start", "first"),
                    meta_fields=("num_heads", "pattern"))
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -54,8 +55,12 @@ class KVCache:
     pattern: the causal `DilatedPattern` whose branches it holds (static): a step under
       another pattern would read rows laid out for this one.
     start: None, or int32 `[B]` for packed rows (a prefill with `segment_ids`): where each
-      row's last document starts. Steps continue that document and do not read cached rows
-      before it.
+      row's last run of ids starts (the steps continue that document; the layers count
+      rotary positions from it).
+    first: None, or (packed rows) one int32 `[B, r_b]` array per branch: the first cached
+      position the steps read in each residue class. The prefill moves the rows of the last
+      document's earlier runs in reach (its id seen before `start`) to the rows just before
+      its last run, so that a slot's visible rows are those from `first` on.
   """
 
   length: jnp.ndarray
@@ -64,6 +69,7 @@ class KVCache:
   num_heads: int
   pattern: DilatedPattern
   start: jnp.ndarray | None = None
+  first: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +126,12 @@ def _check_pattern(pattern) -> None:
 
 
 def init_kv_cache(pattern: DilatedPattern, *, batch: int, num_heads: int, num_kv_heads: int,
-                  head_dim: int, dtype=jnp.float32) -> KVCache:
+                  head_dim: int, dtype=jnp.float32, packed: bool = False) -> KVCache:
   """An empty decoding cache (length 0) for a causal `pattern`.
 
   Its size depends only on the pattern and the head layout, never on a maximum length.
+  `packed=True`: a cache for packed rows (`start` and `first` set, one document a row until
+  a prefill with `segment_ids` fills it).
 
   Example:
     >>> p = DilatedPattern((8, 16), (1, 4), causal=True)
@@ -141,11 +149,15 @@ def init_kv_cache(pattern: DilatedPattern, *, batch: int, num_heads: int, num_kv
     raise ValueError(f"num_kv_heads must divide num_heads, got {num_kv_heads=}, {num_heads=}")
   dtype = check_dtype("dtype", dtype)
   pattern.head_ranges(num_heads)  # head_groups needs H >= number of branches
-  shapes = [(batch, num_kv_heads, t.slots, t.rows, head_dim)
-            for t in _tables(pattern, int(num_heads), int(num_kv_heads))]
+  check_flag("packed", packed)
+  tables = _tables(pattern, int(num_heads), int(num_kv_heads))
+  shapes = [(batch, num_kv_heads, t.slots, t.rows, head_dim) for t in tables]
   zeros = tuple(jnp.zeros(s, dtype) for s in shapes)
+  start, first = (None, None) if not packed else (
+      jnp.zeros((batch,), jnp.int32),
+      tuple(jnp.zeros((batch, t.r), jnp.int32) for t in tables))
   return KVCache(jnp.zeros((), jnp.int32), zeros, tuple(jnp.zeros(s, dtype) for s in shapes),
-                 int(num_heads), pattern)
+                 int(num_heads), pattern, start, first)
 
 
 def _check_cache(cache, q, k, pattern) -> tuple:
@@ -182,6 +194,16 @@ def _check_cache(cache, q, k, pattern) -> tuple:
                                   not jnp.issubdtype(cache.start.dtype, jnp.integer)):
     raise ValueError(f"cache.start must be None or an integer [B] = ({batch},) array, got "
                      f"{cache.start!r}")
+  if (cache.first is None) != (cache.start is None):
+    raise ValueError(f"cache.first and cache.start must both be None (rows of one document) "
+                     f"or both be set (packed rows), got start={cache.start!r}, "
+                     f"first={cache.first!r}")
+  if cache.first is not None:
+    want = [(batch, t.r) for t in tables]
+    if (not isinstance(cache.first, tuple) or [tuple(jnp.shape(x)) for x in cache.first] != want
+        or not all(jnp.issubdtype(x.dtype, jnp.integer) for x in cache.first)):
+      raise ValueError(f"cache.first must be a tuple of integer [B, r] arrays, one a branch "
+                       f"(r its dilation rate): shapes {want}, got {cache.first!r}")
   try:  # checked where it is known (outside jit); traced, it is the caller's to keep
     length = int(cache.length)
   except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
@@ -295,8 +317,8 @@ def _step(q, k, v, cache: KVCache, pattern: DilatedPattern, scale: float, return
   length = cache.length.astype(jnp.int32)
   pos = length + jnp.arange(steps)
   step = base.load(backend).step
-  if cache.start is not None:
-    step = functools.partial(step, start=cache.start)
+  if cache.first is not None:
+    step = functools.partial(step, first=cache.first)
   if steps == 1:
     # Write, then read: the cache is updated in place (reading the old buffer after an
     # in-place write would make XLA copy it). The token's row sits at position `length`.
@@ -311,7 +333,7 @@ def _step(q, k, v, cache: KVCache, pattern: DilatedPattern, scale: float, return
     new = [_write(kb, vb, k, v, pos, pos // table.w == (length + steps - 1) // table.w, table)
            for table, kb, vb in zip(tables, cache.k, cache.v)]
     new_k, new_v = (tuple(x) for x in zip(*new))
-  cache = KVCache(length + steps, new_k, new_v, num_heads, pattern, cache.start)
+  cache = KVCache(length + steps, new_k, new_v, num_heads, pattern, cache.start, cache.first)
   out = out.astype(q.dtype)
   return (out, lse, cache) if return_lse else (out, cache)
 
@@ -356,49 +378,59 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, segment_ids=N
                           head_dim=head_dim, dtype=q.dtype)
   _check_cache(cache, q, k, pattern)
   segment_ids = check_segment_ids(segment_ids, q)
-  if segment_ids is not None:  # where each row's last document starts
-    start = document_starts(segment_ids)[:, -1]
-    _check_last_runs(segment_ids, start, pattern)
   out, lse = dilated_attention(q, k, v, pattern, segment_ids=segment_ids, scale=scale,
                                return_lse=True, implementation=implementation)
-  cache = _fill(k, v, cache, pattern, num_heads)
-  if segment_ids is not None:
-    cache = dataclasses.replace(cache, start=start)
+  cache = _fill(k, v, cache, pattern, num_heads, segment_ids)
   return (out, lse, cache) if return_lse else (out, cache)
 
 
-def _check_last_runs(segment_ids, starts, pattern: DilatedPattern) -> None:
-  """`ValueError` where concrete ids give a row's last document an earlier run the steps'
-  segments reach: the steps read each row's cached rows from the last change of id on
-  (`starts`, the cache's `start`), so they would differ from `dilated_attention` there.
-  (Traced ids are not looked at.)"""
-  if isinstance(segment_ids, jax.core.Tracer):
-    return
-  ids = np.asarray(segment_ids)
-  n = ids.shape[1]
-  reach = min(n // w * w for w in pattern.segment_lengths)  # the earliest segment holding n
-  for row, (row_ids, start) in enumerate(zip(ids, np.asarray(starts))):
-    earlier = np.flatnonzero(row_ids[reach:start] == row_ids[-1])
-    if earlier.size:
-      raise ValueError(
-          f"segment_ids: row {row}'s last document (id {row_ids[-1]}) runs from position "
-          f"{start} to the prompt's end, and its id also marks position "
-          f"{reach + earlier[0]}, which the next tokens' segments reach: decoding "
-          f"continues the last run of an id only, so the steps would differ from "
-          f"dilated_attention. Give each document an id of its own (e.g. the cumulative sum "
-          f"of where the ids change)")
-
-
 @functools.partial(jax.jit, static_argnums=(3, 4))
-def _fill(k, v, cache: KVCache, pattern: DilatedPattern, num_heads: int) -> KVCache:
-  """The cache after a prompt `k, v [B, T, Hkv, D]`: each branch's last segment written in."""
+def _fill(k, v, cache: KVCache, pattern: DilatedPattern, num_heads: int,
+          segment_ids=None) -> KVCache:
+  """The cache after a prompt `k, v [B, T, Hkv, D]`: each branch's last segment written in;
+  packed rows (`segment_ids`) also get `start` and `first`, their last document's earlier
+  rows in each slot moved next to its last run (`_gather_last_document`)."""
   steps = k.shape[1]
-  new_k, new_v = [], []
+  new_k, new_v, firsts = [], [], []
+  start = None if segment_ids is None else document_starts(segment_ids)[:, -1]
   for table, kb, vb in zip(_tables(pattern, num_heads, k.shape[2]), cache.k, cache.v):
-    start = (steps - 1) // table.w * table.w  # the last segment, static
-    pos = jnp.arange(start, steps)
-    kb, vb = _write(kb, vb, k[:, start:], v[:, start:], pos, jnp.ones(pos.shape, bool), table)
+    seg = (steps - 1) // table.w * table.w  # the last segment, static
+    pos = jnp.arange(seg, steps)
+    kb, vb = _write(kb, vb, k[:, seg:], v[:, seg:], pos, jnp.ones(pos.shape, bool), table)
+    if segment_ids is not None:
+      kb, vb, first = _gather_last_document(kb, vb, segment_ids, start, seg, table)
+      firsts.append(first)
     new_k.append(kb)
     new_v.append(vb)
   return KVCache(jnp.asarray(steps, jnp.int32), tuple(new_k), tuple(new_v), num_heads,
-                 pattern)
+                 pattern, start, None if segment_ids is None else tuple(firsts))
+
+
+def _gather_last_document(kb, vb, segment_ids, start, seg: int, table: _BranchTable):
+  """A branch's cache rows of the segment at `seg` (static), with each residue's rows of the
+  last document before its last run (`start [B]`; the id of the row's last token seen
+  earlier) moved, in order, to the rows just before that run; and `first [B, r]`, the
+  position of the first of them (of the run where none). A step's keys are a set (their
+  positions only decide which are visible), so from `first` on a residue's slot then holds
+  exactly the rows of the last document in the segment: what `dilated_attention` lets the
+  next tokens of that document see."""
+  steps, r = segment_ids.shape[1], table.r
+  j = np.arange(table.rows)
+  c = np.arange(r)[:, None]
+  pos = seg + j * r + c                                               # [r, rows], static
+  real = (j * r + c < table.w) & (pos < steps)
+  ids = jnp.take(segment_ids, np.minimum(pos, steps - 1).reshape(-1), axis=1)
+  ids = ids.reshape(-1, *pos.shape)                                   # [B, r, rows]
+  before = real & (jnp.asarray(pos)[None] < start[:, None, None])
+  earlier = before & (ids == segment_ids[:, -1, None, None])
+  run = jnp.sum(before, axis=-1)     # the last run starts at row `run`; the `count` earlier
+  count = jnp.sum(earlier, axis=-1)  # rows of its document move to rows [run - count, run)
+  order = jnp.argsort(~earlier, axis=-1, stable=True)  # the earlier rows' indices first
+  into = j - (run - count)[..., None]                                 # [B, r, rows]
+  moved = (into >= 0) & (into < count[..., None])
+  source = jnp.where(moved, jnp.take_along_axis(order, jnp.clip(into, 0, table.rows - 1),
+                                                axis=-1), j)
+  source = jnp.take(source, np.maximum(table.residue, 0), axis=1)      # [B, Hkv, R_b, rows]
+  kb, vb = (jnp.take_along_axis(x, source[..., None], axis=3) for x in (kb, vb))
+  first = seg + (run - count) * r + c[:, 0]
+  return kb, vb, first.astype(jnp.int32)

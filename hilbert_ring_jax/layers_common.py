@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .api import check_scale, dilated_attention
-from .decode import KVCache, dilated_attention_prefill, dilated_attention_step, document_starts
+from .decode import (KVCache, dilated_attention_prefill, dilated_attention_step,
+                     document_starts, init_kv_cache)
 from .ordering import (check_perm, hilbert_permutation, hilbert_permutation_per_segment,
                        inverse_permutation, serialize, unserialize)
 from .pattern import DilatedPattern, heads_per_kv
@@ -232,8 +233,10 @@ def decode_attend(q, k, v, cache: KVCache, pattern, *, prefill: bool, implementa
     y, cache = dilated_attention_prefill(q, k, v, pattern, cache=cache,
                                          segment_ids=segment_ids,
                                          implementation=implementation)
-    if packed and cache.start is None:  # one document a row
-      cache = dataclasses.replace(cache, start=jnp.zeros((q.shape[0],), jnp.int32))
+    if packed and cache.start is None:  # one document a row: every cached row read
+      empty = init_kv_cache(pattern, batch=q.shape[0], num_heads=q.shape[2],
+                            num_kv_heads=k.shape[2], head_dim=q.shape[3], packed=True)
+      cache = dataclasses.replace(cache, start=empty.start, first=empty.first)
   else:
     y, cache = dilated_attention_step(q, k, v, cache, pattern, implementation=implementation)
   return y.astype(q_dtype), cache

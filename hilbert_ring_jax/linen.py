@@ -49,8 +49,8 @@ class DilatedMultiHeadAttention(nn.Module):
   non-decoding module returns at those positions. `prefill=True` at the call takes a prompt at
   position 0 through the regular kernels and refills the cache. Needs a causal pattern,
   `ordering=None` and no `mesh`. An `init` given `segment_ids` makes a packed cache (also
-  `cache_start`, as the NNX layer's `init_cache(..., packed=True)`): prefills then take
-  `segment_ids`, and the steps continue each row's last document.
+  `cache_start` and `cache_first`, as the NNX layer's `init_cache(..., packed=True)`):
+  prefills then take `segment_ids`, and the steps continue each row's last document.
 
   Attributes:
     num_heads, pattern, qkv_features, out_features, num_kv_heads, ordering, grid_shape:
@@ -174,11 +174,13 @@ class DilatedMultiHeadAttention(nn.Module):
       cached_key = self.variable("cache", "cached_key")
       cached_value = self.variable("cache", "cached_value")
       cache_index = self.variable("cache", "cache_index")
-      cache_start = (self.variable("cache", "cache_start")
-                     if self.has_variable("cache", "cache_start") else None)
+      packed = self.has_variable("cache", "cache_start")
+      cache_start, cache_first = ((self.variable("cache", "cache_start"),
+                                   self.variable("cache", "cache_first")) if packed
+                                  else (None, None))
       cache = KVCache(cache_index.value, tuple(cached_key.value), tuple(cached_value.value),
-                      self.num_heads, self.pattern,
-                      None if cache_start is None else cache_start.value)
+                      self.num_heads, self.pattern, cache_start.value if packed else None,
+                      tuple(cache_first.value) if packed else None)
       positions = decode_positions(cache, xq.shape[1], prefill=prefill,
                                    segment_ids=segment_ids)
     elif positions is None:
@@ -189,17 +191,19 @@ class DilatedMultiHeadAttention(nn.Module):
       y, cache = decode_attend(q, k, v, cache, self.pattern, prefill=prefill,
                                implementation=implementation, segment_ids=segment_ids)
       cached_key.value, cached_value.value, cache_index.value = cache.k, cache.v, cache.length
-      if cache_start is not None:
-        cache_start.value = cache.start
+      if packed:
+        cache_start.value, cache_first.value = cache.start, cache.first
     else:
       if self.decode:  # initializing: an empty cache; the call runs as without decode
         empty = init_kv_cache(self.pattern, batch=xq.shape[0], num_heads=self.num_heads,
-                              num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=k.dtype)
+                              num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=k.dtype,
+                              packed=segment_ids is not None)
         self.variable("cache", "cached_key", lambda: empty.k)
         self.variable("cache", "cached_value", lambda: empty.v)
         self.variable("cache", "cache_index", lambda: empty.length)
-        if segment_ids is not None:  # a packed cache: where each row's last document starts
-          self.variable("cache", "cache_start", lambda: jnp.zeros((xq.shape[0],), jnp.int32))
+        if segment_ids is not None:  # a packed cache (`KVCache.start`, `KVCache.first`)
+          self.variable("cache", "cache_start", lambda: empty.start)
+          self.variable("cache", "cache_first", lambda: empty.first)
       y, lse = attend(q, k, v, self.pattern, key_mask=key_mask, segment_ids=segment_ids,
                       return_lse=True, implementation=implementation, mesh=self.mesh,
                       seq_axis=self.seq_axis, batch_axis=self.batch_axis,

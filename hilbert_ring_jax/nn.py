@@ -224,6 +224,7 @@ class DilatedMultiHeadAttention(nnx.Module):
     self.cached_value = nnx.data(None)
     self.cache_index = nnx.data(None)
     self.cache_start = nnx.data(None)
+    self.cache_first = nnx.data(None)
 
   def set_view(self, deterministic: bool | None = None, decode: bool | None = None):
     """Used by `nnx.view(model, deterministic=..., decode=...)`."""
@@ -242,9 +243,9 @@ class DilatedMultiHeadAttention(nnx.Module):
     flatten theirs): the cache holds each branch's current segment, whatever `N`. Keys and
     values are stored in `dtype` (q, k, v are cast to it for the attention). Calling it again
     empties the cache. `packed=True` makes a cache for packed rows (`cache_start`, where each
-    row's last document starts): a prefill then takes `segment_ids`, the steps continue each
-    row's last document, and rotary positions count from each document's start (the
-    portable step runs them: the token-step kernel declines packed caches for now).
+    row's last document starts, and `cache_first`, the first position each branch's slots
+    read: `KVCache`): a prefill then takes `segment_ids`, the steps continue each row's last
+    document, and rotary positions count from each document's start.
 
     Example:
       >>> from flax import nnx
@@ -261,20 +262,24 @@ class DilatedMultiHeadAttention(nnx.Module):
     check_decodable(self.order, self.pattern, self.mesh)
     batch = check_input_shape(input_shape, self.in_features)
     cache = init_kv_cache(self.pattern, batch=batch, num_heads=self.num_heads,
-                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
+                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype,
+                          packed=packed)
     self.cached_key = nnx.List([nnx.Cache(x) for x in cache.k])
     self.cached_value = nnx.List([nnx.Cache(x) for x in cache.v])
     self.cache_index = nnx.Cache(cache.length)
-    check_flag("packed", packed)
-    self.cache_start = nnx.Cache(jnp.zeros((batch,), jnp.int32)) if packed else nnx.data(None)
+    self.cache_start = nnx.Cache(cache.start) if packed else nnx.data(None)
+    self.cache_first = (nnx.List([nnx.Cache(x) for x in cache.first]) if packed
+                        else nnx.data(None))
 
   def kv_cache(self) -> KVCache:
     """The decoding state as a `KVCache` (`ValueError` before `init_cache`)."""
     if self.cache_index is None:
       raise ValueError("decoding needs a cache: call layer.init_cache(input_shape) first")
+    packed = self.cache_start is not None
     return KVCache(self.cache_index[...], tuple(x[...] for x in self.cached_key),
                    tuple(x[...] for x in self.cached_value), self.num_heads, self.pattern,
-                   None if self.cache_start is None else self.cache_start[...])
+                   self.cache_start[...] if packed else None,
+                   tuple(x[...] for x in self.cache_first) if packed else None)
 
   def check_parameters(self) -> None:
     """`ValueError` unless the parameters have the shapes this layer was built for.
@@ -408,6 +413,8 @@ class DilatedMultiHeadAttention(nnx.Module):
       self.cache_index[...] = cache.length
       if cache.start is not None:
         self.cache_start[...] = cache.start
+        for var, val in zip(self.cache_first, cache.first):
+          var[...] = val
     else:
       y, lse = attend(q, k, v, self.pattern, key_mask=key_mask, segment_ids=segment_ids,
                       return_lse=True, implementation=self.implementation, mesh=self.mesh,

@@ -337,36 +337,59 @@ def test_decoding_continues_the_last_document(chunk):
   assert not np.allclose(ref[:, prompt:], plain[:, prompt:], atol=1e-3)
 
 
-def test_a_returning_last_id_is_refused_where_the_steps_would_reach_it():
-  """Decoding continues each row's last run of ids (`cache.start`). Where that id also marks
-  earlier tokens that the next tokens' segments reach, `dilated_attention` would let the new
-  tokens see them and the steps would not: the prefill refuses such concrete ids. An earlier
-  run out of reach (a segment of the longest branch before) decodes as `dilated_attention`."""
+@pytest.mark.parametrize("jitted", [False, True])
+def test_a_returning_last_id_decodes_as_dilated_attention(jitted):
+  """Where a row's last id also marks earlier tokens that the next tokens' segments reach,
+  the steps see them too, as `dilated_attention` does (the prefill moves those cached rows
+  next to the last run: `KVCache.first`): concrete ids, and traced ones in a jitted prefill;
+  token steps and chunks of 3; rows with one earlier run, with two, and with one out of the
+  shorter branch's reach."""
   from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
       dilated_attention_prefill, dilated_attention_step)
   pattern = DilatedPattern((16, 64), (1, 4), causal=True)
-  case = helpers.Case(96, 4, 2, (16, 64), (1, 4))
+  case = helpers.Case(96, 4, 2, (16, 64), (1, 4), batch=3)
   q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 13)
-  back = np.repeat([2, 7, 2], [20, 12, 8])[None].astype(np.int32)  # id 2 again at 32
-  with pytest.raises(ValueError, match="segment_ids: row 0's last document .id 2. runs from "
-                                       "position 32 .* position 0"):
-    dilated_attention_prefill(q[:, :40], k[:, :40], v[:, :40], pattern, segment_ids=back)
-  # The shorter branch's segment may reach further back: at 12 tokens, w = 7's from 7 on.
-  short = np.repeat([5, 3, 5], [8, 2, 2])[None].astype(np.int32)
-  with pytest.raises(ValueError, match="runs from position 10 .* position 7,"):
-    dilated_attention_prefill(q[:, :12], k[:, :12], v[:, :12],
-                              DilatedPattern((7, 10), (1, 1), causal=True), segment_ids=short)
-  ids = np.repeat([2, 7, 2], [30, 40, 26])[None].astype(np.int32)  # earlier 2s before 64
-  prompt = 80
-  out, cache = dilated_attention_prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], pattern,
-                                         segment_ids=ids[:, :prompt])
-  outs = [out]
-  for t in range(prompt, 96):
-    o, cache = dilated_attention_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache,
-                                      pattern)
-    outs.append(o)
+  ids = jnp.asarray(np.stack([np.repeat([2, 7, 2], [20, 12, 64]),
+                              np.repeat([7, 2, 7], [36, 2, 58]),
+                              np.repeat([5, 3, 5, 3, 5], [8, 2, 12, 3, 71])]), jnp.int32)
+  prompt = 40
+  prefill = dilated_attention_prefill
+  if jitted:
+    prefill = jax.jit(dilated_attention_prefill, static_argnums=3)
+  step = jax.jit(dilated_attention_step, static_argnums=4)
   ref = dilated_attention_reference(q, k, v, pattern, segment_ids=ids)
-  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), ref, rtol=2e-5, atol=2e-5)
+  for chunk in (1, 3):
+    out, cache = prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], pattern,
+                         segment_ids=ids[:, :prompt])
+    np.testing.assert_array_equal(cache.start, [32, 38, 25])
+    outs = [out]
+    for t in range(prompt, 96, chunk):
+      o, cache = step(q[:, t:t + chunk], k[:, t:t + chunk], v[:, t:t + chunk], cache, pattern)
+      outs.append(o)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), ref, rtol=2e-5, atol=2e-5)
+  # Reading only the last run would differ: the earlier runs matter here.
+  last_run = jnp.where(jnp.arange(96) < jnp.asarray([32, 38, 25])[:, None], -1, ids)
+  other = dilated_attention_reference(q, k, v, pattern, segment_ids=last_run)
+  assert not np.allclose(other[:, prompt:], ref[:, prompt:], atol=1e-3)
+
+
+def test_a_packed_cache_is_checked():
+  """`start` and `first` come together, `first` one `[B, r]` array a branch: else a
+  ValueError naming them."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
+      dilated_attention_step, init_kv_cache)
+  pattern = DilatedPattern((8, 16), (1, 4), causal=True)
+  cache = init_kv_cache(pattern, batch=2, num_heads=4, num_kv_heads=2, head_dim=8, packed=True)
+  assert [x.shape for x in cache.first] == [(2, 1), (2, 4)] and cache.start.shape == (2,)
+  x, kv = jnp.ones((2, 1, 4, 8)), jnp.ones((2, 1, 2, 8))
+  dilated_attention_step(x, kv, kv, cache, pattern)
+  for bad, match in ((dataclasses.replace(cache, first=None), "cache.first and cache.start"),
+                     (dataclasses.replace(cache, first=cache.first[:1]), r"\[B, r\] arrays"),
+                     (dataclasses.replace(cache, first=(cache.first[0], cache.first[0])),
+                      r"\[B, r\] arrays")):
+    with pytest.raises(ValueError, match=match):
+      dilated_attention_step(x, kv, kv, bad, pattern)
 
 
 def test_packed_step_backend():
@@ -410,6 +433,7 @@ def test_layers_decode_packed_prompts():
                                            rotary_base=1e4, decode=True)
   variables = module.init(jax.random.PRNGKey(0), x, segment_ids=ids)
   assert variables["cache"]["cache_start"].shape == (2,)
+  assert [x.shape for x in variables["cache"]["cache_first"]] == [(2, 1), (2, 2)]  # [B, r]
   plain = linen.DilatedMultiHeadAttention(num_heads=4, num_kv_heads=2, pattern=pattern,
                                           rotary_base=1e4)
   want = plain.apply({"params": variables["params"]}, x, segment_ids=ids, positions=pos)

@@ -279,32 +279,33 @@ def test_mosaic_packed_lowers_for_the_gpu():
   text = lower(lambda q, k, v, ids: backends.attention(q, k, v, kernel, (ids, ids))[0],
                *rows, one)
   assert "atomic_rmw" in text
-  # The token step of a packed cache (reading each row from its `start`).
+  # The token step of a packed cache (reading each slot from its `first` position).
   from hilbert_ring_jax import decode  # pylint: disable=import-outside-toplevel
   from hilbert_ring_jax.backends import mosaic_decode  # pylint: disable=g-import-not-at-top
   cache = jax.eval_shape(lambda q, k, ids: decode.dilated_attention_prefill(
       q, k, k, pattern, segment_ids=ids)[1], q, kv, jax.ShapeDtypeStruct((1, 1024), jnp.int32))
   tables = decode._tables(pattern, 2, 1)  # pylint: disable=protected-access
-  text = lower(lambda q, ks, vs, length, start: mosaic_decode.step(
-      q, ks, vs, length, tables, 0.1, None, start), jax.ShapeDtypeStruct((1, 2, 128),
-      jnp.bfloat16), cache.k, cache.v, cache.length, cache.start)
+  text = lower(lambda q, ks, vs, length, first: mosaic_decode.step(
+      q, ks, vs, length, tables, 0.1, None, first), jax.ShapeDtypeStruct((1, 2, 128),
+      jnp.bfloat16), cache.k, cache.v, cache.length, cache.first)
   assert "mosaic_gpu" in text
 
 
 @INTERPRET
 def test_mosaic_token_steps_continue_the_last_document():
   """Packed caches on the token-step kernel: after a packed prefill, each new token reads
-  only its row's last document. Row 0's starts past the current segments' first blocks in
-  both branches (those blocks skipped, the next masked), row 1's before one segment and
-  inside the other's first block; against the float64 reference."""
+  only its row's last document. Row 0's last run starts past the current segments' first
+  blocks in both branches, and its id marks an earlier run in reach of both (moved next to
+  the last run: the blocks before skipped, the next masked); row 1's starts before one
+  segment and inside the other's first block; against the float64 reference."""
   from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
       dilated_attention_prefill, dilated_attention_step)
   from hilbert_ring_jax.backends import mosaic_decode  # pylint: disable=g-import-not-at-top
-  case = helpers.Case(236, 2, 1, (128, 256), (1, 2), head_dim=64, batch=2)
+  case = helpers.Case(236, 4, 2, (128, 256), (1, 2), head_dim=64, batch=2)
   pattern, prompt = case.pattern(True), 233
   q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 13)
   ids = np.zeros((2, case.n), np.int32)
-  ids[0, 90:], ids[0, 200:] = 1, 2  # row 0: the last document starts at 200
+  ids[0, 90:], ids[0, 150:], ids[0, 200:] = 1, 2, 1  # row 0: its last run starts at 200
   ids[1, 20:] = 5                    # row 1: at 20
   ids = jnp.asarray(ids)
   _, cache = dilated_attention_prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], pattern,

@@ -30,8 +30,8 @@ A backend is a module of `hilbert_ring_jax.backends` that provides (see `Backend
   `[B, Hkv, R_b, rows_b, D]` pair per branch, its slots laid out by `tables`: decode.py); a
   single token's own row is already written there (a kernel may read it from the cache).
   `supports` answers for a step when `problem.step` is set; with `problem.segment_ids` too,
-  `step` also takes `start=` (int32 `[B]`: each row's document starts there, and cached rows
-  before it are not read).
+  `step` also takes `first=` (one int32 `[B, r]` array a branch: each residue's cached rows
+  before that position are of other documents and not read).
 
 A backend may also provide `ring_step_config(config) -> Config`: the config its ring steps
 run with (`config`: the caller's, or None), where other work (the next step's transfers)

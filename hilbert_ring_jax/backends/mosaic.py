@@ -318,11 +318,11 @@ def _fused_backward(x, stats, transposed: schedule.Schedule, n, causal, scale, c
   return dq if prior is None else dq + prior[0], dk, dv
 
 
-def step(q, k, v, ks, vs, length, tables, scale: float, *, config=None, start=None):
+def step(q, k, v, ks, vs, length, tables, scale: float, *, config=None, first=None):
   """A decoding token step (the contract of `base.py`, one token): one launch of
   `mosaic_decode.step` over every branch's slot, which reads the token's own row from the
-  caches (`k`, `v` are not read). `config`: a `mosaic_decode.Config`, or None. `start`
-  (packed caches, `[B]`): each row's cached rows before it are not read."""
+  caches (`k`, `v` are not read). `config`: a `mosaic_decode.Config`, or None. `first`
+  (packed caches, one `[B, r]` a branch): each residue's rows before it are not read."""
   del k, v
-  out, lse = mosaic_decode.step(q[:, 0], ks, vs, length, tables, scale, config, start)
+  out, lse = mosaic_decode.step(q[:, 0], ks, vs, length, tables, scale, config, first)
   return out[:, None], lse[:, None]

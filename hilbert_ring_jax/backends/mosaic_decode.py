@@ -118,14 +118,15 @@ def _splits(config: Config, blocks: int, programs: int) -> tuple[int, int]:
 
 
 def step(q, ks, vs, length, branches, scale: float, config: Config | None = None,
-         start=None):
+         first=None):
   """`(out [B, H, D], lse [B, H])`, float32, of the token at position `length` (whose row is
   already in the caches `ks, vs`: one `[B, Hkv, R_b, rows_b, D]` pair per branch) with query
   `q [B, H, D]`: its attention over every cached row it reads in every branch. `branches`:
   the cache's slot tables (`decode._tables`: `w, r, rows`, `slot [Hkv, r]`, the slot of (kv
   head, residue) or -1, and `takes_part [H, r]`, which query heads read which residue).
-  `start` (packed rows, int32 `[B]`): each row's cached rows before position `start` are of
-  earlier documents: a program skips their blocks and masks the rest of them."""
+  `first` (packed rows, one int32 `[B, r]` array a branch): each residue's cached rows
+  before that position are of other documents: a program skips their blocks and masks the
+  rest of them."""
   batch, num_heads, d = q.shape
   num_kv = ks[0].shape[1]
   group = num_heads // num_kv
@@ -134,16 +135,19 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
   rows_g = -(-group // 8) * 8  # output rows per program: whole tiles of 8
   nb = len(branches)
   blocks = [-(-br.rows // bk) for br in branches]
-  first = np.cumsum([0] + blocks)  # a program's blocks are a run of this concatenation
-  splits, per = _splits(config, int(first[-1]), batch * num_kv)
+  block0 = np.cumsum([0] + blocks)  # a program's blocks are a run of this concatenation
+  splits, per = _splits(config, int(block0[-1]), batch * num_kv)
   dtype = q.dtype
   qk_scale = scale * LOG2E
 
   # The token's residue, rows read and slot in each branch, and which query heads read it
   # (the tile rows past the kv head's `group` query heads read nothing).
   t = jnp.asarray(length, jnp.int32)
-  meta, bias = [], []
-  for br in branches:
+  # Packed rows: per branch and row, the first cached row the token's slot reads (the rows
+  # at or after its residue's `first` position; row j is position seg_start + j r + c).
+  packed = first is not None
+  meta, bias, rows0 = [], [], []
+  for i, br in enumerate(branches):
     c = (t % br.w) % br.r
     slot = jnp.asarray(br.slot)[:, c]                                   # [Hkv]
     count = jnp.where(slot >= 0, (t % br.w) // br.r + 1, 0)            # rows read
@@ -151,13 +155,10 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
     reads = jnp.asarray(br.takes_part)[:, c].reshape(num_kv, group)
     reads = jnp.pad(reads, ((0, 0), (0, _ROWS - group)))               # [Hkv, 64]
     bias.append(jnp.where(reads, 0.0, -jnp.inf))
+    if packed:
+      rows0.append(jnp.maximum(-((t // br.w * br.w + c - first[i][:, c]) // br.r), 0))
   meta = jnp.stack(meta).astype(jnp.int32).reshape(-1)                  # [nb * Hkv * 2]
-  # Packed rows: per branch and row, the first cached row at or after `start` (the rows
-  # read are at positions seg_start + j r + c).
-  packed = start is not None
-  first_row = () if not packed else (jnp.stack([
-      jnp.maximum(-((t // br.w * br.w + (t % br.w) % br.r - start) // br.r), 0)
-      for br in branches]).astype(jnp.int32).reshape(-1),)             # [nb * B]
+  first_row = (jnp.stack(rows0).astype(jnp.int32).reshape(-1),) if packed else ()  # [nb * B]
   bias = jnp.stack(bias, axis=1).astype(jnp.float32)                    # [Hkv, nb, 64]
   qp = q.reshape(batch, num_kv, group, d)
   qp = jnp.pad(qp, ((0, 0), (0, 0), (0, _ROWS - group), (0, 0)))
@@ -181,8 +182,8 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
       at = (i * num_kv + g) * 2
       slot, count = meta_ref[at], meta_ref[at + 1]
       row0 = first_ref[i * batch + b] if packed else None
-      lo = jnp.clip(lo_all - int(first[i]), 0, blocks[i])
-      hi = jnp.clip(lo_all + per - int(first[i]), 0, blocks[i])
+      lo = jnp.clip(lo_all - int(block0[i]), 0, blocks[i])
+      hi = jnp.clip(lo_all + per - int(block0[i]), 0, blocks[i])
       hi = jnp.minimum(hi, ceil_div(count, bk))
       if packed:
         lo = jnp.maximum(lo, lax.div(row0, bk))

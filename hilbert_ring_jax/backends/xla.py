@@ -329,15 +329,15 @@ def _cached_slots(kb, vb, c_t, table):
           jnp.take_along_axis(vb, idx, axis=2, mode="clip"))
 
 
-def _branch_step(qg, k_new, v_new, kb, vb, length, table, scale, start=None):
+def _branch_step(qg, k_new, v_new, kb, vb, length, table, scale, first=None):
   """One branch's `(o [B, Hkv, G, T, D], lse [B, Hkv, G, T])` for the new queries.
 
   Cached rows and the chunk's own keys form one key set (they are disjoint), softmaxed once.
   With `T <= R_b` new tokens (decoding: `T = 1`) each query reads only the cache slot of its
   residue, `rows_b` rows per kv head; longer chunks read all `R_b` slots once. `table`: the
   branch's slot table (decode.py: `w, r, rows, slots`, `slot [Hkv, r]`, `residue [Hkv, R_b]`,
-  `takes_part [H, r]`, `uniform`). `start` (None or `[B]`): packed rows, whose cached rows
-  before `start` belong to earlier documents and are not read.
+  `takes_part [H, r]`, `uniform`). `first` (None or `[B, r]`): packed rows, each residue's
+  cached rows before position `first` not read (decode.py: `KVCache.first`).
   """
   batch, num_kv_heads, group, steps, head_dim = qg.shape
   w, r = table.w, table.r
@@ -355,8 +355,8 @@ def _branch_step(qg, k_new, v_new, kb, vb, length, table, scale, start=None):
     offset = rows[None, :] + c_t[:, None]               # [T, rows]
     pos = (seg_t * w)[:, None] + offset
     mask_c = ((offset < w) & (pos < length))[None]      # [1 or B, T, rows]
-    if start is not None:
-      mask_c = mask_c & (pos[None] >= start[:, None, None])
+    if first is not None:
+      mask_c = mask_c & (pos[None] >= jnp.take(first, c_t, axis=1)[..., None])
     s_c = einsum("bhgtd,bhtkd->bhgtk", qg, kc, **f32)
     cached = (s_c, mask_c[:, None, None] & takes_part, vc, None)
   else:
@@ -366,8 +366,8 @@ def _branch_step(qg, k_new, v_new, kb, vb, length, table, scale, start=None):
     pos = (seg_t * w)[None, :, None] + jnp.asarray(offset)[:, None, :]  # [Hkv, T, R rows]
     mask_c = (static_ok[:, None, :] & (jnp.asarray(res)[:, None, :] == c_t[None, :, None])
               & (pos < length))[None]                    # [1 or B, Hkv, T, R rows]
-    if start is not None:
-      mask_c = mask_c & (pos[None] >= start[:, None, None, None])
+    if first is not None:  # the first position of each row's residue: [B, Hkv, 1, R rows]
+      mask_c = mask_c & (pos[None] >= jnp.take(first, np.maximum(res, 0), axis=1)[:, :, None])
     kc = kb.reshape(batch, num_kv_heads, -1, head_dim)
     vc = vb.reshape(batch, num_kv_heads, -1, head_dim)
     s_c = einsum("bhgtd,bhkd->bhgtk", qg, kc, **f32)
@@ -380,13 +380,13 @@ def _branch_step(qg, k_new, v_new, kb, vb, length, table, scale, start=None):
   return _softmax_parts([cached, new], scale)
 
 
-def step(q, k, v, ks, vs, length, tables, scale: float, *, config=None, start=None):
+def step(q, k, v, ks, vs, length, tables, scale: float, *, config=None, first=None):
   """A decoding step of any T tokens (the contract of `base.py`; every backend without a
   token-step kernel decodes with it, and chunks always do): per branch, each new token
   scored against the cached rows of its residue's slot before `length` and the new tokens
   it sees, one softmax over both (`_branch_step`); branches merged. `config` is not read:
-  the portable step has no knobs. `start` (packed rows, `[B]`): each row's cached rows
-  before it are of earlier documents and not read."""
+  the portable step has no knobs. `first` (packed rows: one `[B, r]` array a branch): each
+  residue's cached rows before that position are not read."""
   del config
   batch, steps, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
@@ -394,8 +394,9 @@ def step(q, k, v, ks, vs, length, tables, scale: float, *, config=None, start=No
   qg = q.reshape(batch, steps, num_kv_heads, group, head_dim)
   qg = qg.transpose(0, 2, 3, 1, 4)                       # [B, Hkv, G, T, D]
   outs, lses = [], []
-  for table, kb, vb in zip(tables, ks, vs):
-    o, lse = _branch_step(qg, k, v, kb, vb, length, table, scale, start)
+  for i, (table, kb, vb) in enumerate(zip(tables, ks, vs)):
+    o, lse = _branch_step(qg, k, v, kb, vb, length, table, scale,
+                          None if first is None else first[i])
     outs.append(o.transpose(0, 3, 1, 2, 4).reshape(batch, steps, num_heads, head_dim))
     lses.append(lse.transpose(0, 3, 1, 2).reshape(batch, steps, num_heads))
   return merge(outs, lses)
