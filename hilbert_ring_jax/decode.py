@@ -58,9 +58,10 @@ class KVCache:
       row's last run of ids starts (the steps continue that document; the layers count
       rotary positions from it).
     first: None, or (packed rows) one int32 `[B, r_b]` array per branch: the first cached
-      position the steps read in each residue class. The prefill moves the rows of the last
-      document's earlier runs in reach (its id seen before `start`) to the rows just before
-      its last run, so that a slot's visible rows are those from `first` on.
+      position the steps read in each residue class of the prompt's last segment (at most
+      the next segment's start: later segments read all their rows). The prefill moves the
+      rows of the last document's earlier runs in reach (its id seen before `start`) to the
+      rows just before its last run, so that a slot's visible rows are those from `first` on.
   """
 
   length: jnp.ndarray
@@ -190,8 +191,9 @@ def _check_cache(cache, q, k, pattern) -> tuple:
         raise ValueError(f"cache.{name}[{b}] has dtype {x.dtype}, inputs are {q.dtype}")
   if jnp.shape(cache.length) != () or not jnp.issubdtype(cache.length.dtype, jnp.integer):
     raise ValueError(f"cache.length must be an integer scalar, got {cache.length!r}")
-  if cache.start is not None and (tuple(jnp.shape(cache.start)) != (batch,) or
-                                  not jnp.issubdtype(cache.start.dtype, jnp.integer)):
+  int_array = lambda x, shape: (jnp.issubdtype(getattr(x, "dtype", np.float32), jnp.integer)
+                                and tuple(x.shape) == shape)
+  if cache.start is not None and not int_array(cache.start, (batch,)):
     raise ValueError(f"cache.start must be None or an integer [B] = ({batch},) array, got "
                      f"{cache.start!r}")
   if (cache.first is None) != (cache.start is None):
@@ -200,8 +202,8 @@ def _check_cache(cache, q, k, pattern) -> tuple:
                      f"first={cache.first!r}")
   if cache.first is not None:
     want = [(batch, t.r) for t in tables]
-    if (not isinstance(cache.first, tuple) or [tuple(jnp.shape(x)) for x in cache.first] != want
-        or not all(jnp.issubdtype(x.dtype, jnp.integer) for x in cache.first)):
+    if (not isinstance(cache.first, tuple) or len(cache.first) != len(want)
+        or not all(int_array(x, shape) for x, shape in zip(cache.first, want))):
       raise ValueError(f"cache.first must be a tuple of integer [B, r] arrays, one a branch "
                        f"(r its dilation rate): shapes {want}, got {cache.first!r}")
   try:  # checked where it is known (outside jit); traced, it is the caller's to keep
@@ -243,7 +245,7 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
   `O(T^2)` memory per branch: for long prompts use `dilated_attention_prefill`). A token step
   reads `rows_b = ceil(w_b / r_b)` cached rows per branch and kv head. After a prefill of
   packed rows (`segment_ids`) the new tokens continue each row's last document: they see
-  only its tokens (`cache.start`). Works under `jax.jit`
+  only its tokens (`cache.first`). Works under `jax.jit`
   with `pattern` static; the cache can be donated.
 
   The step's backend is resolved like `dilated_attention`'s (`backends.resolve`, from a
@@ -294,7 +296,7 @@ def step_backend(q, k, pattern: DilatedPattern, implementation=None, config=None
   `backends.resolve` over the `implementation` candidates for the step's `Problem` ("mosaic"
   for a token on Hopper, or in interpret mode when `config` asks; "xla" for chunks and for
   every backend without a token-step kernel; `packed`: a cache of packed rows, whose steps
-  take `start`). `ValueError` for a bad `implementation` or `config`, `NoBackendError` if no
+  take `first`). `ValueError` for a bad `implementation` or `config`, `NoBackendError` if no
   candidate runs the step."""
   names = base.candidates(implementation)
   if config is not None:
@@ -352,7 +354,8 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, segment_ids=N
     pattern: a causal `DilatedPattern`.
     segment_ids: None, or an integer `[B, T]` array: the prompt's rows pack several
       documents (as in `dilated_attention`); the steps that follow continue each row's last
-      document (`cache.start` records where it starts).
+      document, seeing all its tokens in their segments, those of earlier runs of its id
+      too (`cache.start`, `cache.first`).
     scale: score scale, default `D ** -0.5`.
     cache: None (allocate one) or a `KVCache` to reuse (e.g. donated under jit).
     return_lse: also return the float32 `[B, T, H]` log-denominators.
@@ -410,7 +413,8 @@ def _gather_last_document(kb, vb, segment_ids, start, seg: int, table: _BranchTa
   """A branch's cache rows of the segment at `seg` (static), with each residue's rows of the
   last document before its last run (`start [B]`; the id of the row's last token seen
   earlier) moved, in order, to the rows just before that run; and `first [B, r]`, the
-  position of the first of them (of the run where none). A step's keys are a set (their
+  position of the first of them (of the run where none; the next segment's start where the
+  residue has no row left in this one). A step's keys are a set (their
   positions only decide which are visible), so from `first` on a residue's slot then holds
   exactly the rows of the last document in the segment: what `dilated_attention` lets the
   next tokens of that document see."""
@@ -432,5 +436,7 @@ def _gather_last_document(kb, vb, segment_ids, start, seg: int, table: _BranchTa
                                                 axis=-1), j)
   source = jnp.take(source, np.maximum(table.residue, 0), axis=1)      # [B, Hkv, R_b, rows]
   kb, vb = (jnp.take_along_axis(x, source[..., None], axis=3) for x in (kb, vb))
-  first = seg + (run - count) * r + c[:, 0]
+  # At most the next segment's start (a residue with no row left in this one would point
+  # into the next, hiding rows there that are all visible).
+  first = jnp.minimum(seg + (run - count) * r + c[:, 0], seg + table.w)
   return kb, vb, first.astype(jnp.int32)

@@ -201,9 +201,9 @@ def rotate(q, k, rotary_base, positions):
 
 def decode_positions(cache: KVCache, steps: int, *, prefill: bool, segment_ids=None):
   """The rotary positions of a decoding call's `steps` tokens: from 0 for a prefill (from
-  each document's start with `segment_ids`), after the cached tokens for a step; in a packed
-  cache (`cache.start`) counted from each row's document start (`[B, T]`), as `positions`
-  restarting at each document number them."""
+  the start of each run of equal ids with `segment_ids`), after the cached tokens for a step;
+  in a packed cache (`cache.start`) counted from the start of each row's last run (`[B, T]`),
+  as `positions` restarting at each run of ids number them."""
   if prefill:
     return jnp.arange(steps) if segment_ids is None else (
         jnp.arange(steps) - document_starts(segment_ids))
@@ -526,8 +526,8 @@ def check_call(*, decode: bool, prefill, sow_weights, cross: bool, key_mask, rot
                       ("mask (the cache hides what was not written yet)", key_mask is not None),
                       ("segment_ids but with prefill=True (the steps continue the last "
                        "document of the prefill)", segment_ids is not None and not prefill),
-                      ("positions (decoding counts them from the cache, and from each "
-                       "document's start in a packed cache)", positions is not None),
+                      ("positions (decoding counts them from the cache, and from the start "
+                       "of each run of ids in a packed cache)", positions is not None),
                       ("sow_weights", sow_weights)):
       if bad:
         raise ValueError(f"decode takes no {what}")

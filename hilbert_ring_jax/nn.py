@@ -243,9 +243,9 @@ class DilatedMultiHeadAttention(nnx.Module):
     flatten theirs): the cache holds each branch's current segment, whatever `N`. Keys and
     values are stored in `dtype` (q, k, v are cast to it for the attention). Calling it again
     empties the cache. `packed=True` makes a cache for packed rows (`cache_start`, where each
-    row's last document starts, and `cache_first`, the first position each branch's slots
-    read: `KVCache`): a prefill then takes `segment_ids`, the steps continue each row's last
-    document, and rotary positions count from each document's start.
+    row's last run of ids starts, and `cache_first`, the first position each branch's
+    residues read: `KVCache`): a prefill then takes `segment_ids`, the steps continue each row's last
+    document, and rotary positions count from the start of each run of ids.
 
     Example:
       >>> from flax import nnx
@@ -367,8 +367,8 @@ class DilatedMultiHeadAttention(nnx.Module):
         (with a cache from `init_cache(..., packed=True)`).
       positions: an integer `[batch..., N]` array, each token's position for `rotary_base`
         (default: its place in the sequence), e.g. restarting at 0 at each packed document.
-        Not when decoding: positions then follow the cache (from each document's start in a
-        packed cache).
+        Not when decoding: positions then follow the cache (from the start of each run of
+        ids in a packed cache).
     """
     batch, xq, xk, xv = layer_inputs(inputs_q, inputs_k, inputs_v, self.in_features,
                                      self.in_kv_features)

@@ -373,6 +373,30 @@ def test_a_returning_last_id_decodes_as_dilated_attention(jitted):
   assert not np.allclose(other[:, prompt:], ref[:, prompt:], atol=1e-3)
 
 
+def test_a_short_last_document_where_segments_are_not_whole_periods():
+  """With w % r != 0 a residue may have no row left in the prompt's last segment after the
+  rows before its last run: its `first` is then the next segment's start (not past it),
+  whose rows the steps read whole. Token steps and chunks, against the reference (the
+  audit's case: (9,) x (5,), a last document of one token)."""
+  from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
+      dilated_attention_prefill, dilated_attention_step)
+  pattern = DilatedPattern((9, 6), (5, 4), causal=True)
+  case = helpers.Case(30, 2, 1, (9, 6), (5, 4), batch=2)
+  q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 15)
+  ids = jnp.asarray([[0] * 8 + [1] * 22, [3] * 4 + [2] * 4 + [3] * 22], jnp.int32)
+  ref = dilated_attention_reference(q, k, v, pattern, segment_ids=ids)
+  for chunk in (1, 2):
+    out, cache = dilated_attention_prefill(q[:, :9], k[:, :9], v[:, :9], pattern,
+                                           segment_ids=ids[:, :9])
+    assert int(cache.first[0].max()) <= 9 + 9  # at most the next segment's start
+    outs = [out]
+    for t in range(9, 30, chunk):
+      o, cache = dilated_attention_step(q[:, t:t + chunk], k[:, t:t + chunk],
+                                        v[:, t:t + chunk], cache, pattern)
+      outs.append(o)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), ref, rtol=2e-5, atol=2e-5)
+
+
 def test_a_packed_cache_is_checked():
   """`start` and `first` come together, `first` one `[B, r]` array a branch: else a
   ValueError naming them."""
@@ -385,6 +409,9 @@ def test_a_packed_cache_is_checked():
   x, kv = jnp.ones((2, 1, 4, 8)), jnp.ones((2, 1, 2, 8))
   dilated_attention_step(x, kv, kv, cache, pattern)
   for bad, match in ((dataclasses.replace(cache, first=None), "cache.first and cache.start"),
+                     (dataclasses.replace(cache, start=[0, 0]), "cache.start must be"),
+                     (dataclasses.replace(cache, first=([[0]] * 2, [[0] * 4] * 2)),
+                      r"\[B, r\] arrays"),
                      (dataclasses.replace(cache, first=cache.first[:1]), r"\[B, r\] arrays"),
                      (dataclasses.replace(cache, first=(cache.first[0], cache.first[0])),
                       r"\[B, r\] arrays")):
