@@ -337,13 +337,12 @@ def test_decoding_continues_the_last_document(chunk):
   assert not np.allclose(ref[:, prompt:], plain[:, prompt:], atol=1e-3)
 
 
-@pytest.mark.parametrize("jitted", [False, True])
-def test_a_returning_last_id_decodes_as_dilated_attention(jitted):
+def test_a_returning_last_id_decodes_as_dilated_attention():
   """Where a row's last id also marks earlier tokens that the next tokens' segments reach,
   the steps see them too, as `dilated_attention` does (the prefill moves those cached rows
-  next to the last run: `KVCache.first`): concrete ids, and traced ones in a jitted prefill;
-  token steps and chunks of 3; rows with one earlier run, with two, and with one out of the
-  shorter branch's reach."""
+  next to the last run: `KVCache.first`): concrete ids then token steps, traced ids (a
+  jitted prefill) then chunks of 3; rows with one earlier run, with two, and with one out
+  of the shorter branch's reach."""
   from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
       dilated_attention_prefill, dilated_attention_step)
   pattern = DilatedPattern((16, 64), (1, 4), causal=True)
@@ -353,12 +352,10 @@ def test_a_returning_last_id_decodes_as_dilated_attention(jitted):
                               np.repeat([7, 2, 7], [36, 2, 58]),
                               np.repeat([5, 3, 5, 3, 5], [8, 2, 12, 3, 71])]), jnp.int32)
   prompt = 40
-  prefill = dilated_attention_prefill
-  if jitted:
-    prefill = jax.jit(dilated_attention_prefill, static_argnums=3)
   step = jax.jit(dilated_attention_step, static_argnums=4)
   ref = dilated_attention_reference(q, k, v, pattern, segment_ids=ids)
-  for chunk in (1, 3):
+  for prefill, chunk in ((dilated_attention_prefill, 1),
+                         (jax.jit(dilated_attention_prefill, static_argnums=3), 3)):
     out, cache = prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], pattern,
                          segment_ids=ids[:, :prompt])
     np.testing.assert_array_equal(cache.start, [32, 38, 25])
