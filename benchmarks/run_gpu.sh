@@ -40,8 +40,10 @@ if [ -n "${J12:-}" ]; then
       --target /tmp/site12 ./*.whl) && export PYTHONPATH=/tmp/site12:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-# The gathering kernel (ring.KERNEL_GATHER) needs custom calls out of XLA's command buffers.
+# On JAX 0.11 the gathering kernel (ring.KERNEL_GATHER) needs custom calls out of XLA's
+# command buffers; on 0.12 (J12) its stages run under XLA's default command buffers.
 NO_CB=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN
+[ -n "${J12:-}" ] && NO_CB=
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "
 import jax, triton

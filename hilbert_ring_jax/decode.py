@@ -347,7 +347,8 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, segment_ids=N
 
   `out` comes from `dilated_attention` (the regular kernels); the cache then holds the last
   segment of each branch, with length `T`. A given `cache` (of the right layout) only lends
-  its buffers: whatever it held is ignored, as if it were empty.
+  its buffers: whatever it held is ignored, as if it were empty (a packed one stays packed:
+  without `segment_ids`, one document a row).
 
   Args:
     q: `[B, T, H, D]` prompt queries; k, v: `[B, T, Hkv, D]`.
@@ -392,7 +393,8 @@ def _fill(k, v, cache: KVCache, pattern: DilatedPattern, num_heads: int,
           segment_ids=None) -> KVCache:
   """The cache after a prompt `k, v [B, T, Hkv, D]`: each branch's last segment written in;
   packed rows (`segment_ids`) also get `start` and `first`, their last document's earlier
-  rows in each slot moved next to its last run (`_gather_last_document`)."""
+  rows in each slot moved next to its last run (`_gather_last_document`); a packed `cache`
+  without them stays packed, one document a row."""
   steps = k.shape[1]
   new_k, new_v, firsts = [], [], []
   start = None if segment_ids is None else document_starts(segment_ids)[:, -1]
@@ -405,8 +407,12 @@ def _fill(k, v, cache: KVCache, pattern: DilatedPattern, num_heads: int,
       firsts.append(first)
     new_k.append(kb)
     new_v.append(vb)
+  firsts = None if segment_ids is None else tuple(firsts)
+  if segment_ids is None and cache.start is not None:  # every cached row read
+    start = jnp.zeros(cache.start.shape, jnp.int32)
+    firsts = tuple(jnp.zeros(x.shape, jnp.int32) for x in cache.first)
   return KVCache(jnp.asarray(steps, jnp.int32), tuple(new_k), tuple(new_v), num_heads,
-                 pattern, start, None if segment_ids is None else tuple(firsts))
+                 pattern, start, firsts)
 
 
 def _gather_last_document(kb, vb, segment_ids, start, seg: int, table: _BranchTable):

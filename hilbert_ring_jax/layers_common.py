@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .api import check_scale, dilated_attention
-from .decode import (KVCache, dilated_attention_prefill, dilated_attention_step,
-                     document_starts, init_kv_cache)
+from .decode import KVCache, dilated_attention_prefill, dilated_attention_step, document_starts
 from .ordering import (check_perm, hilbert_permutation, hilbert_permutation_per_segment,
                        inverse_permutation, serialize, unserialize)
 from .pattern import DilatedPattern, heads_per_kv
@@ -220,7 +219,7 @@ def decode_attend(q, k, v, cache: KVCache, pattern, *, prefill: bool, implementa
   else a step of `T >= 1` tokens after the cached ones. q, k, v are cast to the cache's dtype
   (`init_cache`'s `dtype`); `y` comes back in q's dtype. A packed cache (`cache.start`, from
   `init_cache(..., packed=True)`) takes a prefill's `segment_ids` (none: one document a row)
-  and keeps `start` through the steps; any other cache refuses them.
+  and keeps `start` and `first` through the steps; any other cache refuses them.
   """
   if segment_ids is not None and cache.start is None:
     raise ValueError("segment_ids in decoding need a packed cache: init_cache(input_shape, "
@@ -229,14 +228,9 @@ def decode_attend(q, k, v, cache: KVCache, pattern, *, prefill: bool, implementa
   q_dtype = q.dtype
   q, k, v = (x.astype(dtype) for x in (q, k, v))
   if prefill:
-    packed = cache.start is not None
     y, cache = dilated_attention_prefill(q, k, v, pattern, cache=cache,
                                          segment_ids=segment_ids,
                                          implementation=implementation)
-    if packed and cache.start is None:  # one document a row: every cached row read
-      empty = init_kv_cache(pattern, batch=q.shape[0], num_heads=q.shape[2],
-                            num_kv_heads=k.shape[2], head_dim=q.shape[3], packed=True)
-      cache = dataclasses.replace(cache, start=empty.start, first=empty.first)
   else:
     y, cache = dilated_attention_step(q, k, v, cache, pattern, implementation=implementation)
   return y.astype(q_dtype), cache

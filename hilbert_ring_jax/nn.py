@@ -244,8 +244,8 @@ class DilatedMultiHeadAttention(nnx.Module):
     values are stored in `dtype` (q, k, v are cast to it for the attention). Calling it again
     empties the cache. `packed=True` makes a cache for packed rows (`cache_start`, where each
     row's last run of ids starts, and `cache_first`, the first position each branch's
-    residues read: `KVCache`): a prefill then takes `segment_ids`, the steps continue each row's last
-    document, and rotary positions count from the start of each run of ids.
+    residues read: `KVCache`): a prefill then takes `segment_ids`, the steps continue each
+    row's last document, and rotary positions count from the start of each run of ids.
 
     Example:
       >>> from flax import nnx

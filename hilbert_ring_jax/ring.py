@@ -304,9 +304,9 @@ class _RingBranch:
     if jax.__version_info__ < (0, 12) and not _custom_calls_out_of_command_buffers():
       raise ValueError(
           "ring.KERNEL_GATHER = True needs, on JAX 0.11, custom calls kept out of XLA's "
-          "command buffers (XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN, or = for "
-          "none, set before JAX starts): captured in one, the kernel that gathers the keys "
-          "received wrong keys from a peer in some calls (docs/ring.md)")
+          "command buffers (XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,"
+          "CUBLASLT,CUDNN, or = for none, set before JAX starts): captured in one, the kernel "
+          "that gathers the keys received wrong keys from a peer in some calls (docs/ring.md)")
     return backend, config
 
   # Layout: compaction for the "compact" ring, identity otherwise.

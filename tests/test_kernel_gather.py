@@ -214,7 +214,8 @@ def test_the_setting_is_checked_off_by_default_and_keeps_custom_calls_out_of_com
   for flags in ("", f"{flag}FUSION,CUSTOM_CALL", f"{flag} {flag}fusion,custom_call",
                 f"{flag}+CUDNN", f"{flag}-CUDNN", f"{flag}-CUSTOM_CALL,+custom_call"):
     monkeypatch.setenv("XLA_FLAGS", flags)
-    with pytest.raises(ValueError, match="KERNEL_GATHER = True needs, on JAX 0.11, custom calls kept out"):
+    with pytest.raises(ValueError, match="KERNEL_GATHER = True needs, on JAX 0.11, custom "
+                                         "calls kept out"):
       call()
   for flags in (flag, f"--a=1 {flag}''", f"{flag}FUSION,CUBLAS,CUBLASLT,CUDNN",
                 f"{flag}-CUSTOM_CALL", f"{flag}+CUSTOM_CALL,-CUSTOM_CALL,+CUDNN",
@@ -233,8 +234,9 @@ def test_the_setting_is_checked_off_by_default_and_keeps_custom_calls_out_of_com
 
 
 def _gpus_for_the_kernel():
-  """The GPUs of the host, or a skip: two or more Hopper GPUs, and custom calls kept out of
-  XLA's command buffers in this process (the kernel's condition: `ring.KERNEL_GATHER`)."""
+  """The GPUs of the host, or a skip: two or more Hopper GPUs, and on JAX 0.11 custom calls
+  kept out of XLA's command buffers in this process (the kernel's condition there:
+  `ring.KERNEL_GATHER`)."""
   gpus = jax.devices("gpu")
   if len(gpus) < 2 or not hopper.is_hopper():
     pytest.skip("needs two Hopper GPUs")

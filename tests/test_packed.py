@@ -171,7 +171,7 @@ def _documents_alone(call, x, ids):
 
 
 def _restarting_positions(ids):
-  """Each token's place in its document: `[B, N]`."""
+  """Each token's place in its run of equal ids: `[B, N]`."""
   ids = np.asarray(ids)
   pos = np.zeros(ids.shape, np.int32)
   for b in range(ids.shape[0]):
@@ -385,7 +385,7 @@ def test_a_short_last_document_where_segments_are_not_whole_periods():
   for chunk in (1, 2):
     out, cache = dilated_attention_prefill(q[:, :9], k[:, :9], v[:, :9], pattern,
                                            segment_ids=ids[:, :9])
-    assert int(cache.first[0].max()) <= 9 + 9  # at most the next segment's start
+    assert (cache.first[0] <= 9).all() and (cache.first[1] <= 12).all()  # next segments
     outs = [out]
     for t in range(9, 30, chunk):
       o, cache = dilated_attention_step(q[:, t:t + chunk], k[:, t:t + chunk],
@@ -399,12 +399,16 @@ def test_a_packed_cache_is_checked():
   ValueError naming them."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
-      dilated_attention_step, init_kv_cache)
+      dilated_attention_prefill, dilated_attention_step, init_kv_cache)
   pattern = DilatedPattern((8, 16), (1, 4), causal=True)
   cache = init_kv_cache(pattern, batch=2, num_heads=4, num_kv_heads=2, head_dim=8, packed=True)
   assert [x.shape for x in cache.first] == [(2, 1), (2, 4)] and cache.start.shape == (2,)
   x, kv = jnp.ones((2, 1, 4, 8)), jnp.ones((2, 1, 2, 8))
   dilated_attention_step(x, kv, kv, cache, pattern)
+  _, lent = dilated_attention_prefill(jnp.ones((2, 5, 4, 8)), jnp.ones((2, 5, 2, 8)),
+                                      jnp.ones((2, 5, 2, 8)), pattern, cache=cache)
+  assert jax.tree.structure(lent) == jax.tree.structure(cache)  # still packed: one document
+  assert all(int(x.max()) == 0 for x in (lent.start, *lent.first))
   for bad, match in ((dataclasses.replace(cache, first=None), "cache.first and cache.start"),
                      (dataclasses.replace(cache, start=[0, 0]), "cache.start must be"),
                      (dataclasses.replace(cache, first=([[0]] * 2, [[0] * 4] * 2)),
@@ -436,12 +440,12 @@ def test_layers_decode_packed_prompts():
   """A packed prompt through the layers' decode mode (NNX: init_cache(packed=True); Linen: init
   with segment_ids), then token steps: the same as the non-decoding layer on the whole
   sequence with the new tokens in their row's last document and rotary positions restarting
-  at each document."""
+  at each run of ids (row 1's last id returns: its earlier run is seen too)."""
   pattern = DilatedPattern((16, 32), (1, 2), causal=True)
   rng = np.random.default_rng(14)
   x = jnp.asarray(rng.standard_normal((2, 36, 16)), jnp.float32)
   ids = np.zeros((2, 36), np.int32)
-  ids[0, 12:], ids[1, 5:], ids[1, 21:] = 1, 1, 2
+  ids[0, 12:], ids[1, 5:], ids[1, 12:], ids[1, 21:] = 1, 1, 2, 1
   ids = jnp.asarray(ids)
   pos = _restarting_positions(ids)
   prompt = 31
