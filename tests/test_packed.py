@@ -307,13 +307,26 @@ def test_lm_packed_runs(monkeypatch, tmp_path):
   assert result["packed_over_padded_useful_tokens_per_s"] > 0
 
 
+def _decode(q, k, v, pattern, ids, prompt, chunk, prefill=None):
+  """A prefill of `prompt` packed tokens (`dilated_attention_prefill`, or `prefill`), then
+  steps of `chunk` tokens to the end: `(every output [B, N, H, D], the prefill's cache)`."""
+  from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
+      dilated_attention_prefill, dilated_attention_step)
+  out, cache = (prefill or dilated_attention_prefill)(
+      q[:, :prompt], k[:, :prompt], v[:, :prompt], pattern, segment_ids=ids[:, :prompt])
+  outs, filled = [out], cache
+  step = jax.jit(dilated_attention_step, static_argnums=4)
+  for t in range(prompt, q.shape[1], chunk):
+    o, cache = step(q[:, t:t + chunk], k[:, t:t + chunk], v[:, t:t + chunk], cache, pattern)
+    outs.append(o)
+  return jnp.concatenate(outs, axis=1), filled
+
+
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_decoding_continues_the_last_document(chunk):
   """A prefill of packed rows, then steps (tokens, or chunks of 3): the new tokens see only
   their row's last document, as `dilated_attention` over the whole sequence does with the new
   tokens in that document; rows of a batch end their documents at different places."""
-  from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
-      dilated_attention_prefill, dilated_attention_step)
   pattern = DilatedPattern((16, 32, 64), (1, 2, 4), causal=True)
   case = helpers.Case(48, 4, 2, (16, 32, 64), (1, 2, 4), batch=2)
   q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 12)
@@ -322,16 +335,10 @@ def test_decoding_continues_the_last_document(chunk):
   ids[0, 10:], ids[0, 33:] = 1, 2   # row 0: the last document starts at 33
   ids[1, 25:] = 7                   # row 1: at 25
   ids = jnp.asarray(ids)
-  out, cache = dilated_attention_prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], pattern,
-                                         segment_ids=ids[:, :prompt])
+  outs, cache = _decode(q, k, v, pattern, ids, prompt, chunk)
   np.testing.assert_array_equal(cache.start, [33, 25])
-  outs = [out]
-  step = jax.jit(dilated_attention_step, static_argnums=4)
-  for t in range(prompt, 48, chunk):
-    o, cache = step(q[:, t:t + chunk], k[:, t:t + chunk], v[:, t:t + chunk], cache, pattern)
-    outs.append(o)
   ref = dilated_attention_reference(q, k, v, pattern, segment_ids=ids)
-  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), ref, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(outs, ref, rtol=2e-5, atol=2e-5)
   # Without the ids the steps would read the earlier documents: a different result.
   plain = dilated_attention_reference(q, k, v, pattern)
   assert not np.allclose(ref[:, prompt:], plain[:, prompt:], atol=1e-3)
@@ -344,7 +351,7 @@ def test_a_returning_last_id_decodes_as_dilated_attention():
   jitted prefill) then chunks of 3; rows with one earlier run, with two, and with one out
   of the shorter branch's reach."""
   from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
-      dilated_attention_prefill, dilated_attention_step)
+      dilated_attention_prefill)
   pattern = DilatedPattern((16, 64), (1, 4), causal=True)
   case = helpers.Case(96, 4, 2, (16, 64), (1, 4), batch=3)
   q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 13)
@@ -352,18 +359,12 @@ def test_a_returning_last_id_decodes_as_dilated_attention():
                               np.repeat([7, 2, 7], [36, 2, 58]),
                               np.repeat([5, 3, 5, 3, 5], [8, 2, 12, 3, 71])]), jnp.int32)
   prompt = 40
-  step = jax.jit(dilated_attention_step, static_argnums=4)
   ref = dilated_attention_reference(q, k, v, pattern, segment_ids=ids)
   for prefill, chunk in ((dilated_attention_prefill, 1),
                          (jax.jit(dilated_attention_prefill, static_argnums=3), 3)):
-    out, cache = prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], pattern,
-                         segment_ids=ids[:, :prompt])
+    outs, cache = _decode(q, k, v, pattern, ids, prompt, chunk, prefill)
     np.testing.assert_array_equal(cache.start, [32, 38, 25])
-    outs = [out]
-    for t in range(prompt, 96, chunk):
-      o, cache = step(q[:, t:t + chunk], k[:, t:t + chunk], v[:, t:t + chunk], cache, pattern)
-      outs.append(o)
-    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(outs, ref, rtol=2e-5, atol=2e-5)
   # Reading only the last run would differ: the earlier runs matter here.
   last_run = jnp.where(jnp.arange(96) < jnp.asarray([32, 38, 25])[:, None], -1, ids)
   other = dilated_attention_reference(q, k, v, pattern, segment_ids=last_run)
@@ -375,23 +376,15 @@ def test_a_short_last_document_where_segments_are_not_whole_periods():
   rows before its last run: its `first` is then the next segment's start (not past it),
   whose rows the steps read whole. Token steps and chunks, against the reference (the
   audit's case: (9,) x (5,), a last document of one token)."""
-  from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
-      dilated_attention_prefill, dilated_attention_step)
   pattern = DilatedPattern((9, 6), (5, 4), causal=True)
   case = helpers.Case(30, 2, 1, (9, 6), (5, 4), batch=2)
   q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 15)
   ids = jnp.asarray([[0] * 8 + [1] * 22, [3] * 4 + [2] * 4 + [3] * 22], jnp.int32)
   ref = dilated_attention_reference(q, k, v, pattern, segment_ids=ids)
   for chunk in (1, 2):
-    out, cache = dilated_attention_prefill(q[:, :9], k[:, :9], v[:, :9], pattern,
-                                           segment_ids=ids[:, :9])
+    outs, cache = _decode(q, k, v, pattern, ids, 9, chunk)
     assert (cache.first[0] <= 9).all() and (cache.first[1] <= 12).all()  # next segments
-    outs = [out]
-    for t in range(9, 30, chunk):
-      o, cache = dilated_attention_step(q[:, t:t + chunk], k[:, t:t + chunk],
-                                        v[:, t:t + chunk], cache, pattern)
-      outs.append(o)
-    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(outs, ref, rtol=2e-5, atol=2e-5)
 
 
 def test_a_packed_cache_is_checked():
