@@ -40,6 +40,11 @@ if [ -n "${J12:-}" ]; then
       --target /tmp/site12 ./*.whl) && export PYTHONPATH=/tmp/site12:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# NO_NVJITLINK=1: every stage with tools/no_nvjitlink.c preloaded (JAX 0.12: setmaxnreg back).
+if [ -n "${NO_NVJITLINK:-}" ]; then
+  cc -shared -fPIC -O2 -o /tmp/no_nvjitlink.so tools/no_nvjitlink.c -ldl && \
+    export LD_PRELOAD=/tmp/no_nvjitlink.so
+fi
 # On JAX 0.11 the gathering kernel (ring.KERNEL_GATHER) needs custom calls out of XLA's
 # command buffers; on 0.12 (J12) its stages run under XLA's default command buffers.
 NO_CB=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN
@@ -51,7 +56,9 @@ try:
   import jax_triton; jt = jax_triton.__version__
 except ImportError:
   jt = None
-print('jax', jax.__version__, 'triton', triton.__version__, 'jax-triton', jt, jax.devices())"
+from hilbert_ring_jax.backends import hopper
+print('jax', jax.__version__, 'triton', triton.__version__, 'jax-triton', jt, jax.devices(),
+      'registers move:', hopper.REGISTERS_MOVE)"
 for stage in "$@"; do
   echo "=== $stage"
   case $stage in

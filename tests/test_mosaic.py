@@ -10,7 +10,14 @@ reverse, so a failure points at one pass.
 """
 
 import math
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +92,61 @@ def test_blocks_of_192_keys_where_rows_are_long(monkeypatch):
   assert mosaic.Config(block_k=64).resolved(128, 2, 2, long_keys=True).block_k == 64
 
 
+@pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="the kernels trace on JAX >= 0.11")
+def test_a_backward_without_its_registers_warns(monkeypatch):
+  """Where `setmaxnreg` does not move registers (JAX 0.12 without tools/no_nvjitlink.c) the
+  backward warns once it traces, naming the ways out; not where they move, not interpreted."""
+  case = Case(512, 2, 1, (512,), (1,))
+  pattern = case.pattern(False)
+  q = jax.ShapeDtypeStruct((1, case.n, 2, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, case.n, 1, 64), jnp.bfloat16)
+  stat = jax.ShapeDtypeStruct((1, case.n, 2), jnp.float32)
+  trace = lambda config: jax.eval_shape(lambda q, k, v, do, lse, delta: mosaic.backward(
+      q, k, v, do, lse, delta, pattern, 0.125, config=config), q, k, k, q, stat, stat)
+  monkeypatch.setattr(mosaic, "REGISTERS_MOVE", False)
+  with pytest.warns(UserWarning, match="setmaxnreg.*gpu' extras.*no_nvjitlink"):
+    trace(None)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    trace(mosaic.Config(interpret=True))
+    monkeypatch.setattr(mosaic, "REGISTERS_MOVE", True)
+    trace(None)
+
+
+@pytest.mark.skipif(not shutil.which("cc") or sys.platform != "linux",
+                    reason="needs a C compiler and dlopen's preloading (Linux)")
+def test_preloaded_no_nvjitlink_hides_the_library_and_is_seen(tmp_path):
+  """tools/no_nvjitlink.c preloaded: a library whose name holds "nvJitLink" no longer loads
+  (a copy of libm, which loads without it), other libraries and JAX do, and hopper sees its
+  marker (registers move on any JAX then)."""
+  root = pathlib.Path(__file__).parents[1]
+  shim = tmp_path / "no_nvjitlink.so"
+  subprocess.run(["cc", "-shared", "-fPIC", "-o", shim, root / "tools" / "no_nvjitlink.c",
+                  "-ldl"], check=True)
+  libm = next(line.split()[-1] for line in open("/proc/self/maps") if "/libm." in line)
+  fake = tmp_path / "libnvJitLink_test.so"
+  shutil.copy(libm, fake)
+  probe = textwrap.dedent(f"""
+      import ctypes, jax.numpy as jnp
+      from hilbert_ring_jax.backends import hopper
+      ctypes.CDLL({str(libm)!r})
+      try:
+        ctypes.CDLL({str(fake)!r}); loads = True
+      except OSError:
+        loads = False
+      print(loads, hopper._nvjitlink_hidden(), hopper.REGISTERS_MOVE, float(jnp.ones(3).sum()))
+      """)
+  def run(preload):
+    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu",
+               LD_PRELOAD=str(shim) if preload else "")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True, check=True)
+    return out.stdout.split()
+  old = str(jax.__version_info__ < (0, 12))
+  assert run(False) == ["True", "False", old, "3.0"]
+  assert run(True) == ["False", "True", "True", "3.0"]
+
+
 @pytest.mark.skipif(jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",
                     reason="CPU only (a GPU compiles them for real), JAX >= 0.11")
 # A backward's lowering takes ~4 s: both gradient dtypes at head dim 64, one a mask at 128
@@ -95,6 +157,7 @@ def test_blocks_of_192_keys_where_rows_are_long(monkeypatch):
     pytest.param(128, True, (jnp.bfloat16,), marks=pytest.mark.slow),
     pytest.param(128, False, (None,), marks=pytest.mark.slow)],
                          ids=["64-True", "128-True", "128-False"])
+@pytest.mark.filterwarnings("ignore:JAX 0.12's Mosaic GPU ignores")  # lowering only
 def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal, grad_dtypes):
   """Every kernel goes through Mosaic GPU's own lowering (layout inference, the Pallas to
   Mosaic GPU rules), not only the interpreter: forward, the fused and the split backward

@@ -4,6 +4,7 @@ accumulation, the consumers' turn-taking, and the launcher (with its interpret m
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import typing
@@ -24,11 +25,19 @@ SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
 # three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
 REGISTERS = (40, 232)
 # Whether `setmaxnreg` moves them. JAX 0.12's Mosaic GPU compiles a kernel as relocatable code
-# and links it (nvJitLink), and ptxas then ignores `setmaxnreg` ("(C7504) Potential Performance
-# Loss: 'setmaxnreg' ignored to maintain compatibility across compilation units"): every
-# warpgroup keeps 168 registers a thread (65536 / 384), and tiles that need more spill
-# (docs/performance.md, "JAX 0.12"). JAX 0.11 compiles without linking, and they move.
-REGISTERS_MOVE = jax.__version_info__ < (0, 12)
+# and links it (nvJitLink, where it loads), and ptxas then ignores `setmaxnreg` ("(C7504)
+# Potential Performance Loss: 'setmaxnreg' ignored to maintain compatibility across compilation
+# units"): every warpgroup keeps 168 registers a thread (65536 / 384), and tiles that need more
+# spill (docs/performance.md, "JAX 0.12"). JAX 0.11 compiles without linking, and so does 0.12
+# with tools/no_nvjitlink.c preloaded (its marker symbol is in the process): they move.
+def _nvjitlink_hidden() -> bool:
+  try:
+    return hasattr(ctypes.CDLL(None), "hilbert_ring_jax_no_nvjitlink")
+  except (OSError, TypeError):  # no dlopen(NULL) (Windows)
+    return False
+
+
+REGISTERS_MOVE = jax.__version_info__ < (0, 12) or _nvjitlink_hidden()
 
 
 def is_hopper() -> bool:

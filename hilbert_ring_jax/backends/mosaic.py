@@ -53,16 +53,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from ..pattern import DilatedPattern
 from . import common, mosaic_backward, mosaic_decode, mosaic_forward, mosaic_gather, schedule
 from .base import YES, Problem, Support, no
 from .common import batched
-from .hopper import LOG2E, Zeroed, is_hopper
+from .hopper import LOG2E, REGISTERS_MOVE, Zeroed, is_hopper
 from .mosaic_plan import (BWD_BLOCK, ROW_BLOCK, Config, geometry_problem, launches,
                           long_key_rows, out_length)
 
@@ -242,6 +242,12 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
   128 (`supports`). `segment_ids`: packed rows, as in `forward`."""
   config = (config or Config()).resolved(q.shape[-1], q.dtype.itemsize,
                                          packed=segment_ids is not None)
+  if not (REGISTERS_MOVE or config.interpret):
+    warnings.warn(
+        "JAX 0.12's Mosaic GPU ignores the mosaic backward's register reallocation "
+        "(setmaxnreg): it spills and runs at about half cuDNN's speed. Install the 'gpu' "
+        "extras (JAX 0.11), or preload the repository's tools/no_nvjitlink.c "
+        "(docs/performance.md, 'JAX 0.12').", stacklevel=2)
   final = grad_dtype is not None and jnp.dtype(grad_dtype) == jnp.bfloat16
   if segment_ids is None:
     fn = lambda *a: _backward(*a, pattern, scale, branches, config, final)
