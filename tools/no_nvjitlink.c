@@ -5,8 +5,9 @@
    ("(C7504) ... 'setmaxnreg' ignored"): the kernels' consumer warpgroups keep 168 registers
    a thread instead of 232, and the backward spills (about half cuDNN's speed). Preloaded,
    this library makes JAX's own loads of libnvJitLink fail, so that XLA's compilation provider
-   ("auto") falls back to the ptxas and nvlink executables of the CUDA toolkit (which must be
-   on PATH or in /usr/local/cuda/bin), and ptxas compiles each kernel whole. Libraries that
+   ("auto") falls back to the ptxas (and nvlink) executables where it finds them (the CUDA
+   toolkit's /usr/local/cuda/bin, PATH; without a ptxas, compiling fails with an error that
+   says so), and ptxas compiles each kernel whole. Libraries that
    link libnvJitLink themselves (cuSPARSE, cuSOLVER) still load it. hilbert_ring_jax sees the
    marker below and uses its blocks of 192 keys again (`hopper.REGISTERS_MOVE`).
 
