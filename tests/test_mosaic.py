@@ -157,7 +157,7 @@ def test_preloaded_no_nvjitlink_hides_the_library_and_is_seen(tmp_path):
     pytest.param(128, True, (jnp.bfloat16,), marks=pytest.mark.slow),
     pytest.param(128, False, (None,), marks=pytest.mark.slow)],
                          ids=["64-True", "128-True", "128-False"])
-@pytest.mark.filterwarnings("ignore:JAX 0.12's Mosaic GPU ignores")  # lowering only
+@pytest.mark.filterwarnings("ignore:Mosaic GPU of JAX >= 0.12 ignores")  # lowering only
 def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal, grad_dtypes):
   """Every kernel goes through Mosaic GPU's own lowering (layout inference, the Pallas to
   Mosaic GPU rules), not only the interpreter: forward, the fused and the split backward

@@ -7,9 +7,9 @@
    this library makes JAX's own loads of libnvJitLink fail, so that XLA's compilation provider
    ("auto") falls back to the ptxas (and nvlink) executables where it finds them (the CUDA
    toolkit's /usr/local/cuda/bin, PATH; without a ptxas, compiling fails with an error that
-   says so), and ptxas compiles each kernel whole. Libraries that
-   link libnvJitLink themselves (cuSPARSE, cuSOLVER) still load it. hilbert_ring_jax sees the
-   marker below and uses its blocks of 192 keys again (`hopper.REGISTERS_MOVE`).
+   says so), and ptxas compiles each kernel whole. Libraries that list libnvJitLink as a
+   dependency still get it (the dynamic loader maps those, not dlopen). hilbert_ring_jax sees
+   the marker below and uses its blocks of 192 keys again (`hopper.REGISTERS_MOVE`).
 
      cc -shared -fPIC -O2 -o no_nvjitlink.so tools/no_nvjitlink.c -ldl
      LD_PRELOAD=$PWD/no_nvjitlink.so python3 train.py

@@ -244,7 +244,7 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
                                          packed=segment_ids is not None)
   if not (REGISTERS_MOVE or config.interpret):
     warnings.warn(
-        "JAX 0.12's Mosaic GPU ignores the mosaic backward's register reallocation "
+        "Mosaic GPU of JAX >= 0.12 ignores the mosaic backward's register reallocation "
         "(setmaxnreg): it spills and runs at about half cuDNN's speed. Install the 'gpu' "
         "extras (JAX 0.11), or preload the repository's tools/no_nvjitlink.c "
         "(docs/performance.md, 'JAX 0.12').", stacklevel=2)
