@@ -72,7 +72,9 @@ def check_inputs(q, k, v, pattern, heads_axis=None) -> None:
 def check_segment_ids(segment_ids, q):
   """`segment_ids` as an integer `[B, N]` array matching `q` (or None), else `ValueError`
   naming the argument. Any integer values are valid (checked on shapes and dtypes alone, so
-  traced ids under `jit` are checked alike)."""
+  traced ids under `jit` are checked alike), but for NumPy 64-bit ids beyond 32 bits without
+  64-bit mode: JAX would keep their low 32 bits. (Under `jit` JAX narrows them before this
+  sees them: docs/SPEC.md, section 3.)"""
   if segment_ids is None:
     return None
   if not (hasattr(segment_ids, "shape") and hasattr(segment_ids, "dtype")):
@@ -240,7 +242,9 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
     segment_ids: None, or an integer `[B, N]` array: the document of each token of rows that
       pack several (packed sequences). Query `i` then sees key `j` only where the pattern
       makes it visible and `segment_ids[b, i] == segment_ids[b, j]`; the pattern's segments
-      stay on global positions (docs/SPEC.md, section 3). Every backend runs them.
+      stay on global positions (docs/SPEC.md, section 3). Every backend runs them. Without
+      64-bit mode, ids must fit in 32 bits: JAX keeps the low 32 bits of int64 ids (checked
+      on NumPy ids; an argument of `jax.jit` is narrowed before the check can see it).
     scale: score scale, default `D ** -0.5`.
     return_lse: also return the float32 `[B, N, H]` log of the softmax denominator
       (`-inf` where a query sees no key).

@@ -25,7 +25,9 @@ def dilated_attention_reference(q, k, v, pattern: DilatedPattern, *, segment_ids
   """Dense `dilated_attention` (same arguments) with explicit multiplicity masks.
 
   Materializes `[B, H, N, N]` scores: use it to check results at small N. Inputs are
-  checked as `dilated_attention` checks them (`ValueError` naming the argument).
+  checked as `dilated_attention` checks them (`ValueError` naming the argument). Computes in
+  float32, or float64 for float64 inputs (with `jax_enable_x64`); the tests' float64
+  reference is a NumPy twin of it (tests/reference_np.py).
   """
   check_inputs(q, k, v, pattern)
   b, n, h, d = q.shape
