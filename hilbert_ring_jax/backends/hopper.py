@@ -21,6 +21,16 @@ from .common import vary_like, varying_axes
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
+
+
+def _nvjitlink_hidden() -> bool:
+  """Whether tools/no_nvjitlink.c is preloaded (its marker symbol is in the process)."""
+  try:
+    return hasattr(ctypes.CDLL(None), "hilbert_ring_jax_no_nvjitlink")
+  except (OSError, TypeError):  # no dlopen(NULL) (Windows)
+    return False
+
+
 # Registers per thread of the producer and of each consumer warpgroup (`setmaxnreg`; the
 # three warpgroups share 64K registers: 128 * (40 + 2 * 232) <= 65536).
 REGISTERS = (40, 232)
@@ -29,14 +39,7 @@ REGISTERS = (40, 232)
 # Potential Performance Loss: 'setmaxnreg' ignored to maintain compatibility across compilation
 # units"): every warpgroup keeps 168 registers a thread (65536 / 384), and tiles that need more
 # spill (docs/performance.md, "JAX 0.12"). JAX 0.11 compiles without linking, and so does 0.12
-# with tools/no_nvjitlink.c preloaded (its marker symbol is in the process): they move.
-def _nvjitlink_hidden() -> bool:
-  try:
-    return hasattr(ctypes.CDLL(None), "hilbert_ring_jax_no_nvjitlink")
-  except (OSError, TypeError):  # no dlopen(NULL) (Windows)
-    return False
-
-
+# with tools/no_nvjitlink.c preloaded: they move.
 REGISTERS_MOVE = jax.__version_info__ < (0, 12) or _nvjitlink_hidden()
 
 
