@@ -165,9 +165,8 @@ def on_head_shards(pattern, heads_axis, call, q, k, v, ids, switched=None):
 
   A call with collectives cannot sit in a `lax.switch` (every device must meet the same
   collectives): it passes `switched(patterns, index)`, a call like `call`'s that switches
-  around its kernels itself, `patterns[index[s]]` shard `s`'s pattern. Its shards must
-  differ in residues only: with `head_groups` (of several branches) they cover different
-  branches, which it refuses (`NotImplementedError`, a limitation, not bad input)."""
+  around its kernels itself, `patterns[index[s]]` shard `s`'s pattern (shards that differ in
+  residues, or with `head_groups` in the branches they cover)."""
   patterns = _head_shards(pattern, heads_axis, q, k)
   if patterns is None:
     return call(pattern, q, k, v, ids)
@@ -178,12 +177,6 @@ def on_head_shards(pattern, heads_axis, call, q, k, v, ids, switched=None):
   if len(kinds) == 1:
     return call(kinds[0], q, k, v, ids)
   if switched is not None:
-    if pattern.head_groups and pattern.num_branches > 1:
-      raise NotImplementedError(
-          f"heads_axis={heads_axis!r}: with head_groups=True the shards of {num_heads} heads "
-          f"cover different branches (each branch a group of all the heads), and a ring "
-          f"cannot yet run shards that differ so; without head_groups they differ in "
-          f"residues only, which it runs")
     return switched(kinds, tuple(index))(q, k, v, ids)
   return jax.lax.switch(head_shard_kind(index, heads_axis),
                         [functools.partial(call, p) for p in kinds], q, k, v, ids)

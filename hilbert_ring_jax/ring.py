@@ -144,15 +144,20 @@ class _Plan:
         self.zigzag or not self.branch.causal or self.small)
 
 
-def _plans(pattern: DilatedPattern, n: int, shards: int, num_heads: int, per_kv: int):
+def _plans(pattern: DilatedPattern, n: int, shards: int, num_heads: int, per_kv: int,
+           every: bool = False):
+  """A `_Plan` per branch that covers some of the call's heads; `every`: per branch, where
+  shards of the heads cover different branches (`head_groups`: a ring's collectives are the
+  same on every device, so a shard runs the plans of branches none of its heads is in too,
+  their steps empty), whose rings move whole rows (compacted, their shapes would differ)."""
   small_rows = _small_step_rows()
   for br in pattern.layout(n * shards, num_heads):
-    if not br.heads:  # a head group none of this call's heads is in (`head_offset`)
+    if not (br.heads or every):  # a head group none of this call's heads is in (`head_offset`)
       continue
     if n % br.w == 0:
       yield _Plan(br, "local", n, shards)
     elif br.w % n == 0 and n % br.r == 0:
-      compact = br.per_head and per_kv < br.r
+      compact = br.per_head and per_kv < br.r and not every
       small = (n // br.r if compact else n) < small_rows
       # Zigzag needs half-shards that keep whole residue classes: n / 2 (compact: n / 2r) rows.
       zigzag = br.causal and not small and (
@@ -338,6 +343,10 @@ class _RingBranch:
     """A step's partials; `ids`: None or the step's `(q_ids, kv_ids)` in its layout
     (`[B, n, X, 1]`, see `_ids_like`). `final`: the call's whole result (no merge follows),
     its output in q's dtype."""
+    if not self.plan.branch.heads:  # a head group none of this shard's heads is in (`_plans`)
+      acc = q.dtype if final else jnp.promote_types(q.dtype, jnp.float32)
+      return backends.vary_like((jnp.zeros((*q.shape[:3], v.shape[-1]), acc),
+                                 jnp.full(q.shape[:3], -jnp.inf, jnp.float32)), q, k, v)
     pattern = self.pattern(causal, q.shape[1])
     backend, config = self.backend(q, k, causal)
     parts = backend.forward(q, k, v, pattern, self.scale, branches=self.branches,
@@ -348,6 +357,9 @@ class _RingBranch:
   def backward(self, q, k, v, dout, lse, delta, causal, ids=None, final=False):
     """A step's gradients; `final`: the call's whole gradients (nothing else adds to them),
     which a backend may then return in q's dtype (see the backend contract's `grad_dtype`)."""
+    if not self.plan.branch.heads:  # a head group none of this shard's heads is in
+      acc = q.dtype if final else jnp.promote_types(q.dtype, jnp.float32)
+      return backends.vary_like(tuple(jnp.zeros(x.shape, acc) for x in (q, k, v)), q, k, v)
     pattern = self.pattern(causal, q.shape[1])
     backend, config = self.backend(q, k, causal, backward=True)
     grads = backend.backward(q, k, v, dout, lse, delta, pattern, self.scale,
@@ -885,13 +897,13 @@ class _Ring:
     (`backends.Kernel`), or None where they run only there already."""
     return None if self.names == ("xla",) else dataclasses.replace(self, names=("xla",))
 
-  def _pairs(self, pattern, q, k, packed, merge_local=True):
+  def _pairs(self, pattern, q, k, packed, merge_local=True, every=False):
     """`(plan, _RingBranch)` pairs of `pattern`, one per branch; with `merge_local`, the
     local branches as one pair (the first local plan's) where the backend each would get on
     its own runs them all."""
     shards = jax.lax.axis_size(self.axis_name)
     per_kv = heads_per_kv(q.shape[2], k.shape[2])
-    plans = list(_plans(pattern, q.shape[1], shards, q.shape[2], per_kv))
+    plans = list(_plans(pattern, q.shape[1], shards, q.shape[2], per_kv, every))
     make = lambda plan, branches=None: _RingBranch(plan, pattern, self.scale, self.names,
                                                    self.config, q, k, branches, packed)
     pairs = [(plan, make(plan)) for plan in plans]
@@ -909,9 +921,11 @@ class _Ring:
     if self.head_shards is None:
       return self._pairs(self.pattern, q, k, packed)
     heads_axis, kinds, index = self.head_shards
-    per_kind = [self._pairs(p, q, k, packed) for p in kinds]
+    every = self.pattern.head_groups and self.pattern.num_branches > 1  # (`_plans`)
+    per_kind = [self._pairs(p, q, k, packed, merge_local=not every, every=every)
+                for p in kinds]
     if len({len(pairs) for pairs in per_kind}) > 1:  # local branches merged in some kinds only
-      per_kind = [self._pairs(p, q, k, packed, merge_local=False) for p in kinds]
+      per_kind = [self._pairs(p, q, k, packed, merge_local=False, every=every) for p in kinds]
     which = head_shard_kind(index, heads_axis)
     return [(pairs[0][0], _Switched([st for _, st in pairs], which))
             for pairs in zip(*per_kind)]

@@ -144,6 +144,26 @@ def test_ring_with_heads_axis_and_head_groups_of_one_branch():
   np.testing.assert_allclose(out, dilated_attention(q, k, v, pattern), rtol=1e-5, atol=1e-5)
 
 
+def test_ring_with_heads_axis_and_head_groups_of_several_branches():
+  """Head groups of several branches split over 2 shards of 4 heads: each shard covers some
+  branches only (the first shard's heads none of the 4096-token branch's, the second's none
+  of the 512-token one's), and still meets every branch's collectives (the 2048 and 4096
+  tokens ones span shards of 1024); the ring inside a user's `shard_map` equals one call,
+  gradients too."""
+  pattern = DilatedPattern((512, 2048, 4096), (1, 2, 4), causal=True, head_groups=True)
+  shards = [dataclasses.replace(pattern, head_offset=o, total_heads=8) for o in (0, 4)]
+  assert [[bool(h1 > h0) for h0, h1 in p.head_ranges(4)] for p in shards] == [
+      [True, True, False], [False, True, True]]
+  mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
+  spec = P(None, "seq", "model")
+  ring = jax.shard_map(
+      lambda q, k, v: ring_dilated_attention(q, k, v, pattern, axis_name="seq",
+                                             heads_axis="model", return_lse=True),
+      mesh=mesh, in_specs=spec, out_specs=(spec, spec))
+  whole = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
+  _equal_with_grads(ring, whole, _inputs((1, 4096, 8, 8), 2, seed=4))
+
+
 @pytest.mark.slow  # ~20 s: the same switches in zigzag order, ids beside the keys
 def test_sharded_with_heads_axis_packed_in_zigzag_order(monkeypatch):
   """`sharded_dilated_attention` (no replicas: no warning) with packed documents, its rings
@@ -178,12 +198,6 @@ def test_bad_heads_axis_raises_naming_it():
   with pytest.raises(ValueError, match="k and v must split their heads over heads_axis"):
     in_map(lambda q, k, v: dilated_attention(q, k, v, pattern, heads_axis="model"),
            P())(q, k, v)
-  # A ring cannot run shards that cover different branches (head groups: the first shard's
-  # 2 heads are the first branch's, the second's the others').
-  with pytest.raises(NotImplementedError, match=r"heads_axis='model': with head_groups=True"):
-    jax.shard_map(lambda q, k, v: ring_dilated_attention(
-        q, k, v, PATTERNS["groups"], axis_name="seq", heads_axis="model"), mesh=mesh,
-                  in_specs=P(None, "seq", "model"), out_specs=P(None, "seq", "model"))(q, k, v)
   for bad in ("seq", "tensor"):  # the sequence's axis; no axis of the mesh
     with pytest.raises(ValueError, match="heads_axis must be None or a mesh axis other"):
       sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq", heads_axis=bad)
