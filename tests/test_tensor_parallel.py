@@ -120,16 +120,21 @@ RING_TP = DilatedPattern((512, 2048, 4096), (1, 2, 4), causal=True)
 
 def test_ring_with_heads_axis_on_a_model_by_sequence_mesh():
   """The ring inside a user's `shard_map` equals one call, gradients too (`RING_TP`)."""
-  mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
-  inputs = _inputs((1, 4096, 4, 8), 2, seed=1)
   assert len({p.shard_key(2) for p in (dataclasses.replace(RING_TP, head_offset=o,
                                                            total_heads=4) for o in (0, 2))}) == 2
+  _ring_equals_one_call(RING_TP, _inputs((1, 4096, 4, 8), 2, seed=1))
+
+
+def _ring_equals_one_call(pattern, inputs):
+  """The ring inside a user's `shard_map` over a (model 2, seq 4) mesh, the heads over
+  "model", equals one call on all heads: outputs, lse and gradients."""
+  mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
   spec = P(None, "seq", "model")
   ring = jax.shard_map(
-      lambda q, k, v: ring_dilated_attention(q, k, v, RING_TP, axis_name="seq",
+      lambda q, k, v: ring_dilated_attention(q, k, v, pattern, axis_name="seq",
                                              heads_axis="model", return_lse=True),
       mesh=mesh, in_specs=spec, out_specs=(spec, spec))
-  whole = lambda q, k, v: dilated_attention(q, k, v, RING_TP, return_lse=True)
+  whole = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
   _equal_with_grads(ring, whole, inputs)
 
 
@@ -154,14 +159,7 @@ def test_ring_with_heads_axis_and_head_groups_of_several_branches():
   shards = [dataclasses.replace(pattern, head_offset=o, total_heads=8) for o in (0, 4)]
   assert [[bool(h1 > h0) for h0, h1 in p.head_ranges(4)] for p in shards] == [
       [True, True, False], [False, True, True]]
-  mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
-  spec = P(None, "seq", "model")
-  ring = jax.shard_map(
-      lambda q, k, v: ring_dilated_attention(q, k, v, pattern, axis_name="seq",
-                                             heads_axis="model", return_lse=True),
-      mesh=mesh, in_specs=spec, out_specs=(spec, spec))
-  whole = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
-  _equal_with_grads(ring, whole, _inputs((1, 4096, 8, 8), 2, seed=4))
+  _ring_equals_one_call(pattern, _inputs((1, 4096, 8, 8), 2, seed=4))
 
 
 @pytest.mark.slow  # ~20 s: the same switches in zigzag order, ids beside the keys
