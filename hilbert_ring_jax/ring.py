@@ -339,32 +339,34 @@ class _RingBranch:
     local = dataclasses.replace(self.plan.branch, n=self.plan.n, w=self.plan.n)
     return local.covered(num_heads, jnp)
 
-  def forward(self, q, k, v, causal, ids=None, final=False):
+  def forward(self, q, k, v, causal, ids=None, in_dtype=False):
     """A step's partials; `ids`: None or the step's `(q_ids, kv_ids)` in its layout
-    (`[B, n, X, 1]`, see `_ids_like`). `final`: the call's whole result (no merge follows),
-    its output in q's dtype."""
+    (`[B, n, X, 1]`, see `_ids_like`). `in_dtype`: the output in q's dtype, else in float32
+    (the local branches' result is: the call's whole result, or a partial rounded once more
+    before the merge, as one device's launches chain theirs; that made LongNet's forward at
+    8K tokens a GPU 6% faster, docs/performance.md)."""
     if not self.plan.branch.heads:  # a head group none of this shard's heads is in (`_plans`)
-      acc = q.dtype if final else jnp.promote_types(q.dtype, jnp.float32)
+      acc = q.dtype if in_dtype else jnp.promote_types(q.dtype, jnp.float32)
       return backends.vary_like((jnp.zeros((*q.shape[:3], v.shape[-1]), acc),
                                  jnp.full(q.shape[:3], -jnp.inf, jnp.float32)), q, k, v)
     pattern = self.pattern(causal, q.shape[1])
     backend, config = self.backend(q, k, causal)
     parts = backend.forward(q, k, v, pattern, self.scale, branches=self.branches,
-                            config=config, out_dtype=q.dtype if final else None,
+                            config=config, out_dtype=q.dtype if in_dtype else None,
                             **_step_ids(ids))
     return backends.vary_like(parts, q, k, v)
 
-  def backward(self, q, k, v, dout, lse, delta, causal, ids=None, final=False):
-    """A step's gradients; `final`: the call's whole gradients (nothing else adds to them),
-    which a backend may then return in q's dtype (see the backend contract's `grad_dtype`)."""
+  def backward(self, q, k, v, dout, lse, delta, causal, ids=None, in_dtype=False):
+    """A step's gradients; `in_dtype`: a backend may return them in q's dtype (the backend
+    contract's `grad_dtype`; the local branches' gradients, as `forward`'s output)."""
     if not self.plan.branch.heads:  # a head group none of this shard's heads is in
-      acc = q.dtype if final else jnp.promote_types(q.dtype, jnp.float32)
+      acc = q.dtype if in_dtype else jnp.promote_types(q.dtype, jnp.float32)
       return backends.vary_like(tuple(jnp.zeros(x.shape, acc) for x in (q, k, v)), q, k, v)
     pattern = self.pattern(causal, q.shape[1])
     backend, config = self.backend(q, k, causal, backward=True)
     grads = backend.backward(q, k, v, dout, lse, delta, pattern, self.scale,
                              branches=self.branches, config=config,
-                             grad_dtype=q.dtype if final else None, **_step_ids(ids))
+                             grad_dtype=q.dtype if in_dtype else None, **_step_ids(ids))
     return backends.vary_like(grads, q, k, v)
 
 
@@ -402,12 +404,12 @@ class _Switched:
   def covered(self, num_heads):
     return jnp.stack([st.covered(num_heads) for st in self.kinds])[self.which]
 
-  def forward(self, q, k, v, causal, ids=None, final=False):
-    return self._switch(lambda st, *xs: st.forward(*xs[:3], causal, xs[3], final),
+  def forward(self, q, k, v, causal, ids=None, in_dtype=False):
+    return self._switch(lambda st, *xs: st.forward(*xs[:3], causal, xs[3], in_dtype),
                         q, k, v, ids)
 
-  def backward(self, q, k, v, dout, lse, delta, causal, ids=None, final=False):
-    return self._switch(lambda st, *xs: st.backward(*xs[:6], causal, xs[6], final),
+  def backward(self, q, k, v, dout, lse, delta, causal, ids=None, in_dtype=False):
+    return self._switch(lambda st, *xs: st.backward(*xs[:6], causal, xs[6], in_dtype),
                         q, k, v, dout, lse, delta, ids)
 
 
@@ -938,9 +940,9 @@ class _Ring:
     pairs = self._branches(q, k, segment_ids is not None)
     for plan, st in pairs:
       kernel = None
-      if plan.kind == "local":  # all branches local: the call's result, in q's dtype
+      if plan.kind == "local":  # in q's dtype, merged or not (`_RingBranch.forward`)
         o, lse = st.forward(q, k, v, st.causal, _ids_per_head(segment_ids, q, k),
-                            final=len(pairs) == 1)
+                            in_dtype=True)
       elif plan.kind == "gather":
         full = [_gather(x, axis_name) for x in (q, k, v)]
         ids = None if segment_ids is None else [_gather(x, axis_name) for x in segment_ids]
@@ -966,9 +968,9 @@ class _Ring:
     grads = None
     pairs = self._branches(q, k, segment_ids is not None)
     for i, (plan, st) in enumerate(pairs):
-      if plan.kind == "local":  # all branches local: the call's gradients, in q's dtype
+      if plan.kind == "local":  # in q's dtype, added to or not (`_RingBranch.backward`)
         g = st.backward(q, k, v, dout, lse, delta, st.causal, _ids_per_head(segment_ids, q, k),
-                        final=len(pairs) == 1)
+                        in_dtype=True)
       elif plan.kind == "gather":
         full = [_gather(x, axis_name) for x in (q, k, v, dout, lse, delta)]
         ids = None if segment_ids is None else [_gather(x, axis_name) for x in segment_ids]

@@ -394,12 +394,12 @@ def test_each_step_takes_the_first_backend_that_runs_it(monkeypatch):
 @pytest.mark.parametrize("segments,rates,rotate", [((512, 2048), (1, 2), True),
                                                   ((512, 2048), (1, 2), False),
                                                   ((256, 512), (1, 2), False)])
-def test_steps_get_ring_step_config_and_final_dtypes(monkeypatch, segments, rates, rotate):
+def test_steps_get_ring_step_config_and_local_dtypes(monkeypatch, segments, rates, rotate):
   """Ring steps run with the backend's `ring_step_config` (the keys of the next step travel
   beside them); local steps, and the one call of a ring that gathers its keys first, with
-  the caller's config; where every branch is local, the one local call is the whole result
-  and gets `out_dtype` / `grad_dtype` = q's dtype (no float32 copy of the output and
-  gradients on the device)."""
+  the caller's config; the local call gets `out_dtype` / `grad_dtype` = q's dtype, whether it
+  is the whole result or a partial merged with the rings' (no float32 copy of its output and
+  gradients on the device), the other steps float32 partials."""
   if rotate:
     monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", 0)
   from hilbert_ring_jax import backends  # pylint: disable=g-import-not-at-top
@@ -427,7 +427,7 @@ def test_steps_get_ring_step_config_and_final_dtypes(monkeypatch, segments, rate
       q, k, v, pattern, mesh=mesh(4), axis_name="seq", return_lse=True, implementation="xla")
   _assert_ring_matches_reference(ring, case, False, inputs)
   if segments[-1] > 512:
-    assert set(seen) == {("forward", False, None), ("backward", False, None),
+    assert set(seen) == {("forward", False, "float32"), ("backward", False, "float32"),
                          ("forward", rotate, None), ("backward", rotate, None)}, seen
   else:
     assert set(seen) == {("forward", False, "float32"), ("backward", False, "float32")}, seen
