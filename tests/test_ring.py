@@ -132,6 +132,23 @@ def test_ring_bf16_and_explicit_mesh():
   assert helpers.rel_err(out, ref_out) < helpers.TOL[jnp.bfloat16]
 
 
+def test_bf16_local_partial_merges_with_the_rings():
+  """bf16, 1024 tokens a shard on 4 devices: the local branch's call returns its partial and
+  gradients in bf16, which merge with a sub-ring's and a gathered compact ring's float32
+  ones; output, lse and gradients against the float64 reference."""
+  p, n = 4, 4096
+  pattern = DilatedPattern((512, 2048, 4096), (1, 2, 4), causal=True)
+  assert {(plan.kind, plan.compact, plan.gatherable)
+          for plan in _plans(pattern, n // p, p, 2, 2)} == {
+              ("local", False, False), ("ring", False, False), ("ring", True, True)}
+  case = helpers.Case(n, 2, 1, pattern.segment_lengths, pattern.dilation_rates)
+  inputs = helpers.random_inputs(case, jnp.bfloat16, 11)
+  ring = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh(p),
+                                                   axis_name="seq", return_lse=True)
+  (out, lse), grads = helpers.with_grads(ring)(*inputs[:3], tuple(inputs[3:]))
+  helpers.check_result(case, True, jnp.bfloat16, inputs, out, lse, grads)
+
+
 def _collectives(pattern, p=4, n=64, h=2, hkv=2, grad=False):
   """Shapes of the results of every collective in the ring program (`grad`: its forward and
   backward), as lowered: every move the ring makes, before XLA's passes, which only merge
