@@ -36,7 +36,7 @@ def merge(outs: Sequence[jnp.ndarray], lses: Sequence[jnp.ndarray]):
   (an overflowed denominator) dominates its row: `out` is the mean of the `o_i` with
   `lse_i = +inf`, `lse = +inf`, and the gradient with respect to the `lse_i` of that row is
   zero. (A single partial is returned as it is, and so are its gradients.) Computed in the
-  dtype of the inputs (callers pass float32 accumulators).
+  inputs' promoted dtype: float32 where the lses are (16-bit `outs` are promoted).
 
   Args:
     outs: partial outputs, all of one shape `[..., D]`.

@@ -341,33 +341,36 @@ class _RingBranch:
 
   def forward(self, q, k, v, causal, ids=None, in_dtype=False):
     """A step's partials; `ids`: None or the step's `(q_ids, kv_ids)` in its layout
-    (`[B, n, X, 1]`, see `_ids_like`). `in_dtype`: the output in q's dtype, else in float32
-    (the local branches' result is: the call's whole result, or a partial rounded once more
-    before the merge, as one device's launches chain theirs; that made LongNet's forward at
-    8K tokens a GPU 6% faster, docs/performance.md)."""
+    (`[B, n, X, 1]`, see `_ids_like`). `in_dtype`: the output in q's dtype (the local
+    branches' call: the whole result, or a partial rounded once more before the merge, as
+    one device's chained launches round theirs), else float32."""
+    acc = q.dtype if in_dtype else jnp.promote_types(q.dtype, jnp.float32)
     if not self.plan.branch.heads:  # a head group none of this shard's heads is in (`_plans`)
-      acc = q.dtype if in_dtype else jnp.promote_types(q.dtype, jnp.float32)
       return backends.vary_like((jnp.zeros((*q.shape[:3], v.shape[-1]), acc),
                                  jnp.full(q.shape[:3], -jnp.inf, jnp.float32)), q, k, v)
     pattern = self.pattern(causal, q.shape[1])
     backend, config = self.backend(q, k, causal)
-    parts = backend.forward(q, k, v, pattern, self.scale, branches=self.branches,
-                            config=config, out_dtype=q.dtype if in_dtype else None,
-                            **_step_ids(ids))
-    return backends.vary_like(parts, q, k, v)
+    o, lse = backend.forward(q, k, v, pattern, self.scale, branches=self.branches,
+                             config=config, out_dtype=q.dtype if in_dtype else None,
+                             **_step_ids(ids))
+    return backends.vary_like((o.astype(acc), lse), q, k, v)
 
   def backward(self, q, k, v, dout, lse, delta, causal, ids=None, in_dtype=False):
-    """A step's gradients; `in_dtype`: a backend may return them in q's dtype (the backend
-    contract's `grad_dtype`; the local branches' gradients, as `forward`'s output)."""
+    """A step's gradients, in float32; `in_dtype` (the local branches' call): in bfloat16
+    where q is (float16 gradients need `attention`'s saturating cast). Every shard of a
+    `_Switched` step returns the same dtypes, whether its backend takes `grad_dtype` or not."""
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    if in_dtype and q.dtype == jnp.bfloat16:
+      acc = q.dtype
     if not self.plan.branch.heads:  # a head group none of this shard's heads is in
-      acc = q.dtype if in_dtype else jnp.promote_types(q.dtype, jnp.float32)
       return backends.vary_like(tuple(jnp.zeros(x.shape, acc) for x in (q, k, v)), q, k, v)
     pattern = self.pattern(causal, q.shape[1])
     backend, config = self.backend(q, k, causal, backward=True)
     grads = backend.backward(q, k, v, dout, lse, delta, pattern, self.scale,
                              branches=self.branches, config=config,
-                             grad_dtype=q.dtype if in_dtype else None, **_step_ids(ids))
-    return backends.vary_like(grads, q, k, v)
+                             grad_dtype=q.dtype if in_dtype and acc == q.dtype else None,
+                             **_step_ids(ids))
+    return backends.vary_like(tuple(g.astype(acc) for g in grads), q, k, v)
 
 
 class _Switched:
@@ -968,7 +971,7 @@ class _Ring:
     grads = None
     pairs = self._branches(q, k, segment_ids is not None)
     for i, (plan, st) in enumerate(pairs):
-      if plan.kind == "local":  # in q's dtype, added to or not (`_RingBranch.backward`)
+      if plan.kind == "local":  # bf16 where q is, added to or not (`_RingBranch.backward`)
         g = st.backward(q, k, v, dout, lse, delta, st.causal, _ids_per_head(segment_ids, q, k),
                         in_dtype=True)
       elif plan.kind == "gather":

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import helpers
-from hilbert_ring_jax import DilatedPattern, dilated_attention
+from hilbert_ring_jax import DilatedPattern, dilated_attention, merge
 from hilbert_ring_jax import ring as ring_module
 from hilbert_ring_jax.backends import hopper, xla
 from hilbert_ring_jax.ring import _plans, ring_dilated_attention, sharded_dilated_attention
@@ -132,10 +132,13 @@ def test_ring_bf16_and_explicit_mesh():
   assert helpers.rel_err(out, ref_out) < helpers.TOL[jnp.bfloat16]
 
 
-def test_bf16_local_partial_merges_with_the_rings():
+def test_bf16_local_partial_merges_with_the_rings(monkeypatch):
   """bf16, 1024 tokens a shard on 4 devices: the local branch's call returns its partial and
   gradients in bf16, which merge with a sub-ring's and a gathered compact ring's float32
   ones; output, lse and gradients against the float64 reference."""
+  merged = []
+  monkeypatch.setattr(ring_module, "merge", lambda outs, lses: (
+      merged.append(tuple(str(o.dtype) for o in outs)), merge(outs, lses))[1])
   p, n = 4, 4096
   pattern = DilatedPattern((512, 2048, 4096), (1, 2, 4), causal=True)
   assert {(plan.kind, plan.compact, plan.gatherable)
@@ -147,6 +150,7 @@ def test_bf16_local_partial_merges_with_the_rings():
                                                    axis_name="seq", return_lse=True)
   (out, lse), grads = helpers.with_grads(ring)(*inputs[:3], tuple(inputs[3:]))
   helpers.check_result(case, True, jnp.bfloat16, inputs, out, lse, grads)
+  assert ("bfloat16", "float32", "float32") in merged, merged  # the call's merge
 
 
 def _collectives(pattern, p=4, n=64, h=2, hkv=2, grad=False):
@@ -214,8 +218,8 @@ def test_zigzag_sub_rings_of_two_move_only_odd_chunks(monkeypatch):
   """A causal sub-ring of 2 shards in zigzag order (chunks 0, 1 | 2, 3 -> 0, 3 | 1, 2)
   swaps only the odd chunks: one collective-permute for each of q, k, v and o (not two;
   lse, unused, is not sent), besides the step's rotation of k and v. A permute that moves
-  nothing still synchronises the devices (docs/performance.md, "LongNet at 8K tokens a GPU
-  on 4 x H200")."""
+  nothing still synchronises the devices (docs/performance.md, "Measurements behind design
+  choices", the row "ring: zigzag permutes that move nothing")."""
   monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)  # 16 rows a shard: zigzag order
   found = _collectives(DilatedPattern((32,), (1,), causal=True))  # 16 tokens a shard
   assert {kind for _, kind in found} == {"collective-permute"}

@@ -162,6 +162,26 @@ def test_ring_with_heads_axis_and_head_groups_of_several_branches():
   _ring_equals_one_call(pattern, _inputs((1, 4096, 8, 8), 2, seed=4))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_ring_with_heads_axis_and_head_groups_in_16_bits(dtype):
+  """The rings above in 16 bits: on the shard none of whose heads is in the local branch, that
+  branch's empty step returns its zeros in the dtype the other shard's backend returns (a
+  `lax.switch` needs equal types); outputs, lse and gradients against the float64
+  reference."""
+  pattern = DilatedPattern((512, 2048, 4096), (1, 2, 4), causal=True, head_groups=True)
+  mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
+  spec = P(None, "seq", "model")
+  ring = jax.shard_map(
+      lambda q, k, v: ring_dilated_attention(q, k, v, pattern, axis_name="seq",
+                                             heads_axis="model", return_lse=True),
+      mesh=mesh, in_specs=spec, out_specs=(spec, spec))
+  case = helpers.Case(4096, 8, 2, pattern.segment_lengths, pattern.dilation_rates,
+                      head_groups=True)
+  inputs = helpers.random_inputs(case, dtype, 5)
+  (out, lse), grads = helpers.with_grads(ring)(*inputs[:3], tuple(inputs[3:]))
+  helpers.check_result(case, True, dtype, inputs, out, lse, grads)
+
+
 @pytest.mark.slow  # ~20 s: the same switches in zigzag order, ids beside the keys
 def test_sharded_with_heads_axis_packed_in_zigzag_order(monkeypatch):
   """`sharded_dilated_attention` (no replicas: no warning) with packed documents, its rings

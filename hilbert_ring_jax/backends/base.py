@@ -9,19 +9,19 @@ A backend is a module of `hilbert_ring_jax.backends` that provides (see `Backend
 - `forward(q, k, v, pattern, scale, *, branches=None, config=None, out_dtype=None)` ->
   `(out [B, N, H, D], lse [B, N, H])`: the attention over the keys of `branches` (indices into
   `pattern.branches`; None: all), merged. Both are float32 *partials*, ready for `merge`;
-  a caller whose result is final (no merge follows) may ask for `out_dtype=q.dtype`, so no
-  float32 copy of the output is ever materialized. A backend whose `supports` accepts
-  problems with `segment_ids` set also takes `segment_ids=(q_ids, kv_ids)` (integer `[B, N]`
-  each, or per head `[B, N, H]` and `[B, N, Hkv]`: the document of each query and of each
-  key; a query sees a key only within its document), in `forward` and `backward` alike; it
-  is passed only when set;
+  a caller may ask for `out_dtype=q.dtype` for a final result (no merge follows) or for a
+  partial it merges once more (one more rounding), so no float32 copy of it is materialized.
+  A backend whose `supports` accepts problems with `segment_ids` set also takes
+  `segment_ids=(q_ids, kv_ids)` (integer `[B, N]` each, or per head `[B, N, H]` and `[B, N,
+  Hkv]`: the document of each query and of each key; a query sees a key only within its
+  document), in `forward` and `backward` alike; it is passed only when set;
 - `backward(q, k, v, dout, lse, delta, pattern, scale, *, branches=None, config=None,
   grad_dtype=None)` -> float32 `(dq, dk, dv)`: the contribution of `branches`, given the
   *global* `lse` and `delta = rowsum(dout * out) - dlse`, so that branches, launches and ring
   steps add up to the exact gradient (docs/SPEC.md, sections 5 and 6); a caller whose
-  gradients are final may pass `grad_dtype=q.dtype`, and a backend may then return them in
-  that dtype directly (bfloat16 only: float16 needs `attention`'s saturating cast), so no
-  float32 copy of them is materialized;
+  gradients are final, or added once more, may pass `grad_dtype=q.dtype`, and a backend may
+  then return them in that dtype directly (bfloat16 only: float16 needs `attention`'s
+  saturating cast), so no float32 copy of them is materialized;
 - a decoding step (`decode.py`), in "xla" (the portable step, any T) and in the backends of
   `STEP_KERNELS` (a kernel of their own, one token): `step(q, k, v, ks, vs, length, tables,
   scale, *, config=None)` -> float32 `(out [B, T, H, D], lse [B, T, H])` of the new tokens at
