@@ -125,17 +125,21 @@ def test_ring_with_heads_axis_on_a_model_by_sequence_mesh():
   _ring_equals_one_call(RING_TP, _inputs((1, 4096, 4, 8), 2, seed=1))
 
 
-def _ring_equals_one_call(pattern, inputs):
-  """The ring inside a user's `shard_map` over a (model 2, seq 4) mesh, the heads over
-  "model", equals one call on all heads: outputs, lse and gradients."""
+def _ring_over_model_and_seq(pattern):
+  """`(q, k, v) -> (out, lse)`: the ring inside a user's `shard_map` over a (model 2, seq 4)
+  mesh, the heads over "model"."""
   mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
   spec = P(None, "seq", "model")
-  ring = jax.shard_map(
+  return jax.shard_map(
       lambda q, k, v: ring_dilated_attention(q, k, v, pattern, axis_name="seq",
                                              heads_axis="model", return_lse=True),
       mesh=mesh, in_specs=spec, out_specs=(spec, spec))
+
+
+def _ring_equals_one_call(pattern, inputs):
+  """`_ring_over_model_and_seq` equals one call on all heads: outputs, lse and gradients."""
   whole = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
-  _equal_with_grads(ring, whole, inputs)
+  _equal_with_grads(_ring_over_model_and_seq(pattern), whole, inputs)
 
 
 def test_ring_with_heads_axis_and_head_groups_of_one_branch():
@@ -169,12 +173,7 @@ def test_ring_with_heads_axis_and_head_groups_in_16_bits(dtype):
   `lax.switch` needs equal types); outputs, lse and gradients against the float64
   reference."""
   pattern = DilatedPattern((512, 2048, 4096), (1, 2, 4), causal=True, head_groups=True)
-  mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
-  spec = P(None, "seq", "model")
-  ring = jax.shard_map(
-      lambda q, k, v: ring_dilated_attention(q, k, v, pattern, axis_name="seq",
-                                             heads_axis="model", return_lse=True),
-      mesh=mesh, in_specs=spec, out_specs=(spec, spec))
+  ring = _ring_over_model_and_seq(pattern)
   case = helpers.Case(4096, 8, 2, pattern.segment_lengths, pattern.dilation_rates,
                       head_groups=True)
   inputs = helpers.random_inputs(case, dtype, 5)
