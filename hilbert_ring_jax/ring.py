@@ -346,8 +346,7 @@ class _RingBranch:
     one device's chained launches round theirs), else float32."""
     acc = q.dtype if in_dtype else jnp.promote_types(q.dtype, jnp.float32)
     if not self.plan.branch.heads:  # a head group none of this shard's heads is in (`_plans`)
-      return backends.vary_like((jnp.zeros((*q.shape[:3], v.shape[-1]), acc),
-                                 jnp.full(q.shape[:3], -jnp.inf, jnp.float32)), q, k, v)
+      return _empty_partial((*q.shape[:3], v.shape[-1]), acc, q, k, v)
     pattern = self.pattern(causal, q.shape[1])
     backend, config = self.backend(q, k, causal)
     o, lse = backend.forward(q, k, v, pattern, self.scale, branches=self.branches,
@@ -359,9 +358,8 @@ class _RingBranch:
     """A step's gradients, in float32; `in_dtype` (the local branches' call): in bfloat16
     where q is (float16 gradients need `attention`'s saturating cast). Every shard of a
     `_Switched` step returns the same dtypes, whether its backend takes `grad_dtype` or not."""
-    acc = jnp.promote_types(q.dtype, jnp.float32)
-    if in_dtype and q.dtype == jnp.bfloat16:
-      acc = q.dtype
+    wide = jnp.promote_types(q.dtype, jnp.float32)
+    acc = q.dtype if in_dtype and q.dtype == jnp.bfloat16 else wide
     if not self.plan.branch.heads:  # a head group none of this shard's heads is in
       return backends.vary_like(tuple(jnp.zeros(x.shape, acc) for x in (q, k, v)), q, k, v)
     pattern = self.pattern(causal, q.shape[1])
@@ -520,6 +518,14 @@ def _halves(*xs):
   return [(x[:, :x.shape[1] // 2], x[:, x.shape[1] // 2:]) for x in xs]
 
 
+def _empty_partial(out_shape, dtype, *like):
+  """The partial of queries that see no key: `out = 0` (in `dtype`), `lse = -inf` (float32),
+  typed like a real step's (varying over every mesh axis `like` varies over, the data axis
+  included), as `lax.cond` and `lax.switch` need."""
+  return backends.vary_like((jnp.zeros(out_shape, dtype),
+                             jnp.full(out_shape[:-1], -jnp.inf, jnp.float32)), *like)
+
+
 def _masked(part, keep):
   return jnp.where(keep[..., None], part[0], 0.0), jnp.where(keep, part[1], -jnp.inf)
 
@@ -559,10 +565,7 @@ def _ring_forward(st, q, k, v, axis_name, ids=None):
   if plan.zigzag:
     return _zigzag_forward(st, qs, qi, kv, axis_name)
   acc = st.forward(qs, *kv[:2], st.causal, _pair(qi, kv))
-  # An empty step's result: typed like a real one (varying over every mesh axis q varies
-  # over, the data axis included), as lax.cond needs.
-  zeros = lambda: backends.vary_like((jnp.zeros(acc[0].shape, acc[0].dtype),
-                                      jnp.full(acc[1].shape, -jnp.inf, acc[1].dtype)), qs)
+  zeros = lambda: _empty_partial(acc[0].shape, acc[0].dtype, qs)  # an empty step's result
   for step in range(1, plan.span):
     # Issued before the previous step's compute is consumed, so XLA overlaps the two.
     kv = _send(kv, _rotation(plan, step, shift=st.causal), plan, axis_name)
