@@ -189,6 +189,27 @@ def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal, grad_dtypes):
                                          config=mosaic.Config(block_k=192)), q, k, k)
 
 
+@pytest.mark.skipif(jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",
+                    reason="CPU only (a GPU compiles them for real), JAX >= 0.11")
+@pytest.mark.filterwarnings("ignore:Mosaic GPU of JAX >= 0.12 ignores")  # lowering only
+def test_strided_launches_fuse_dq_where_queries_read_many_keys():
+  """The default backward of a strided launch lowers as one dk/dv kernel that adds dq where
+  its queries read 4,096 keys or more (2,048 + 2,048 here), and as a dq and a dk/dv kernel
+  where they read fewer (512 + 512) or the config says (`Config.backward_for`)."""
+  def kernels(n, segments, config=None):
+    pattern, d = DilatedPattern(segments, (1, 4)), 64
+    q = jax.ShapeDtypeStruct((1, n, 2, d), jnp.bfloat16)
+    stat = jax.ShapeDtypeStruct((1, n, 2), jnp.float32)
+    fn = lambda q, k, v, do, lse, delta: mosaic.backward(
+        q, k, v, do, lse, delta, pattern, d ** -0.5, config=config, grad_dtype=jnp.bfloat16)
+    text = jax.jit(fn).trace(q, q, q, q, stat, stat).lower(lowering_platforms=("cuda",))
+    return text.as_text().count("stablehlo.custom_call @mosaic_gpu")
+  assert mosaic_plan.launches(DilatedPattern((2048, 8192), (1, 4)), 8192, 2, None) == [(0, 1)]
+  assert kernels(8192, (2048, 8192)) == 1
+  assert kernels(8192, (2048, 8192), mosaic.Config(fused_backward=False)) == 2
+  assert kernels(2048, (512, 2048)) == 2
+
+
 def test_causal_plan_balances_items():
   """Persistent programs under a causal mask take the items a host-side list scheduling
   gives them: every item once, each program's in launch order, and no program loaded past
@@ -300,17 +321,29 @@ def test_declines_off_hopper_and_on_unaligned_rows():
     mosaic.Config(fused_backward=1)
   with pytest.raises(ValueError, match="persistent"):
     mosaic.Config(persistent="yes")
-  # The backward's choices per launch: fused (2 stages) where rows are unstrided, split
-  # (3 stages where they fit) where strided, unless the config says.
+  # The backward's choices per launch: fused (2 stages) where rows are unstrided, or strided
+  # with queries reading at least 4,096 keys and accumulators of at most 4 GiB; else split
+  # (3 stages where they fit), unless the config says.
   default = mosaic.Config().resolved(128)
   assert default.fused_backward is None and default.backward_stages is None
-  fused, split = default.backward_for(1, 128), default.backward_for(4, 64)
+  fused, split = default.backward_for(1, 128), default.backward_for(4, 64, keys=4095)
   assert (fused.fused_backward, fused.backward_stages) == (True, 2)
   assert (split.fused_backward, split.backward_stages) == (False, 3)
+  assert default.backward_for(4, 64, keys=4096, accumulator_bytes=4 << 30).fused_backward
+  assert not default.backward_for(4, 64, keys=4096, accumulator_bytes=(4 << 30) + 1)\
+      .fused_backward
   assert default.backward_for(4, 128).backward_stages == 2  # 3 exceed shared memory
   assert not mosaic.Config(fused_backward=False).backward_for(1, 64).fused_backward
   assert mosaic.Config(fused_backward=True, backward_stages=3).backward_for(2, 64) == \
       mosaic.Config(fused_backward=True, backward_stages=3)
+  # What a launch's queries read: LongNet's five pieces of 2,048 keys at 32K (two launches of
+  # the first LM preset's pattern: 512 and 256 keys), halved under a causal mask.
+  longnet = DilatedPattern((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16))
+  assert mosaic_plan.keys_per_query(longnet, 32768, 16, range(5)) == 10240
+  assert mosaic_plan.keys_per_query(longnet, 8192, 16, range(5)) == 7680  # w capped at N
+  lm = DilatedPattern((512, 2048, 8192), (1, 4, 16), causal=True)
+  assert [mosaic_plan.keys_per_query(lm, 8192, 16, f)
+          for f in mosaic_plan.launches(lm, 8192, 16, None)] == [512, 256]
 
 
 def _aligned_case(data):

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 
 import jax
@@ -63,8 +64,8 @@ from . import common, mosaic_backward, mosaic_decode, mosaic_forward, mosaic_gat
 from .base import YES, Problem, Support, no
 from .common import batched
 from .hopper import LOG2E, REGISTERS_MOVE, Zeroed, is_hopper
-from .mosaic_plan import (BWD_BLOCK, ROW_BLOCK, Config, geometry_problem, launches,
-                          long_key_rows, out_length)
+from .mosaic_plan import (BWD_BLOCK, ROW_BLOCK, Config, geometry_problem, keys_per_query,
+                          launches, long_key_rows, out_length)
 
 __all__ = ["Config", "backward", "forward", "gathered_forward", "gathers", "geometry_problem",
            "ring_step_config", "step", "supports"]
@@ -280,7 +281,9 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config, final
     strided = [t.reshape(batch, num_heads, n_pad // L, L).transpose(0, 1, 3, 2) for t in flat]
     transposed = schedule.build(pattern, n, num_heads, num_kv, fused, True)
     stats = (flat[0], strided[0], flat[1], strided[1])
-    cfg = config.backward_for(L, q.shape[-1], q.dtype.itemsize, packed=ids is not None)
+    cfg = config.backward_for(L, q.shape[-1], q.dtype.itemsize, packed=ids is not None,
+                              keys=keys_per_query(pattern, n, num_heads, fused),
+                              accumulator_bytes=2 * 4 * math.prod(x[0].shape))
     if grads is not None:  # in the dtypes of this launch's outputs (fused: dq in float32)
       dtypes = ((jnp.float32,) if cfg.fused_backward else (out_dtype,)) + (out_dtype,) * 2
       grads = tuple(g.astype(dtype) for g, dtype in zip(

@@ -66,6 +66,15 @@ _MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA'
 # estimate (full causal attention: the list-scheduled backward measured slower in one A/B;
 # docs/performance.md).
 _SHORT_ITEMS = 64
+# A strided launch's backward adds dq inside its dk/dv kernel (`Config.backward_for`) where a
+# query reads at least this many keys on average, and its two float32 dq accumulators take at
+# most `_FUSED_STRIDED_BYTES`. On one H200 (bf16, H = 16, forward+backward), fused against
+# split: 0.89-0.96x the time at 5,120 to 16,384 keys a query (LongNet 8K to 128K, causal too),
+# 1.2-1.4x at 512 to 1,024 (examples/lm_real.py's pattern), where the accumulators' zeroing
+# and sum outweigh the dq kernel's recomputed products; beyond the bytes, the split kernels'
+# bf16 gradients are what let the longest sequences fit (docs/performance.md).
+_FUSED_STRIDED_KEYS = 4096
+_FUSED_STRIDED_BYTES = 4 << 30
 ITEM_SLOTS = 2  # dynamic work: the items the producer has claimed ahead of the consumers
 
 
@@ -82,10 +91,12 @@ class Config:
     backward_stages: backward: blocks in flight (2..4; blocks of 64 queries and keys).
     fused_backward: backward: dq inside the dk/dv kernel (TMA reduce-add stores into a
       float32 accumulator), else a dq kernel of its own. None: fused in launches that read
-      their rows unstrided (full attention, stride-1 branches), split in strided ones (a
-      second float32 dq accumulator would be needed there for the strided view). The fused
-      kernel's gradients pass through float32 buffers; where the gradients are final (bf16)
-      the split kernels write bf16 directly: `False` halves that memory at extreme lengths.
+      their rows unstrided (full attention, stride-1 branches), and in strided ones whose
+      queries read at least 4,096 keys on average (LongNet; a second float32 accumulator
+      serves the strided view) while both accumulators take at most 4 GiB; split in other
+      strided ones (`backward_for`). The fused kernel's gradients pass through float32
+      buffers; where the gradients are final (bf16) the split kernels write bf16 directly:
+      `False` halves that memory at extreme lengths.
     persistent: one program per SM, each walking a run of the launch's work items (program
       blocks of rows), so that the producer streams the next item's blocks while the
       consumers finish the last one (and the forward loads the next item's queries into a
@@ -146,12 +157,17 @@ class Config:
         f"blocks or fewer stages")
 
   def backward_for(self, stride: int, head_dim: int, itemsize: int = 2,
-                   packed: bool = False) -> Config:
-    """The backward's choices for a launch of row stride `stride`: fused where unstrided
-    (unless `fused_backward` says), with 2 stages; split with the most stages that fit (up
-    to 3; `packed`: with the document ids' buffers). Explicit backward stages that do not
-    fit fail when the kernel lowers."""
-    fused = stride == 1 if self.fused_backward is None else self.fused_backward
+                   packed: bool = False, keys: int = 0, accumulator_bytes: int = 0) -> Config:
+    """The backward's choices for a launch of row stride `stride` whose queries read `keys`
+    keys on average and whose fused kernel's float32 dq accumulators would take
+    `accumulator_bytes`: fused where unstrided, or strided with `keys` and the bytes within
+    `_FUSED_STRIDED_KEYS` and `_FUSED_STRIDED_BYTES` (unless `fused_backward` says), with 2
+    stages; split with the most stages that fit (up to 3; `packed`: with the document ids'
+    buffers). Explicit backward stages that do not fit fail when the kernel lowers."""
+    fused = self.fused_backward
+    if fused is None:
+      fused = stride == 1 or (keys >= _FUSED_STRIDED_KEYS
+                              and accumulator_bytes <= _FUSED_STRIDED_BYTES)
     stages = self.backward_stages or (2 if fused else max(
         [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize, packed) <= SMEM_BYTES]
         or [2]))
@@ -200,6 +216,13 @@ def _backward_smem_bytes(stages: int, head_dim: int, itemsize: int,
 def launches(pattern: DilatedPattern, n: int, num_heads: int, branches):
   """The branches of each launch: `schedule.launches` in rows of at least `ROW_BLOCK`."""
   return schedule.launches(pattern, n, num_heads, branches, min_row=ROW_BLOCK)
+
+
+def keys_per_query(pattern: DilatedPattern, n: int, num_heads: int, fused) -> int:
+  """The keys a query of the launch of branches `fused` reads on average: its branches'
+  pieces (`w / r` keys each), halved under a causal mask (`Config.backward_for`)."""
+  pieces = sum(br.w // br.r for br in pattern.layout(n, num_heads, fused))
+  return pieces // 2 if pattern.causal else pieces
 
 
 def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_heads: int,
