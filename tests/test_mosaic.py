@@ -192,10 +192,12 @@ def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal, grad_dtypes):
 @pytest.mark.skipif(jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",
                     reason="CPU only (a GPU compiles them for real), JAX >= 0.11")
 @pytest.mark.filterwarnings("ignore:Mosaic GPU of JAX >= 0.12 ignores")  # lowering only
-def test_strided_launches_fuse_dq_where_queries_read_many_keys():
+def test_strided_launches_fuse_dq_where_queries_read_many_keys(monkeypatch):
   """The default backward of a strided launch lowers as one dk/dv kernel that adds dq where
-  its queries read 4,096 keys or more (2,048 + 2,048 here), and as a dq and a dk/dv kernel
+  its queries read 4,096 keys or more (2,048 + 2,048 here) and `setmaxnreg` moves the
+  registers (JAX 0.11, or the preloaded tools/no_nvjitlink.c), and as a dq and a dk/dv kernel
   where they read fewer (512 + 512) or the config says (`Config.backward_for`)."""
+  monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", True)
   def kernels(n, segments, config=None):
     pattern, d = DilatedPattern(segments, (1, 4)), 64
     q = jax.ShapeDtypeStruct((1, n, 2, d), jnp.bfloat16)
@@ -208,6 +210,8 @@ def test_strided_launches_fuse_dq_where_queries_read_many_keys():
   assert kernels(8192, (2048, 8192)) == 1
   assert kernels(8192, (2048, 8192), mosaic.Config(fused_backward=False)) == 2
   assert kernels(2048, (512, 2048)) == 2
+  monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", False)  # JAX 0.12's spilling kernels
+  assert kernels(8192, (2048, 8192)) == 2
 
 
 def test_causal_plan_balances_items():
@@ -304,7 +308,7 @@ def test_a_float16_backward_goes_to_the_next_backend(monkeypatch):
   assert jax.__version_info__ < (0, 11) or "float16 backward" in support.reason
 
 
-def test_declines_off_hopper_and_on_unaligned_rows():
+def test_declines_off_hopper_and_on_unaligned_rows(monkeypatch):
   q = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
   pattern = Case(1024, 2, 2, (256, 512), (1, 2)).pattern(False)
   support = mosaic.supports(base.Problem.of(q, q, pattern))
@@ -324,6 +328,7 @@ def test_declines_off_hopper_and_on_unaligned_rows():
   # The backward's choices per launch: fused (2 stages) where rows are unstrided, or strided
   # with queries reading at least 4,096 keys and accumulators of at most 4 GiB; else split
   # (3 stages where they fit), unless the config says.
+  monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", True)  # JAX 0.12: strided ones split
   default = mosaic.Config().resolved(128)
   assert default.fused_backward is None and default.backward_stages is None
   fused, split = default.backward_for(1, 128), default.backward_for(4, 64, keys=4095)
@@ -332,6 +337,8 @@ def test_declines_off_hopper_and_on_unaligned_rows():
   assert default.backward_for(4, 64, keys=4096, accumulator_bytes=4 << 30).fused_backward
   assert not default.backward_for(4, 64, keys=4096, accumulator_bytes=(4 << 30) + 1)\
       .fused_backward
+  monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", False)
+  assert not default.backward_for(4, 64, keys=4096).fused_backward
   assert default.backward_for(4, 128).backward_stages == 2  # 3 exceed shared memory
   assert not mosaic.Config(fused_backward=False).backward_for(1, 64).fused_backward
   assert mosaic.Config(fused_backward=True, backward_stages=3).backward_for(2, 64) == \

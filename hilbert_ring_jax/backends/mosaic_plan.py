@@ -68,11 +68,13 @@ _MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA'
 _SHORT_ITEMS = 64
 # A strided launch's backward adds dq inside its dk/dv kernel (`Config.backward_for`) where a
 # query reads at least this many keys on average, and its two float32 dq accumulators take at
-# most `_FUSED_STRIDED_BYTES`. On one H200 (bf16, H = 16, forward+backward), fused against
-# split: 0.89-0.96x the time at 5,120 to 16,384 keys a query (LongNet 8K to 128K, causal too),
-# 1.2-1.4x at 512 to 1,024 (examples/lm_real.py's pattern), where the accumulators' zeroing
-# and sum outweigh the dq kernel's recomputed products; beyond the bytes, the split kernels'
-# bf16 gradients are what let the longest sequences fit (docs/performance.md).
+# most `_FUSED_STRIDED_BYTES`. On one H200 (bf16, H = 16, forward+backward, JAX 0.11.2), fused
+# against split: 0.89-0.96x the time at 5,120 to 16,384 keys a query (LongNet 8K to 128K,
+# causal too), 1.2-1.4x at 512 to 1,024 (examples/lm_real.py's pattern), where the
+# accumulators' zeroing and sum outweigh the dq kernel's recomputed products; beyond the bytes,
+# the split kernels' bf16 gradients are what let the longest sequences fit
+# (docs/performance.md). Only where `setmaxnreg` moves the registers (`REGISTERS_MOVE`): it
+# was not measured with the kernels' spills of JAX 0.12 without tools/no_nvjitlink.c.
 _FUSED_STRIDED_KEYS = 4096
 _FUSED_STRIDED_BYTES = 4 << 30
 ITEM_SLOTS = 2  # dynamic work: the items the producer has claimed ahead of the consumers
@@ -93,8 +95,9 @@ class Config:
       float32 accumulator), else a dq kernel of its own. None: fused in launches that read
       their rows unstrided (full attention, stride-1 branches), and in strided ones whose
       queries read at least 4,096 keys on average (LongNet; a second float32 accumulator
-      serves the strided view) while both accumulators take at most 4 GiB; split in other
-      strided ones (`backward_for`). The fused kernel's gradients pass through float32
+      serves the strided view) while both accumulators take at most 4 GiB (not on JAX 0.12
+      without tools/no_nvjitlink.c, where the kernels spill); split in other strided ones
+      (`backward_for`). The fused kernel's gradients pass through float32
       buffers; where the gradients are final (bf16) the split kernels write bf16 directly:
       `False` halves that memory at extreme lengths.
     persistent: one program per SM, each walking a run of the launch's work items (program
@@ -161,12 +164,13 @@ class Config:
     """The backward's choices for a launch of row stride `stride` whose queries read `keys`
     keys on average and whose fused kernel's float32 dq accumulators would take
     `accumulator_bytes`: fused where unstrided, or strided with `keys` and the bytes within
-    `_FUSED_STRIDED_KEYS` and `_FUSED_STRIDED_BYTES` (unless `fused_backward` says), with 2
+    `_FUSED_STRIDED_KEYS` and `_FUSED_STRIDED_BYTES` where `setmaxnreg` moves the registers
+    (`REGISTERS_MOVE`) (unless `fused_backward` says), with 2
     stages; split with the most stages that fit (up to 3; `packed`: with the document ids'
     buffers). Explicit backward stages that do not fit fail when the kernel lowers."""
     fused = self.fused_backward
     if fused is None:
-      fused = stride == 1 or (keys >= _FUSED_STRIDED_KEYS
+      fused = stride == 1 or (REGISTERS_MOVE and keys >= _FUSED_STRIDED_KEYS
                               and accumulator_bytes <= _FUSED_STRIDED_BYTES)
     stages = self.backward_stages or (2 if fused else max(
         [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize, packed) <= SMEM_BYTES]
