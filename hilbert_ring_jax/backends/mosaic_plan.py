@@ -97,9 +97,10 @@ class Config:
       queries read at least 4,096 keys on average (LongNet; a second float32 accumulator
       serves the strided view) while both accumulators take at most 4 GiB (not on JAX 0.12
       without tools/no_nvjitlink.c, where the kernels spill); split in other strided ones
-      (`backward_for`). The fused kernel's gradients pass through float32
-      buffers; where the gradients are final (bf16) the split kernels write bf16 directly:
-      `False` halves that memory at extreme lengths.
+      (`backward_for`). Keys are counted on the pattern: in packed rows, documents shorter
+      than the segments cut what a query reads, and `False` may be faster there. The fused
+      kernel's gradients pass through float32 buffers; where the gradients are final (bf16)
+      the split kernels write bf16 directly: `False` halves that memory at extreme lengths.
     persistent: one program per SM, each walking a run of the launch's work items (program
       blocks of rows), so that the producer streams the next item's blocks while the
       consumers finish the last one (and the forward loads the next item's queries into a
