@@ -153,11 +153,13 @@ class DilatedPattern:
                         self.dilation_rates[b], range(*ranges[b]), self.offsets == "head",
                         self.causal, self.head_offset) for b in indices)
 
-  def visible_pairs(self, seq_len: int, num_heads: int, *, distinct: bool = False) -> int:
+  def visible_pairs(self, seq_len: int, num_heads: int, *, distinct: bool = False,
+                    branches=None) -> int:
     """Query-key-head triples the pattern makes visible, counted with multiplicity `m`.
 
     `4 * batch * head_dim * visible_pairs` is the FLOP count of forward attention used by the
-    benchmarks (the backward is counted as 2.5x that).
+    benchmarks (the backward is counted as 2.5x that). `branches`: those branches' triples
+    only (indices; default all; with multiplicity).
 
     With `distinct=True` a triple that several branches make visible counts once: the scores
     the function needs (the Triton backend computes each once, with the bias `log m`), the
@@ -166,9 +168,12 @@ class DilatedPattern:
     `offsets="all"`).
     """
     if distinct:
+      if branches is not None:
+        raise ValueError("visible_pairs counts distinct triples of all branches only: pass "
+                         "branches=None with distinct=True")
       return _distinct_pairs(self, seq_len, num_heads)
     total = 0
-    for br in self.layout(seq_len, num_heads):
+    for br in self.layout(seq_len, num_heads, branches):
       for h in br.heads:
         # (segment length, how many segments of it): the full ones and a shorter last one.
         for length, count in ((br.w, seq_len // br.w), (seq_len % br.w, 1)):

@@ -59,6 +59,10 @@ def test_visible_pairs_counts_the_multiplicity():
   # Distinct: branch (8, 2)'s causal pairs inside a segment of 4 are branch (4, 1)'s too: 3 per
   # residue in [0, 4) and in [4, 8), and the diagonal (8, 8), (9, 9) of the short segments.
   assert p.visible_pairs(n, h, distinct=True) == h * ((10 + 10 + 3) + (10 + 10 + 2) - 14)
+  # Some branches' pairs (a launch's: the mosaic backward's keys a query reads).
+  assert p.visible_pairs(n, h, branches=(1,)) == h * (10 + 10 + 2)
+  with pytest.raises(ValueError, match="branches=None with distinct=True"):
+    p.visible_pairs(n, h, distinct=True, branches=(1,))
 
 
 @pytest.mark.parametrize("segments,rates", [((8,), (1,)), ((4, 8, 16), (1, 2, 4)),

@@ -10,6 +10,7 @@ reverse, so a failure points at one pass.
 """
 
 import ctypes
+import dataclasses
 import math
 import os
 import pathlib
@@ -194,9 +195,10 @@ def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal, grad_dtypes):
 @pytest.mark.filterwarnings("ignore:Mosaic GPU of JAX >= 0.12 ignores")  # lowering only
 def test_strided_launches_fuse_dq_where_queries_read_many_keys(monkeypatch):
   """The default backward of a strided launch lowers as one dk/dv kernel that adds dq where
-  its queries read 4,096 keys or more (2,048 + 2,048 here) and `setmaxnreg` moves the
-  registers (JAX 0.11, or the preloaded tools/no_nvjitlink.c), and as a dq and a dk/dv kernel
-  where they read fewer (512 + 512) or the config says (`Config.backward_for`)."""
+  its queries read 1,900 keys a head or more (2,048 + 2,048 / 4 here), its accumulators fit
+  and `setmaxnreg` moves the registers (JAX 0.11, or the preloaded tools/no_nvjitlink.c),
+  and as a dq and a dk/dv kernel where they read fewer (512 + 512 / 4), the accumulators
+  would exceed the bound or the config says (`Config.backward_for`)."""
   monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", True)
   def kernels(n, segments, config=None):
     pattern, d = DilatedPattern(segments, (1, 4)), 64
@@ -210,6 +212,12 @@ def test_strided_launches_fuse_dq_where_queries_read_many_keys(monkeypatch):
   assert kernels(8192, (2048, 8192)) == 1
   assert kernels(8192, (2048, 8192), mosaic.Config(fused_backward=False)) == 2
   assert kernels(2048, (512, 2048)) == 2
+  # Two float32 [1, 8192, 2, 64] accumulators: 8 MiB.
+  monkeypatch.setattr(mosaic_plan, "_FUSED_STRIDED_BYTES", 8 << 20)
+  assert kernels(8192, (2048, 8192)) == 1
+  monkeypatch.setattr(mosaic_plan, "_FUSED_STRIDED_BYTES", (8 << 20) - 1)
+  assert kernels(8192, (2048, 8192)) == 2
+  monkeypatch.setattr(mosaic_plan, "_FUSED_STRIDED_BYTES", 4 << 30)
   monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", False)  # JAX 0.12's spilling kernels
   assert kernels(8192, (2048, 8192)) == 2
 
@@ -326,31 +334,37 @@ def test_declines_off_hopper_and_on_unaligned_rows(monkeypatch):
   with pytest.raises(ValueError, match="persistent"):
     mosaic.Config(persistent="yes")
   # The backward's choices per launch: fused (2 stages) where rows are unstrided, or strided
-  # with queries reading at least 4,096 keys and accumulators of at most 4 GiB; else split
-  # (3 stages where they fit), unless the config says.
-  monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", True)  # JAX 0.12: strided ones split
+  # with queries reading at least 1,900 keys a head, accumulators of at most 4 GiB (known)
+  # and no stages asked for; else split (3 stages where they fit), unless the config says.
+  monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", True)  # as on JAX 0.11
   default = mosaic.Config().resolved(128)
   assert default.fused_backward is None and default.backward_stages is None
-  fused, split = default.backward_for(1, 128), default.backward_for(4, 64, keys=4095)
+  fused, split = default.backward_for(1, 128), default.backward_for(4, 64, keys=1899)
   assert (fused.fused_backward, fused.backward_stages) == (True, 2)
   assert (split.fused_backward, split.backward_stages) == (False, 3)
-  assert default.backward_for(4, 64, keys=4096, accumulator_bytes=4 << 30).fused_backward
-  assert not default.backward_for(4, 64, keys=4096, accumulator_bytes=(4 << 30) + 1)\
-      .fused_backward
-  monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", False)
-  assert not default.backward_for(4, 64, keys=4096).fused_backward
+  strided = lambda config, **kw: config.backward_for(4, 64, **kw).fused_backward
+  assert strided(default, keys=1900, accumulator_bytes=4 << 30)
+  assert not strided(default, keys=1900, accumulator_bytes=(4 << 30) + 1)
+  assert not strided(default, keys=1900)  # bytes unknown
+  assert not strided(mosaic.Config(backward_stages=2), keys=1900, accumulator_bytes=0)
+  monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", False)  # JAX 0.12's spilling kernels
+  assert not strided(default, keys=1900, accumulator_bytes=0)
   assert default.backward_for(4, 128).backward_stages == 2  # 3 exceed shared memory
   assert not mosaic.Config(fused_backward=False).backward_for(1, 64).fused_backward
   assert mosaic.Config(fused_backward=True, backward_stages=3).backward_for(2, 64) == \
       mosaic.Config(fused_backward=True, backward_stages=3)
-  # What a launch's queries read: LongNet's five pieces of 2,048 keys at 32K (two launches of
-  # the first LM preset's pattern: 512 and 256 keys), halved under a causal mask.
+  # What a launch's queries read a head: LongNet at 32K reads 2,048 keys in each branch, on
+  # 1/r of a head's rows (its residue): 2048 (1 + 1/2 + ... + 1/16) = 3,968; causal, about
+  # half; every residue in every head (offsets="all"): 5 x 2048; one branch a head
+  # (head_groups), fewer. The first LM preset's launches: 512 + 512/4 keys, halved; 512/16.
   longnet = DilatedPattern((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16))
-  assert mosaic_plan.keys_per_query(longnet, 32768, 16, range(5)) == 10240
-  assert mosaic_plan.keys_per_query(longnet, 8192, 16, range(5)) == 7680  # w capped at N
-  lm = DilatedPattern((512, 2048, 8192), (1, 4, 16), causal=True)
-  assert [mosaic_plan.keys_per_query(lm, 8192, 16, f)
-          for f in mosaic_plan.launches(lm, 8192, 16, None)] == [512, 256]
+  reads = lambda pattern, n=32768: [mosaic_plan.keys_per_query(pattern, n, 16, f)
+                                    for f in mosaic_plan.launches(pattern, n, 16, None)]
+  assert reads(longnet) == [3968]
+  assert reads(dataclasses.replace(longnet, causal=True)) == [1984]
+  assert reads(dataclasses.replace(longnet, offsets="all")) == [10240]
+  assert reads(dataclasses.replace(longnet, head_groups=True))[0] < 1900
+  assert reads(DilatedPattern((512, 2048, 8192), (1, 4, 16), causal=True), 8192) == [320, 16]
 
 
 def _aligned_case(data):

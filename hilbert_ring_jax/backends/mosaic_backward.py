@@ -12,17 +12,18 @@ slower there:
   view), s^T = k q^T, dp^T = v dout^T, dv += p^T dout, dk += ds^T q.
 Both load the next item's resident rows when a walk ends, while the item's results store.
 In launches whose rows are unstrided (full attention, stride-1 branches), and in strided ones
-whose queries read at least 4,096 keys on average (where `setmaxnreg` moves the registers;
-`Config.backward_for`), dq moves into the dk/dv kernel: both consumers put their ds^T tiles in
-shared memory, one of them (taking turns) computes the query block's dq = ds_0 k_0 + ds_1 k_1
-and adds it into a zeroed float32 accumulator with a TMA reduce-add store: five products per
-block pair instead of seven (measured faster on full attention and LongNet:
-docs/performance.md). A strided launch adds its strided pieces into a second accumulator in
-the strided view; where its queries read few keys, zeroing and summing the two costs more
-than the dq kernel's products, and it keeps the two kernels. The consumers index their resident
-tiles through `opaque` inside the walk, so that each tile's wgmma descriptors are computed
-per block rather than hoisted and held in registers across the walk: held, they made the
-fused kernel spill at head dim 128 (ptxas's counts: docs/performance.md).
+whose queries read at least 1,900 keys a head on average (where `setmaxnreg` moves the
+registers; `Config.backward_for`), dq moves into the dk/dv kernel: both consumers put their
+ds^T tiles in shared memory, one of them (taking turns) computes the query block's
+dq = ds_0 k_0 + ds_1 k_1 and adds it into a zeroed float32 accumulator with a TMA reduce-add
+store: five products per block pair instead of seven (measured faster on full attention and
+LongNet: docs/performance.md). A strided launch adds its strided pieces into a second
+accumulator in the strided view; where its queries read few keys, zeroing and summing the
+two costs more than the dq kernel's products, and it keeps the two kernels. The consumers
+index their resident tiles through `opaque` inside the walk, so that each tile's wgmma
+descriptors are computed per block rather than hoisted and held in registers across the
+walk: held, they made the fused kernel spill at head dim 128 (ptxas's counts:
+docs/performance.md).
 All write through shared memory: float32, or bf16 from the split kernels where the gradients
 are final; several launches add up in float32 (each launch's kernels add the earlier
 launches' gradients to their own in their epilogues: `_add_prior`).

@@ -66,16 +66,19 @@ _MAX_ITEMS = 2 ** 31 - 1  # work items of a launch, numbered in int32 (and CUDA'
 # estimate (full causal attention: the list-scheduled backward measured slower in one A/B;
 # docs/performance.md).
 _SHORT_ITEMS = 64
-# A strided launch's backward adds dq inside its dk/dv kernel (`Config.backward_for`) where a
-# query reads at least this many keys on average, and its two float32 dq accumulators take at
-# most `_FUSED_STRIDED_BYTES`. On one H200 (bf16, H = 16, forward+backward, JAX 0.11.2), fused
-# against split: 0.89-0.96x the time at 5,120 to 16,384 keys a query (LongNet 8K to 128K,
-# causal too), 1.2-1.4x at 512 to 1,024 (examples/lm_real.py's pattern), where the
-# accumulators' zeroing and sum outweigh the dq kernel's recomputed products; beyond the bytes,
-# the split kernels' bf16 gradients are what let the longest sequences fit
-# (docs/performance.md). Only where `setmaxnreg` moves the registers (`REGISTERS_MOVE`): it
-# was not measured with the kernels' spills of JAX 0.12 without tools/no_nvjitlink.c.
-_FUSED_STRIDED_KEYS = 4096
+# A strided launch's backward adds dq inside its dk/dv kernel (`Config.backward_for`) where its
+# queries read at least this many keys a head on average (`keys_per_query`), and its two
+# float32 dq accumulators take at most `_FUSED_STRIDED_BYTES`. On one H200 (bf16, H = 16,
+# forward+backward, JAX 0.11.2), fused against split: 0.89-0.97x the time from 1,985 keys
+# (causal LongNet: 0.96-0.99x) to 10,240 (LongNet 8K to 128K, two-branch patterns, one branch
+# of rate 4), but 1.20-1.22x at 321 to 640 (examples/lm_real.py's pattern) and 1.42x at 128,
+# where the accumulators' zeroing and sum outweigh the dq kernel's recomputed products; nothing
+# between 640 and 1,985 was measured, and the threshold sits just below the least count
+# measured faster. Beyond the bytes, the split kernels' bf16 gradients are what let the
+# longest sequences fit (docs/performance.md). Only where `setmaxnreg` moves the registers
+# (`REGISTERS_MOVE`): it was not measured with JAX 0.12's spills without
+# tools/no_nvjitlink.c.
+_FUSED_STRIDED_KEYS = 1900
 _FUSED_STRIDED_BYTES = 4 << 30
 ITEM_SLOTS = 2  # dynamic work: the items the producer has claimed ahead of the consumers
 
@@ -94,13 +97,14 @@ class Config:
     fused_backward: backward: dq inside the dk/dv kernel (TMA reduce-add stores into a
       float32 accumulator), else a dq kernel of its own. None: fused in launches that read
       their rows unstrided (full attention, stride-1 branches), and in strided ones whose
-      queries read at least 4,096 keys on average (LongNet; a second float32 accumulator
-      serves the strided view) while both accumulators take at most 4 GiB (not on JAX 0.12
-      without tools/no_nvjitlink.c, where the kernels spill); split in other strided ones
-      (`backward_for`). Keys are counted on the pattern: in packed rows, documents shorter
-      than the segments cut what a query reads, and `False` may be faster there. The fused
-      kernel's gradients pass through float32 buffers; where the gradients are final (bf16)
-      the split kernels write bf16 directly: `False` halves that memory at extreme lengths.
+      queries read at least 1,900 keys a head on average (LongNet; a second float32
+      accumulator serves the strided view) while both accumulators take at most 4 GiB (not
+      on JAX 0.12 without tools/no_nvjitlink.c, where the kernels spill, nor with
+      `backward_stages` given); split in other strided ones (`backward_for`). Keys are
+      counted on the pattern: in packed rows, documents shorter than the segments cut what a
+      query reads, and `False` may be faster there. The fused kernel's gradients pass
+      through float32 buffers; where the gradients are final (bf16) the split kernels write
+      bf16 directly: `False` halves that memory at extreme lengths.
     persistent: one program per SM, each walking a run of the launch's work items (program
       blocks of rows), so that the producer streams the next item's blocks while the
       consumers finish the last one (and the forward loads the next item's queries into a
@@ -160,19 +164,22 @@ class Config:
         f"shared memory at head dim {head_dim} ({SMEM_BYTES} available): choose smaller "
         f"blocks or fewer stages")
 
-  def backward_for(self, stride: int, head_dim: int, itemsize: int = 2,
-                   packed: bool = False, keys: int = 0, accumulator_bytes: int = 0) -> Config:
+  def backward_for(self, stride: int, head_dim: int, itemsize: int = 2, packed: bool = False,
+                   keys: int = 0, accumulator_bytes: int | None = None) -> Config:
     """The backward's choices for a launch of row stride `stride` whose queries read `keys`
-    keys on average and whose fused kernel's float32 dq accumulators would take
-    `accumulator_bytes`: fused where unstrided, or strided with `keys` and the bytes within
-    `_FUSED_STRIDED_KEYS` and `_FUSED_STRIDED_BYTES` where `setmaxnreg` moves the registers
-    (`REGISTERS_MOVE`) (unless `fused_backward` says), with 2
-    stages; split with the most stages that fit (up to 3; `packed`: with the document ids'
-    buffers). Explicit backward stages that do not fit fail when the kernel lowers."""
+    keys a head on average (`keys_per_query`) and whose fused kernel's float32 dq
+    accumulators would take `accumulator_bytes` (None: unknown): fused (2 stages) where
+    unstrided, or strided with at least `_FUSED_STRIDED_KEYS` keys and at most
+    `_FUSED_STRIDED_BYTES`, where `setmaxnreg` moves the registers (`REGISTERS_MOVE`) and no
+    stages are asked for (the fused kernel's buffers take more shared memory); split with the
+    most stages that fit (up to 3; `packed`: with the document ids' buffers); unless
+    `fused_backward` says. Explicit backward stages that do not fit fail when the kernel
+    lowers."""
     fused = self.fused_backward
     if fused is None:
-      fused = stride == 1 or (REGISTERS_MOVE and keys >= _FUSED_STRIDED_KEYS
-                              and accumulator_bytes <= _FUSED_STRIDED_BYTES)
+      fused = stride == 1 or (
+          REGISTERS_MOVE and self.backward_stages is None and keys >= _FUSED_STRIDED_KEYS
+          and accumulator_bytes is not None and accumulator_bytes <= _FUSED_STRIDED_BYTES)
     stages = self.backward_stages or (2 if fused else max(
         [s for s in (2, 3) if _backward_smem_bytes(s, head_dim, itemsize, packed) <= SMEM_BYTES]
         or [2]))
@@ -224,10 +231,11 @@ def launches(pattern: DilatedPattern, n: int, num_heads: int, branches):
 
 
 def keys_per_query(pattern: DilatedPattern, n: int, num_heads: int, fused) -> int:
-  """The keys a query of the launch of branches `fused` reads on average: its branches'
-  pieces (`w / r` keys each), halved under a causal mask (`Config.backward_for`)."""
-  pieces = sum(br.w // br.r for br in pattern.layout(n, num_heads, fused))
-  return pieces // 2 if pattern.causal else pieces
+  """The keys a query reads a head on average in the launch of branches `fused`: the pairs
+  its branches make visible (`visible_pairs`: per head, at its residues; causal: the past
+  only; with multiplicity) over `n` queries and `num_heads` heads (`Config.backward_for`).
+  Counted on the pattern: packed rows' documents may cut it."""
+  return pattern.visible_pairs(n, num_heads, branches=fused) // (n * num_heads)
 
 
 def geometry_problem(pattern: DilatedPattern, n: int, num_heads: int, num_kv_heads: int,
