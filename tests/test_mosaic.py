@@ -222,6 +222,35 @@ def test_strided_launches_fuse_dq_where_queries_read_many_keys(monkeypatch):
   assert kernels(8192, (2048, 8192)) == 2
 
 
+@INTERPRET
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_fused_strided_launch_beside_a_split_one(causal, monkeypatch):
+  """One call whose first strided launch adds dq in its dk/dv kernel and whose second has a
+  dq kernel (the default's bound lowered between their keys a head: 64 and 16, causal 32
+  and 8), GQA, bf16 gradients: against the float64 reference, and dk, dv as all-split
+  launches give them (interpreted, ~1 minute)."""
+  monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", True)
+  monkeypatch.setattr(mosaic_plan, "_FUSED_STRIDED_KEYS", 20 if causal else 32)
+  case = Case(1024, 4, 2, (256, 1024), (2, 8), head_dim=64)
+  pattern = case.pattern(causal)
+  assert [mosaic_plan.Config().backward_for(2, 64, keys=mosaic_plan.keys_per_query(
+      pattern, case.n, 4, f), accumulator_bytes=0).fused_backward
+          for f in mosaic_plan.launches(pattern, case.n, 4, None)] == [True, False]
+  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 3)
+  grads = {}
+  for name, config in (("default", mosaic.Config(interpret=True)),
+                       ("split", mosaic.Config(interpret=True, fused_backward=False))):
+    kernel = helpers.Kernels(mosaic, pattern, case.head_dim ** -0.5, config)
+    fn = lambda q, k, v, kernel=kernel: base.attention(q, k, v, kernel)
+    _, grads[name] = helpers.with_grads(fn)(q, k, v, (dout, dlse))
+  _, _, ref_grads = helpers.reference(case, causal, q, k, v, dout, dlse)
+  for g, ref in zip(grads["default"], ref_grads):
+    assert helpers.rel_err(g, ref) < 2 * helpers.TOL[jnp.bfloat16]
+  for g, split in zip(grads["default"][1:], grads["split"][1:]):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(split, np.float32))
+
+
 def test_causal_plan_balances_items():
   """Persistent programs under a causal mask take the items a host-side list scheduling
   gives them: every item once, each program's in launch order, and no program loaded past
