@@ -385,7 +385,8 @@ def test_declines_off_hopper_and_on_unaligned_rows(monkeypatch):
   # What a launch's queries read a head: LongNet at 32K reads 2,048 keys in each branch, on
   # 1/r of a head's rows (its residue): 2048 (1 + 1/2 + ... + 1/16) = 3,968; causal, about
   # half; every residue in every head (offsets="all"): 5 x 2048; one branch a head
-  # (head_groups), fewer. The first LM preset's launches: 512 + 512/4 keys, halved; 512/16.
+  # (head_groups), fewer. The first LM preset's launches: 512 + 512/4 keys, halved; 512/16,
+  # halved.
   longnet = DilatedPattern((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16))
   reads = lambda pattern, n=32768: [mosaic_plan.keys_per_query(pattern, n, 16, f)
                                     for f in mosaic_plan.launches(pattern, n, 16, None)]
