@@ -200,10 +200,10 @@ def test_strided_launches_fuse_dq_where_queries_read_many_keys(monkeypatch):
   and as a dq and a dk/dv kernel where they read fewer (512 + 512 / 4), the accumulators
   would exceed the bound or the config says (`Config.backward_for`)."""
   monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", True)
-  def kernels(n, segments, config=None):
-    pattern, d = DilatedPattern(segments, (1, 4)), 64
-    q = jax.ShapeDtypeStruct((1, n, 2, d), jnp.bfloat16)
-    stat = jax.ShapeDtypeStruct((1, n, 2), jnp.float32)
+  def kernels(n, segments, config=None, rates=(1, 4), heads=2):
+    pattern, d = DilatedPattern(segments, rates), 64
+    q = jax.ShapeDtypeStruct((1, n, heads, d), jnp.bfloat16)
+    stat = jax.ShapeDtypeStruct((1, n, heads), jnp.float32)
     fn = lambda q, k, v, do, lse, delta: mosaic.backward(
         q, k, v, do, lse, delta, pattern, d ** -0.5, config=config, grad_dtype=jnp.bfloat16)
     text = jax.jit(fn).trace(q, q, q, q, stat, stat).lower(lowering_platforms=("cuda",))
@@ -218,6 +218,10 @@ def test_strided_launches_fuse_dq_where_queries_read_many_keys(monkeypatch):
   monkeypatch.setattr(mosaic_plan, "_FUSED_STRIDED_BYTES", (8 << 20) - 1)
   assert kernels(8192, (2048, 8192)) == 2
   monkeypatch.setattr(mosaic_plan, "_FUSED_STRIDED_BYTES", 4 << 30)
+  # Each launch by its own keys: two launches of 64 and 16 keys a head, the bound between.
+  monkeypatch.setattr(mosaic_plan, "_FUSED_STRIDED_KEYS", 32)
+  assert kernels(1024, (256, 1024), rates=(2, 8), heads=4) == 1 + 2
+  monkeypatch.setattr(mosaic_plan, "_FUSED_STRIDED_KEYS", 1900)
   monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", False)  # JAX 0.12's spilling kernels
   assert kernels(8192, (2048, 8192)) == 2
 
@@ -374,6 +378,7 @@ def test_declines_off_hopper_and_on_unaligned_rows(monkeypatch):
   strided = lambda config, **kw: config.backward_for(4, 64, **kw).fused_backward
   assert strided(default, keys=1900, accumulator_bytes=4 << 30)
   assert not strided(default, keys=1900, accumulator_bytes=(4 << 30) + 1)
+  assert not strided(default, keys=1899, accumulator_bytes=0)
   assert not strided(default, keys=1900)  # bytes unknown
   assert not strided(mosaic.Config(backward_stages=2), keys=1900, accumulator_bytes=0)
   monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", False)  # JAX 0.12's spilling kernels
@@ -385,8 +390,8 @@ def test_declines_off_hopper_and_on_unaligned_rows(monkeypatch):
   # What a launch's queries read a head: LongNet at 32K reads 2,048 keys in each branch, on
   # 1/r of a head's rows (its residue): 2048 (1 + 1/2 + ... + 1/16) = 3,968; causal, about
   # half; every residue in every head (offsets="all"): 5 x 2048; one branch a head
-  # (head_groups), fewer. The first LM preset's launches: 512 + 512/4 keys, halved; 512/16,
-  # halved.
+  # (head_groups), fewer. The first LM preset's segments and rates with offsets="head":
+  # launches of 512 + 512/4 keys, halved, and 512/16, halved.
   longnet = DilatedPattern((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16))
   reads = lambda pattern, n=32768: [mosaic_plan.keys_per_query(pattern, n, 16, f)
                                     for f in mosaic_plan.launches(pattern, n, 16, None)]

@@ -70,9 +70,11 @@ _SHORT_ITEMS = 64
 # queries read at least this many keys a head on average (`keys_per_query`), and its two
 # float32 dq accumulators take at most `_FUSED_STRIDED_BYTES`. On one H200 (bf16, H = 16,
 # forward+backward, JAX 0.11.2), fused against split: 0.89-0.97x the time from 1,984 keys
-# (causal LongNet: 0.96-0.99x) to 10,240 (LongNet 8K to 128K, two-branch patterns, one branch
-# of rate 4), but 1.20-1.22x at 320 to 640 (examples/lm_real.py's pattern) and 1.42x at 128,
-# where the accumulators' zeroing and sum outweigh the dq kernel's recomputed products; nothing
+# (causal LongNet: 0.99x at 32K, marginal; 0.96x at 128K) to 10,240 (LongNet 8K to 128K,
+# two-branch patterns, one branch of rate 4), but 1.42x at 128 (one launch) and 1.20-1.22x for
+# calls of launches of 640 and 32 keys (causal: 320 and 16; (512, 2048, 8192) x (1, 4, 16),
+# offsets "head"), where the accumulators' zeroing and sum outweigh the dq kernel's recomputed
+# products; nothing
 # between 640 and 1,984 was measured, and the threshold sits just below the least count
 # measured faster. Beyond the bytes, the split kernels' bf16 gradients are what let the
 # longest sequences fit (docs/performance.md). Only where `setmaxnreg` moves the registers
