@@ -196,8 +196,9 @@ def test_low_precision(backend, case, causal, dtype):
 BLOCKS = {
     # LongNet in small (the first LM preset's grouping): two launches, {128/1, 256/1} and
     # {512/4}, the second merging the first's float16 output in its epilogues and adding its
-    # gradients (the unstrided launch's dk/dv kernel adds dq, the strided one has a dq kernel);
-    # causal items list-scheduled over a persistent program; two query heads on a kv head.
+    # gradients (each with a dq kernel: their queries read few keys; test_mosaic's
+    # test_a_fused_launch_beside_a_split_one fuses the first); causal items list-scheduled over
+    # a persistent program; two query heads on a kv head.
     "longnet_gqa": (Case(512, 2, 1, (128, 256, 512), (1, 1, 4), head_dim=64), True, F16, {}),
     # Nested branches in one strided launch (offsets="all"), a partial last segment (N = 640,
     # w = 512), head dim 128, blocks of 64 keys, 3 stages forward (2 backward: the fused

@@ -158,7 +158,7 @@ def test_preloaded_no_nvjitlink_hides_the_library_and_is_seen(tmp_path):
     pytest.param(128, False, (None,), marks=pytest.mark.slow)],
                          ids=["64-True", "128-True", "128-False"])
 @pytest.mark.filterwarnings("ignore:Mosaic GPU of JAX >= 0.12 ignores")  # lowering only
-def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal, grad_dtypes):
+def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal, grad_dtypes, monkeypatch):
   """Every kernel goes through Mosaic GPU's own lowering (layout inference, the Pallas to
   Mosaic GPU rules), not only the interpreter: forward, the fused and the split backward
   (bf16 and float32 gradients), for the CUDA platform, on a CPU. It caught constructs the
@@ -166,7 +166,9 @@ def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal, grad_dtypes):
   forward and the bf16 backward lower as one jitted step through the kernel contract's
   halves, as `dilated_attention` runs them (`Kernels.differentiable`: custom_jvp halves):
   the fused backward's accumulators once were refs JAX could not discharge there, which
-  only the GPUs ran."""
+  only the GPUs ran. (The unstrided launch's queries read fewer keys than the default fuses
+  at: the bound is lowered.)"""
+  monkeypatch.setattr(mosaic_plan, "_FUSED_UNSTRIDED_KEYS", 0)
   case = Case(1024, 2, 1, (128, 256, 1024), (1, 1, 4), head_dim=head_dim)
   pattern, scale = case.pattern(causal), head_dim ** -0.5
   q = jax.ShapeDtypeStruct((1, case.n, 2, head_dim), jnp.bfloat16)
@@ -180,7 +182,7 @@ def test_kernels_lower_for_the_gpu_on_a_cpu(head_dim, causal, grad_dtypes):
     _, vjp = jax.vjp(lambda q, k, v: base.attention(q, k, v, kernel)[0], q, k, v)
     return vjp(do)
   # Two forward launches, the fused backward's and the split one's two kernels.
-  assert lower(step, q, k, k, q).as_text().count("mosaic_gpu") >= 5
+  assert lower(step, q, k, k, q).as_text().count("stablehlo.custom_call @mosaic_gpu") == 5
   for grad_dtype in set(grad_dtypes) - {jnp.bfloat16}:
     lower(lambda q, k, v, do, lse, delta: mosaic.backward(
         q, k, v, do, lse, delta, pattern, scale, grad_dtype=grad_dtype), q, k, k, q, stat, stat)
@@ -226,21 +228,36 @@ def test_strided_launches_fuse_dq_where_queries_read_many_keys(monkeypatch):
   assert kernels(8192, (2048, 8192)) == 2
 
 
+# (case, strides of its launches, the bounds lowered: (unstrided, strided) keys, plain and
+# causal): the unstrided launch {128/1, 256/1} fused beside the strided {512/4} split, and two
+# strided launches (256 and 1024 over rates 2 and 8, 64 and 16 keys a head; causal 32 and 8).
+_FUSED_BESIDE_SPLIT = {
+    "unstrided_fused": (Case(512, 2, 1, (128, 256, 512), (1, 1, 4), head_dim=64), (1, 4),
+                        ((100, 1900), (50, 1900))),
+    "strided_fused": (Case(1024, 4, 2, (256, 1024), (2, 8), head_dim=64), (2, 8),
+                      ((1024, 32), (1024, 20))),
+}
+
+
 @INTERPRET
 @pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
-def test_a_fused_strided_launch_beside_a_split_one(causal, monkeypatch):
-  """One call whose first strided launch adds dq in its dk/dv kernel and whose second has a
-  dq kernel (the default's bound lowered between their keys a head: 64 and 16, causal 32
-  and 8), GQA, bf16 gradients: against the float64 reference, and dk, dv as all-split
-  launches give them (interpreted, ~1 minute)."""
+@pytest.mark.parametrize("name", _FUSED_BESIDE_SPLIT)
+def test_a_fused_launch_beside_a_split_one(name, causal, monkeypatch):
+  """One call whose first launch adds dq in its dk/dv kernel and whose second has a dq
+  kernel (the default's bounds lowered between their keys a head), GQA, bf16 gradients:
+  against the float64 reference, and dk, dv as all-split launches give them (interpreted,
+  ~1 minute each)."""
+  case, strides, bounds = _FUSED_BESIDE_SPLIT[name]
+  unstrided, strided = bounds[causal]
   monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", True)
-  monkeypatch.setattr(mosaic_plan, "_FUSED_STRIDED_KEYS", 20 if causal else 32)
-  case = Case(1024, 4, 2, (256, 1024), (2, 8), head_dim=64)
+  monkeypatch.setattr(mosaic_plan, "_FUSED_UNSTRIDED_KEYS", unstrided)
+  monkeypatch.setattr(mosaic_plan, "_FUSED_STRIDED_KEYS", strided)
   pattern = case.pattern(causal)
-  assert [mosaic_plan.Config().backward_for(2, 64, keys=mosaic_plan.keys_per_query(
-      pattern, case.n, 4, f), accumulator_bytes=0).fused_backward
-          for f in mosaic_plan.launches(pattern, case.n, 4, None)] == [True, False]
+  launches = mosaic_plan.launches(pattern, case.n, case.heads, None)
+  assert [mosaic_plan.Config().backward_for(stride, 64, keys=mosaic_plan.keys_per_query(
+      pattern, case.n, case.heads, f), accumulator_bytes=0).fused_backward
+          for stride, f in zip(strides, launches, strict=True)] == [True, False]
   q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 3)
   grads = {}
   for name, config in (("default", mosaic.Config(interpret=True)),
@@ -366,15 +383,17 @@ def test_declines_off_hopper_and_on_unaligned_rows(monkeypatch):
     mosaic.Config(fused_backward=1)
   with pytest.raises(ValueError, match="persistent"):
     mosaic.Config(persistent="yes")
-  # The backward's choices per launch: fused (2 stages) where rows are unstrided, or strided
-  # with queries reading at least 1,900 keys a head, accumulators of at most 4 GiB (known)
-  # and no stages asked for; else split (3 stages where they fit), unless the config says.
+  # The backward's choices per launch: fused (2 stages) where rows are unstrided and queries
+  # read at least 1,024 keys a head, or strided with at least 1,900, accumulators of at most
+  # 4 GiB (known) and no stages asked for; else split (3 stages where they fit), unless the
+  # config says.
   monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", True)  # as on JAX 0.11
   default = mosaic.Config().resolved(128)
   assert default.fused_backward is None and default.backward_stages is None
-  fused, split = default.backward_for(1, 128), default.backward_for(4, 64, keys=1899)
+  fused, split = default.backward_for(1, 128, keys=1024), default.backward_for(4, 64, keys=1899)
   assert (fused.fused_backward, fused.backward_stages) == (True, 2)
   assert (split.fused_backward, split.backward_stages) == (False, 3)
+  assert default.backward_for(1, 64, keys=1023).fused_backward is False
   strided = lambda config, **kw: config.backward_for(4, 64, **kw).fused_backward
   assert strided(default, keys=1900, accumulator_bytes=4 << 30)
   assert not strided(default, keys=1900, accumulator_bytes=(4 << 30) + 1)

@@ -326,11 +326,14 @@ def test_mosaic_token_steps_continue_the_last_document():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("segments,rates,causal", [((4000,), (1,), True),
-                                                   ((1024, 2048, 4096), (1, 2, 4), False)])
+                                                   ((1024, 2048, 4096), (1, 2, 4), False),
+                                                   ((2048, 8192), (1, 2), False)])
 def test_mosaic_packed_on_a_gpu(segments, rates, causal):
   """On Hopper the mosaic kernels themselves (not a fallback: `implementation="mosaic"`) run
   packed rows, bf16, D = 128, against the float64 reference: full causal attention at N =
-  4000 (a partial last block) and LongNet, forward, lse and gradients."""
+  4000 (a partial last block), LongNet (strided launches whose queries read few keys: a dq
+  kernel of their own), and a rate-2 branch over 8192 tokens (4,096 keys a query: its dq
+  inside the dk/dv kernel where `setmaxnreg` moves registers), forward, lse and gradients."""
   if not mosaic.is_hopper():
     pytest.skip("the mosaic kernels run on Hopper GPUs")
   n = segments[0] if len(segments) == 1 else segments[-1]

@@ -82,6 +82,13 @@ _SHORT_ITEMS = 64
 # tools/no_nvjitlink.c.
 _FUSED_STRIDED_KEYS = 1900
 _FUSED_STRIDED_BYTES = 4 << 30
+# An unstrided launch's backward (one float32 dq accumulator) fuses where its queries read at
+# least this many keys a head. On one H200 (as above, 5 interleaved rounds), fused against
+# split: 1.12x the time at 256 keys (causal windows of 512, H = 16 at 32K and the LM's
+# local model: B = 8, N = 8192, 6 heads over 2), 1.07-1.08x at 512, 0.99-1.01x at 1,024
+# (causal windows of 2,048; windows of 1,024), 0.96-0.99x at 2,048 and 0.91x at 4,096 (full
+# causal attention at 8K); full attention's thousands of keys fuse as before.
+_FUSED_UNSTRIDED_KEYS = 1024
 ITEM_SLOTS = 2  # dynamic work: the items the producer has claimed ahead of the consumers
 
 
@@ -98,8 +105,9 @@ class Config:
     backward_stages: backward: blocks in flight (2..4; blocks of 64 queries and keys).
     fused_backward: backward: dq inside the dk/dv kernel (TMA reduce-add stores into a
       float32 accumulator), else a dq kernel of its own. None: fused in launches that read
-      their rows unstrided (full attention, stride-1 branches), and in strided ones whose
-      queries read at least 1,900 keys a head on average (LongNet; a second float32
+      their rows unstrided (full attention, stride-1 branches) where their queries read at
+      least 1,024 keys a head on average (not windows of 512 or causal ones of 1,024), and in
+      strided ones whose queries read at least 1,900 (LongNet; a second float32
       accumulator serves the strided view) while both accumulators take at most 4 GiB (not
       on JAX 0.12 without tools/no_nvjitlink.c, where the kernels spill, nor with
       `backward_stages` given); split in other strided ones (`backward_for`). Keys are
@@ -171,7 +179,8 @@ class Config:
     """The backward's choices for a launch of row stride `stride` whose queries read `keys`
     keys a head on average (`keys_per_query`) and whose fused kernel's float32 dq
     accumulators would take `accumulator_bytes` (None: unknown): fused (2 stages) where
-    unstrided, or strided with at least `_FUSED_STRIDED_KEYS` keys and at most
+    unstrided with at least `_FUSED_UNSTRIDED_KEYS` keys, or strided with at least
+    `_FUSED_STRIDED_KEYS` keys and at most
     `_FUSED_STRIDED_BYTES`, where `setmaxnreg` moves the registers (`REGISTERS_MOVE`) and no
     stages are asked for (the fused kernel's buffers take more shared memory); split with the
     most stages that fit (up to 3; `packed`: with the document ids' buffers); unless
@@ -179,7 +188,7 @@ class Config:
     lowers."""
     fused = self.fused_backward
     if fused is None:
-      fused = stride == 1 or (
+      fused = keys >= _FUSED_UNSTRIDED_KEYS if stride == 1 else (
           REGISTERS_MOVE and self.backward_stages is None and keys >= _FUSED_STRIDED_KEYS
           and accumulator_bytes is not None and accumulator_bytes <= _FUSED_STRIDED_BYTES)
     stages = self.backward_stages or (2 if fused else max(
