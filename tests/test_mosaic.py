@@ -242,13 +242,13 @@ _FUSED_BESIDE_SPLIT = {
 @INTERPRET
 @pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", _FUSED_BESIDE_SPLIT)
-def test_a_fused_launch_beside_a_split_one(name, causal, monkeypatch):
+@pytest.mark.parametrize("which", _FUSED_BESIDE_SPLIT)
+def test_a_fused_launch_beside_a_split_one(which, causal, monkeypatch):
   """One call whose first launch adds dq in its dk/dv kernel and whose second has a dq
   kernel (the default's bounds lowered between their keys a head), GQA, bf16 gradients:
   against the float64 reference, and dk, dv as all-split launches give them (interpreted,
   ~1 minute each)."""
-  case, strides, bounds = _FUSED_BESIDE_SPLIT[name]
+  case, strides, bounds = _FUSED_BESIDE_SPLIT[which]
   unstrided, strided = bounds[causal]
   monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", True)
   monkeypatch.setattr(mosaic_plan, "_FUSED_UNSTRIDED_KEYS", unstrided)

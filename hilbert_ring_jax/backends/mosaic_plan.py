@@ -84,9 +84,9 @@ _FUSED_STRIDED_KEYS = 1900
 _FUSED_STRIDED_BYTES = 4 << 30
 # An unstrided launch's backward (one float32 dq accumulator) fuses where its queries read at
 # least this many keys a head. On one H200 (as above, 5 interleaved rounds), fused against
-# split: 1.12x the time at 256 keys (causal windows of 512, H = 16 at 32K and the LM's
+# split: 1.12x the time at 256 keys (causal segments of 512, H = 16 at 32K, and the LM's
 # local model: B = 8, N = 8192, 6 heads over 2), 1.07-1.08x at 512, 0.99-1.01x at 1,024
-# (causal windows of 2,048; windows of 1,024), 0.96-0.99x at 2,048 and 0.91x at 4,096 (full
+# (causal segments of 2,048; segments of 1,024), 0.96-0.99x at 2,048 and 0.91x at 4,096 (full
 # causal attention at 8K); full attention's thousands of keys fuse as before.
 _FUSED_UNSTRIDED_KEYS = 1024
 ITEM_SLOTS = 2  # dynamic work: the items the producer has claimed ahead of the consumers
@@ -106,7 +106,7 @@ class Config:
     fused_backward: backward: dq inside the dk/dv kernel (TMA reduce-add stores into a
       float32 accumulator), else a dq kernel of its own. None: fused in launches that read
       their rows unstrided (full attention, stride-1 branches) where their queries read at
-      least 1,024 keys a head on average (not windows of 512 or causal ones of 1,024), and in
+      least 1,024 keys a head on average (not segments of 512 or causal ones of 1,024), and in
       strided ones whose queries read at least 1,900 (LongNet; a second float32
       accumulator serves the strided view) while both accumulators take at most 4 GiB (not
       on JAX 0.12 without tools/no_nvjitlink.c, where the kernels spill, nor with
