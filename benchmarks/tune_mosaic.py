@@ -39,8 +39,8 @@ LONGNET = ((2048, 4096, 8192), (1, 2, 4))
 LM = ((512, 2048, 8192), (1, 4, 16))
 LM_SHAPE = dict(b=8, h=6, hkv=2, d=128)
 # Variants, by head dim: dq fused into the dk/dv kernel everywhere, or separate kernels
-# everywhere (the default: fused in launches of unstrided rows and of strided rows that read
-# many keys, `Config.backward_for`), and
+# everywhere (the default: fused in launches whose queries read many keys, 1,024 a head in
+# unstrided rows and 1,900 in strided ones, `Config.backward_for`), and
 # a program per work item (the default: persistent, but for long causal items).
 VARIANTS = {d: {"fused": dict(fused_backward=True), "split": dict(fused_backward=False),
                 "per_item": dict(persistent=False)} for d in (64, 128)}

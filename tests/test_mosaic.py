@@ -255,9 +255,16 @@ def test_a_fused_launch_beside_a_split_one(which, causal, monkeypatch):
   monkeypatch.setattr(mosaic_plan, "_FUSED_STRIDED_KEYS", strided)
   pattern = case.pattern(causal)
   launches = mosaic_plan.launches(pattern, case.n, case.heads, None)
+  assert [schedule.build(pattern, case.n, case.heads, case.kv_heads, f, False).stride
+          for f in launches] == list(strides)
   assert [mosaic_plan.Config().backward_for(stride, 64, keys=mosaic_plan.keys_per_query(
       pattern, case.n, case.heads, f), accumulator_bytes=0).fused_backward
           for stride, f in zip(strides, launches, strict=True)] == [True, False]
+  fused = []  # the launches whose dk/dv kernel adds dq, as the backward runs them
+  def counted(*args, fused_backward=mosaic._fused_backward):  # pylint: disable=protected-access
+    fused.append(1)
+    return fused_backward(*args)
+  monkeypatch.setattr(mosaic, "_fused_backward", counted)
   q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 3)
   grads = {}
   for name, config in (("default", mosaic.Config(interpret=True)),
@@ -265,6 +272,7 @@ def test_a_fused_launch_beside_a_split_one(which, causal, monkeypatch):
     kernel = helpers.Kernels(mosaic, pattern, case.head_dim ** -0.5, config)
     fn = lambda q, k, v, kernel=kernel: base.attention(q, k, v, kernel)
     _, grads[name] = helpers.with_grads(fn)(q, k, v, (dout, dlse))
+    assert len(fused) == 1, (name, len(fused))  # the default's first launch; split: none
   _, _, ref_grads = helpers.reference(case, causal, q, k, v, dout, dlse)
   for g, ref in zip(grads["default"], ref_grads):
     assert helpers.rel_err(g, ref) < 2 * helpers.TOL[jnp.bfloat16]
@@ -402,9 +410,10 @@ def test_declines_off_hopper_and_on_unaligned_rows(monkeypatch):
   assert not strided(mosaic.Config(backward_stages=2), keys=1900, accumulator_bytes=0)
   monkeypatch.setattr(mosaic_plan, "REGISTERS_MOVE", False)  # JAX 0.12's spilling kernels
   assert not strided(default, keys=1900, accumulator_bytes=0)
-  assert default.backward_for(4, 128).backward_stages == 2  # 3 exceed shared memory
-  assert not mosaic.Config(fused_backward=False).backward_for(1, 64).fused_backward
-  assert mosaic.Config(fused_backward=True, backward_stages=3).backward_for(2, 64) == \
+  assert default.backward_for(1, 64, keys=1024).fused_backward  # unstrided: the same rule
+  assert default.backward_for(4, 128, keys=0).backward_stages == 2  # 3 exceed shared memory
+  assert not mosaic.Config(fused_backward=False).backward_for(1, 64, keys=4096).fused_backward
+  assert mosaic.Config(fused_backward=True, backward_stages=3).backward_for(2, 64, keys=0) == \
       mosaic.Config(fused_backward=True, backward_stages=3)
   # What a launch's queries read a head: LongNet at 32K reads 2,048 keys in each branch, on
   # 1/r of a head's rows (its residue): 2048 (1 + 1/2 + ... + 1/16) = 3,968; causal, about

@@ -240,7 +240,7 @@ def test_mosaic_takes_packed_problems(monkeypatch):
 
 @pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="Mosaic GPU lowering: JAX >= 0.11")
 @pytest.mark.slow  # ~45 s; test_mosaic.py lowers the kernels without ids by default
-def test_mosaic_packed_lowers_for_the_gpu():
+def test_mosaic_packed_lowers_for_the_gpu(monkeypatch):
   """The packed kernels go through Mosaic GPU's own lowering for CUDA on a CPU (not only the
   interpreter): an unstrided and a strided launch, causal, per-head ids (shared ones take
   the same code, reading head 0), forward (outputs in q's dtype and in float32) and
@@ -263,10 +263,14 @@ def test_mosaic_packed_lowers_for_the_gpu():
   # (each buffer placed at a multiple of 1 KiB) still fits in shared memory.
   lower(lambda q, k, v, *ids: mosaic.forward(q, k, v, pattern, 0.1, segment_ids=ids),
         q, kv, kv, *ids)
-  text = lower(lambda q, k, v, do, lse, delta, *ids: mosaic.backward(  # fused and split
+  # The backward, fused (the unstrided launch: its 193 keys a head under a lowered bound) and
+  # split (the strided one): 1 + 2 kernels.
+  monkeypatch.setattr(mosaic_plan, "_FUSED_UNSTRIDED_KEYS", 0)
+  text = lower(lambda q, k, v, do, lse, delta, *ids: mosaic.backward(
       q, k, v, do, lse, delta, pattern, 0.1, grad_dtype=q.dtype, segment_ids=ids),
                q, kv, kv, q, lse, lse, *ids)
   assert "stablehlo.while" not in text
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
   # Full causal attention's long items, which the forward's programs take from a counter
   # (`Work.mine`, dynamic work: an atomic add inlined through `plgpu.inline_mgpu`; the
   # counter a `hopper.Zeroed` buffer), through the kernel contract's custom_jvp halves as
@@ -325,21 +329,28 @@ def test_mosaic_token_steps_continue_the_last_document():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("segments,rates,causal", [((4000,), (1,), True),
-                                                   ((1024, 2048, 4096), (1, 2, 4), False),
-                                                   ((2048, 8192), (1, 2), False)])
-def test_mosaic_packed_on_a_gpu(segments, rates, causal):
+@pytest.mark.parametrize("segments,rates,causal,fuses", [
+    ((4000,), (1,), True, True), ((1024, 2048, 4096), (1, 2, 4), False, False),
+    ((2048, 8192), (1, 2), False, "where registers move")])
+def test_mosaic_packed_on_a_gpu(segments, rates, causal, fuses, monkeypatch):
   """On Hopper the mosaic kernels themselves (not a fallback: `implementation="mosaic"`) run
   packed rows, bf16, D = 128, against the float64 reference: full causal attention at N =
   4000 (a partial last block), LongNet (strided launches whose queries read few keys: a dq
-  kernel of their own), and a rate-2 branch over 8192 tokens (4,096 keys a query: its dq
-  inside the dk/dv kernel where `setmaxnreg` moves registers), forward, lse and gradients."""
+  kernel of their own), and a launch of a rate-1 and a rate-2 branch over 8192 tokens (4,096
+  keys a head: its dq inside the dk/dv kernel where `setmaxnreg` moves registers), forward,
+  lse and gradients; the launches that add dq in their dk/dv kernel counted."""
   if not mosaic.is_hopper():
     pytest.skip("the mosaic kernels run on Hopper GPUs")
   n = segments[0] if len(segments) == 1 else segments[-1]
   case = helpers.Case(n, 4, 2, segments, rates, head_dim=128)
+  fused = []
+  def counted(*args, fused_backward=mosaic._fused_backward):  # pylint: disable=protected-access
+    fused.append(1)
+    return fused_backward(*args)
+  monkeypatch.setattr(mosaic, "_fused_backward", counted)
   check_packed(case, causal, jnp.bfloat16, packed_ids(1, n, 300, seed=18),
                implementation="mosaic")
+  assert bool(fused) == (mosaic_plan.REGISTERS_MOVE if fuses == "where registers move" else fuses)
 
 
 @pytest.mark.gpu

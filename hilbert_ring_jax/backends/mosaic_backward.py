@@ -11,9 +11,9 @@ slower there:
   head (q, dout, lse, delta: a stride-1 piece from `[B, N, H, ...]`, a strided one from the
   view), s^T = k q^T, dp^T = v dout^T, dv += p^T dout, dk += ds^T q.
 Both load the next item's resident rows when a walk ends, while the item's results store.
-In launches whose rows are unstrided (full attention, stride-1 branches), and in strided ones
-whose queries read at least 1,900 keys a head on average (where `setmaxnreg` moves the
-registers; `Config.backward_for`), dq moves into the dk/dv kernel: both consumers put their
+In launches whose queries read at least 1,024 keys a head on average where rows are unstrided
+(full attention, stride-1 branches), or 1,900 where they are strided (and `setmaxnreg` moves
+the registers; `Config.backward_for`), dq moves into the dk/dv kernel: both consumers put their
 ds^T tiles in shared memory, one of them (taking turns) computes the query block's
 dq = ds_0 k_0 + ds_1 k_1 and adds it into a zeroed float32 accumulator with a TMA reduce-add
 store: five products per block pair instead of seven (measured faster on full attention and

@@ -86,7 +86,7 @@ _FUSED_STRIDED_BYTES = 4 << 30
 # least this many keys a head. On one H200 (as above, 5 interleaved rounds), fused against
 # split: 1.12x the time at 256 keys (causal segments of 512, H = 16 at 32K, and the LM's
 # local model: B = 8, N = 8192, 6 heads over 2), 1.07-1.08x at 512, 0.99-1.01x at 1,024
-# (causal segments of 2,048; segments of 1,024), 0.96-0.99x at 2,048 and 0.91x at 4,096 (full
+# (causal segments of 2,048; segments of 1,024), 0.96-0.98x at 2,048 and 0.91x at 4,096 (full
 # causal attention at 8K); full attention's thousands of keys fuse as before.
 _FUSED_UNSTRIDED_KEYS = 1024
 ITEM_SLOTS = 2  # dynamic work: the items the producer has claimed ahead of the consumers
@@ -110,7 +110,7 @@ class Config:
       strided ones whose queries read at least 1,900 (LongNet; a second float32
       accumulator serves the strided view) while both accumulators take at most 4 GiB (not
       on JAX 0.12 without tools/no_nvjitlink.c, where the kernels spill, nor with
-      `backward_stages` given); split in other strided ones (`backward_for`). Keys are
+      `backward_stages` given); split in the others (`backward_for`). Keys are
       counted on the pattern: in packed rows, documents shorter than the segments cut what a
       query reads, and `False` may be faster there. The fused kernel's gradients pass
       through float32 buffers; where the gradients are final (bf16) the split kernels write
@@ -175,17 +175,16 @@ class Config:
         f"blocks or fewer stages")
 
   def backward_for(self, stride: int, head_dim: int, itemsize: int = 2, packed: bool = False,
-                   keys: int = 0, accumulator_bytes: int | None = None) -> Config:
+                   *, keys: int, accumulator_bytes: int | None = None) -> Config:
     """The backward's choices for a launch of row stride `stride` whose queries read `keys`
     keys a head on average (`keys_per_query`) and whose fused kernel's float32 dq
     accumulators would take `accumulator_bytes` (None: unknown): fused (2 stages) where
     unstrided with at least `_FUSED_UNSTRIDED_KEYS` keys, or strided with at least
-    `_FUSED_STRIDED_KEYS` keys and at most
-    `_FUSED_STRIDED_BYTES`, where `setmaxnreg` moves the registers (`REGISTERS_MOVE`) and no
-    stages are asked for (the fused kernel's buffers take more shared memory); split with the
-    most stages that fit (up to 3; `packed`: with the document ids' buffers); unless
-    `fused_backward` says. Explicit backward stages that do not fit fail when the kernel
-    lowers."""
+    `_FUSED_STRIDED_KEYS` keys and at most `_FUSED_STRIDED_BYTES`, where `setmaxnreg` moves
+    the registers (`REGISTERS_MOVE`) and no stages are asked for (the fused kernel's buffers
+    take more shared memory); split with the most stages that fit (up to 3; `packed`: with
+    the document ids' buffers); unless `fused_backward` says. Explicit backward stages that
+    do not fit fail when the kernel lowers."""
     fused = self.fused_backward
     if fused is None:
       fused = keys >= _FUSED_UNSTRIDED_KEYS if stride == 1 else (
