@@ -9,6 +9,7 @@ one GPU doing the whole problem alone, then traces `--calls` ring calls under
 - overlap: the share of the collectives' time during which an attention kernel runs on the
   same device (what the ring hides behind compute);
 - idle: span minus busy (launch gaps, waits on peers);
+- in the JSON, each HLO op's kernel time (what a fusion or a kernel call costs);
 and with `--timeline` every kernel of the first device, in order, with its stream.
 XLA's command buffers (CUDA graphs) attribute their kernels to the buffer: run with
 `XLA_FLAGS=--xla_gpu_enable_command_buffer=` so that each kernel keeps its own op.
@@ -55,9 +56,10 @@ def breakdown(events, calls: int) -> dict:
   per_device = {}
   for device in sorted({e["device"] for e in events}):
     evs = [e for e in events if e["device"] == device]
-    kinds = collections.defaultdict(float)
+    kinds, ops = collections.defaultdict(float), collections.Counter()
     for e in evs:
       kinds[kind_of(e)] += e["ns"]
+      ops[e["hlo_op"]] += e["ns"]
     span = max(e["start"] + e["ns"] for e in evs) - min(e["start"] for e in evs)
     coll = [e for e in evs if kind_of(e) == "collective"]
     attn = [e for e in evs if kind_of(e) == "attention"]
@@ -67,7 +69,8 @@ def breakdown(events, calls: int) -> dict:
         "by_kind_ms": {k: ms(v) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
         "collective_busy_ms": ms(busy_ns(coll)),
         "collective_hidden": overlap_ns(coll, attn) / busy_ns(coll) if coll else None,
-        "kernels_per_call": len(evs) / calls}
+        "kernels_per_call": len(evs) / calls,
+        "by_op_us": {op: ns / 1e3 / calls for op, ns in ops.most_common()}}
   return per_device
 
 
