@@ -137,6 +137,16 @@ for stage in "$@"; do
     ring) timeout 420 python3 benchmarks/ring_scaling.py --devices 1,$(nvidia-smi -L | wc -l) \
               --per-gpu 8192,32768 --strong 65536 --runs 3 --longest --longest-start 4194304 \
               --json "$OUT/ring.json" 2>&1 | grep -v "^W1\|^I1\|bfc_allocator\|^\*" ;;
+    ring-table|ring-table-causal)  # performance.md's table of the ring over every GPU here
+                  timeout 560 python3 benchmarks/ring_scaling.py \
+                  --devices 1,$(nvidia-smi -L | wc -l) --per-gpu 8192,32768 --strong 0 --runs 5 \
+                  $([ "$stage" = ring-table-causal ] && echo --causal) \
+                  --json "$OUT/$stage.json" 2>&1 | grep -v "^W1\|^I1\|bfc_allocator\|^\*" ;;
+    ring-profile-8k)  # where the 8K rows' time goes: each kernel by op (command buffers off)
+                  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout 560 \
+                  python3 benchmarks/ring_profile.py --per-gpu 8192 --patterns full,longnet \
+                  --passes fwd,fwdbwd --runs 3 --json "$OUT/ring_profile_8k.json" 2>&1 | \
+                  grep -v "^W1\|^I1\|bfc_allocator" ;;
     lm-dilated|lm-full|lm-local) timeout 540 python3 examples/lm_real.py --preset gpu \
                   --models "${stage#lm-}" --out-dir out/lm_real 2>&1 | tr '\r' '\n' | \
                   grep -v -E 'it/s\]|s/it\]' | tail -25
