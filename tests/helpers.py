@@ -173,3 +173,18 @@ def huge_logits(seed=0):
   rng = np.random.default_rng(seed)
   q, k = (jnp.asarray(rng.uniform(-4e4, 4e4, (1, 256, 2, 128)), jnp.float16) for _ in "qk")
   return q, k, jnp.ones_like(k)
+
+
+def fused_launches(monkeypatch) -> list:
+  """A list that grows by one each time the mosaic backward traces a launch whose dk/dv
+  kernel adds dq (`mosaic._fused_backward`); caches cleared, so that the next call traces
+  afresh instead of reusing an earlier identical trace."""
+  from hilbert_ring_jax.backends import mosaic  # pylint: disable=import-outside-toplevel
+  fused, original = [], mosaic._fused_backward  # pylint: disable=protected-access
+
+  def counted(*args):
+    fused.append(1)
+    return original(*args)
+  monkeypatch.setattr(mosaic, "_fused_backward", counted)
+  jax.clear_caches()
+  return fused

@@ -260,12 +260,7 @@ def test_a_fused_launch_beside_a_split_one(which, causal, monkeypatch):
   assert [mosaic_plan.Config().backward_for(stride, 64, keys=mosaic_plan.keys_per_query(
       pattern, case.n, case.heads, f), accumulator_bytes=0).fused_backward
           for stride, f in zip(strides, launches, strict=True)] == [True, False]
-  fused = []  # the launches whose dk/dv kernel adds dq, as the backward runs them
-  def counted(*args, fused_backward=mosaic._fused_backward):  # pylint: disable=protected-access
-    fused.append(1)
-    return fused_backward(*args)
-  monkeypatch.setattr(mosaic, "_fused_backward", counted)
-  jax.clear_caches()  # traced afresh: an earlier trace of the same call would not count
+  fused = helpers.fused_launches(monkeypatch)  # as the backward runs them
   q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 3)
   grads = {}
   for name, config in (("default", mosaic.Config(interpret=True)),

@@ -343,12 +343,7 @@ def test_mosaic_packed_on_a_gpu(segments, rates, causal, fuses, monkeypatch):
     pytest.skip("the mosaic kernels run on Hopper GPUs")
   n = segments[0] if len(segments) == 1 else segments[-1]
   case = helpers.Case(n, 4, 2, segments, rates, head_dim=128)
-  fused = []
-  def counted(*args, fused_backward=mosaic._fused_backward):  # pylint: disable=protected-access
-    fused.append(1)
-    return fused_backward(*args)
-  monkeypatch.setattr(mosaic, "_fused_backward", counted)
-  jax.clear_caches()  # traced afresh: an earlier trace of the same call would not count
+  fused = helpers.fused_launches(monkeypatch)
   check_packed(case, causal, jnp.bfloat16, packed_ids(1, n, 300, seed=18),
                implementation="mosaic")
   assert bool(fused) == (mosaic_plan.REGISTERS_MOVE if fuses == "where registers move" else fuses)

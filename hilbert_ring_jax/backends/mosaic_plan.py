@@ -74,9 +74,8 @@ _SHORT_ITEMS = 64
 # two-branch patterns, one branch of rate 4), but 1.42x at 128 (one launch) and 1.20-1.22x for
 # calls of launches of 640 and 32 keys (causal: 320 and 16; (512, 2048, 8192) x (1, 4, 16),
 # offsets "head"), where the accumulators' zeroing and sum outweigh the dq kernel's recomputed
-# products; nothing
-# between 640 and 1,984 was measured, and the threshold sits just below the least count
-# measured faster. Beyond the bytes, the split kernels' bf16 gradients are what let the
+# products; nothing between 640 and 1,984 was measured, and the threshold sits just below the
+# least count measured faster. Beyond the bytes, the split kernels' bf16 gradients are what let the
 # longest sequences fit (docs/performance.md). Only where `setmaxnreg` moves the registers
 # (`REGISTERS_MOVE`): it was not measured with JAX 0.12's spills without
 # tools/no_nvjitlink.c.
@@ -107,14 +106,14 @@ class Config:
       float32 accumulator), else a dq kernel of its own. None: fused in launches that read
       their rows unstrided (full attention, stride-1 branches) where their queries read at
       least 1,024 keys a head on average (not segments of 512 or causal ones of 1,024), and in
-      strided ones whose queries read at least 1,900 (LongNet; a second float32
-      accumulator serves the strided view) while both accumulators take at most 4 GiB (not
-      on JAX 0.12 without tools/no_nvjitlink.c, where the kernels spill, nor with
-      `backward_stages` given); split in the others (`backward_for`). Keys are
-      counted on the pattern: in packed rows, documents shorter than the segments cut what a
-      query reads, and `False` may be faster there. The fused kernel's gradients pass
-      through float32 buffers; where the gradients are final (bf16) the split kernels write
-      bf16 directly: `False` halves that memory at extreme lengths.
+      strided ones whose queries read at least 1,900 (LongNet; a second float32 accumulator
+      serves the strided view) while both accumulators take at most 4 GiB (not on JAX 0.12
+      without tools/no_nvjitlink.c, where the kernels spill, nor with `backward_stages`
+      given); split in the others (`backward_for`). Keys are counted on the pattern: in
+      packed rows, documents shorter than the segments cut what a query reads, and `False`
+      may be faster there. The fused kernel's gradients pass through float32 buffers; where
+      the gradients are final (bf16) the split kernels write bf16 directly: `False` halves
+      that memory at extreme lengths.
     persistent: one program per SM, each walking a run of the launch's work items (program
       blocks of rows), so that the producer streams the next item's blocks while the
       consumers finish the last one (and the forward loads the next item's queries into a
