@@ -16,6 +16,8 @@ time, the host sets the pace.
 
   python benchmarks/ring_ab.py --per-gpu 8192,32768 --config persistent=True --json ab.json
   python benchmarks/ring_ab.py --per-gpu 8192,32768 --set GATHER_LIMIT_BYTES=0 --json ab.json
+
+`--layout zigzag` adds both ring variants on shards in zigzag order (`layout="zigzag"`).
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def main():
   ap.add_argument("--set", default=None, metavar="NAME=VALUE",
                   help="the other variant: the defaults with the ring module's setting NAME "
                        f"({', '.join(SETTINGS)}) = VALUE (an int, True or False)")
+  ap.add_argument("--layout", default=None, choices=["zigzag"],
+                  help="also time both ring variants on shards in this order (layout=)")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
@@ -98,10 +102,15 @@ def main():
         variants = {"one GPU": (attention_fn(pattern, None, None, backward), alone),
                     "default": (attention_fn(pattern, mesh, None, backward), sharded),
                     label: (attention_fn(pattern, mesh, None, backward, other), sharded)}
+        if args.layout:
+          variants[f"default, {args.layout}"] = (
+              attention_fn(pattern, mesh, None, backward, layout=args.layout), sharded)
+          variants[f"{label}, {args.layout}"] = (
+              attention_fn(pattern, mesh, None, backward, other, layout=args.layout), sharded)
         if other is None:
           value = setting_value(setting[1])
-          variants[label] = (with_setting(variants[label][0], setting[0], value),
-                             sharded)
+          for v in [label] + ([f"{label}, {args.layout}"] if args.layout else []):
+            variants[v] = (with_setting(variants[v][0], setting[0], value), sharded)
         for fn, x in variants.values():  # compile, warm up
           for _ in range(2):
             jax.block_until_ready(fn(*x))

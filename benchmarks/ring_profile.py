@@ -114,7 +114,8 @@ def main():
         dtype = jnp.dtype(args.dtype)
         ring_args = inputs(n, args.heads, args.head_dim, dtype, mesh)
         one_args = inputs(n, args.heads, args.head_dim, dtype)
-        ring = attention_fn(pattern, mesh, args.impl, backward, layers=args.layers)
+        ring = attention_fn(pattern, mesh, args.impl, backward, layers=args.layers,
+                            layout=args.layout)
         call = (lambda f: f) if backward else (lambda f: lambda q, k, v, do: f(q, k, v))
         # ms per layer, as ring_scaling.py reports them; the trace's breakdown is per program
         # (all `--layers` calls).

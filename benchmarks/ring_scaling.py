@@ -47,14 +47,17 @@ def inputs(n, heads, head_dim, dtype, mesh=None):
   return make(jax.random.PRNGKey(n))
 
 
-def attention_fn(pattern, mesh, impl, backward, config=None, layers=1):
+def attention_fn(pattern, mesh, impl, backward, config=None, layers=1, layout="natural"):
   """The jitted call timed: `layers` attention calls in one program, each one's output the
-  next one's queries (as a model's layers run; 1: one call alone)."""
+  next one's queries (as a model's layers run; 1: one call alone). `layout`: the order of the
+  ring's shards (`sharded_dilated_attention`; random inputs, so no permutation is timed: a
+  model puts its tokens in that order once, in its data pipeline)."""
   if mesh is None:
     one = lambda q, k, v: dilated_attention(q, k, v, pattern, implementation=impl, config=config)
   else:
     one = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq",
-                                                    implementation=impl, config=config)
+                                                    implementation=impl, config=config,
+                                                    layout=layout)
 
   def fwd(q, k, v):
     for _ in range(layers):
@@ -83,7 +86,7 @@ def _time_case(n, p, pattern, args, backward):
   mesh = None if p == 1 else jax.make_mesh(
       (p,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:p])
   q, k, v, do = inputs(n, args.heads, args.head_dim, jnp.dtype(args.dtype), mesh)
-  fn = attention_fn(pattern, mesh, args.impl, backward, layers=args.layers)
+  fn = attention_fn(pattern, mesh, args.impl, backward, layers=args.layers, layout=args.layout)
   try:
     return median_ms(fn, (q, k, v, do) if backward else (q, k, v), args.runs,
                      calls=getattr(args, "calls", 1)) / args.layers
@@ -107,6 +110,8 @@ def add_problem_arguments(ap, passes):
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--impl", default=None)
   ap.add_argument("--runs", type=int, default=5)
+  ap.add_argument("--layout", default="natural", choices=["natural", "zigzag"],
+                  help="the order of the ring's shards (sharded_dilated_attention's layout)")
   ap.add_argument("--layers", type=int, default=1,
                   help="attention calls chained in one program, as a model's layers (ms are "
                        "per layer)")

@@ -8,7 +8,7 @@ from .ordering import (hilbert_permutation, hilbert_permutation_per_segment,
                        inverse_permutation, serialize, unserialize)
 from .pattern import DilatedPattern
 from .reference import dilated_attention_reference
-from .ring import ring_dilated_attention, sharded_dilated_attention
+from .ring import ring_dilated_attention, sharded_dilated_attention, zigzag_positions
 from . import linen  # hilbert_ring_jax.linen.DilatedMultiHeadAttention
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "serialize",
     "sharded_dilated_attention",
     "unserialize",
+    "zigzag_positions",
 ]
 
 __version__ = "0.1.0"

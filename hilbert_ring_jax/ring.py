@@ -1,6 +1,7 @@
 """Ring dilated attention: the sequence sharded over a mesh axis; keys and values travel.
 
-Shard `p` of `P` holds positions `[p * n, (p + 1) * n)` of processing order (`n = N / P`).
+Shard `p` of `P` holds positions `[p * n, (p + 1) * n)` of processing order (`n = N / P`), or
+with `layout="zigzag"` the half-shard chunks `p` and `2P - 1 - p` (`zigzag_positions`).
 Each branch `(w, r)` of the pattern runs in one of three ways, chosen on the host:
 
 - local (`n % w == 0`): every segment lies inside a shard; no communication at all. The
@@ -135,6 +136,10 @@ class _Plan:
   compact: bool = False  # ring: only each head's residue rows travel
   zigzag: bool = False   # ring, causal: half-shard chunks dealt out in zigzag order
   small: bool = False    # ring: steps of fewer than SMALL_STEP_ROWS rows
+  # The order of the shards the plan's steps take: "natural", or "zigzag" where the call's
+  # shards come in zigzag order (`layout`) and the plan runs on them as they are (`_plans`);
+  # the call moves the other plans' shards into natural order and their results back.
+  layout: str = "natural"
 
   @property
   def gatherable(self) -> bool:
@@ -145,24 +150,34 @@ class _Plan:
 
 
 def _plans(pattern: DilatedPattern, n: int, shards: int, num_heads: int, per_kv: int,
-           every: bool = False):
+           every: bool = False, layout: str = "natural"):
   """A `_Plan` per branch that covers some of the call's heads; `every`: per branch, where
   shards of the heads cover different branches (`head_groups`: a ring's collectives are the
   same on every device, so a shard runs the plans of branches none of its heads is in too,
-  their steps empty), whose rings move whole rows (compacted, their shapes would differ)."""
+  their steps empty), whose rings move whole rows (compacted, their shapes would differ).
+
+  `layout="zigzag"` (the shards hold half-shard chunks `p` and `2P - 1 - p`): a plan runs on
+  them as they are where positions keep their residues in its arrays: local branches whose
+  segments lie within a half-shard, and rings over the whole axis, causal ones in zigzag
+  order (which such shards make free of moves, so small ones take it too) and non-causal
+  ones (whose keys are all visible at every step, in any order of the shards)."""
   small_rows = _small_step_rows()
+  halves = layout == "zigzag" and n % 2 == 0
   for br in pattern.layout(n * shards, num_heads):
     if not (br.heads or every):  # a head group none of this call's heads is in (`head_offset`)
       continue
     if n % br.w == 0:
-      yield _Plan(br, "local", n, shards)
+      direct = halves and (n // 2) % br.w == 0
+      yield _Plan(br, "local", n, shards, layout="zigzag" if direct else "natural")
     elif br.w % n == 0 and n % br.r == 0:
       compact = br.per_head and per_kv < br.r and not every
       small = (n // br.r if compact else n) < small_rows
+      whole = halves and br.w == n * shards and (n // 2) % br.r == 0
       # Zigzag needs half-shards that keep whole residue classes: n / 2 (compact: n / 2r) rows.
-      zigzag = br.causal and not small and (
-          n // br.r % 2 == 0 if compact else (n // 2) % br.r == 0)
-      yield _Plan(br, "ring", n, shards, br.w // n, compact, zigzag and n % 2 == 0, small)
+      zigzag = br.causal and (whole or not small and (
+          n // br.r % 2 == 0 if compact else (n // 2) % br.r == 0)) and n % 2 == 0
+      yield _Plan(br, "ring", n, shards, br.w // n, compact, zigzag, small,
+                  "zigzag" if whole else "natural")
     else:
       yield _Plan(br, "gather", n, shards)
 
@@ -498,7 +513,10 @@ def _to_zigzag(x, plan, axis_name, inverse=False):
   """`[B, L, ...]` natural halves <-> `[B, L, ...]` zigzag `(early chunk, late chunk)`: two
   collective-permutes, one in sub-rings of 2 (whose devices keep their even chunks). Each
   array moves on its own: a call's arrays joined into one buffer were slower on 2 x H200
-  (docs/performance.md, "zigzag order" in "Measurements behind design choices")."""
+  (docs/performance.md, "zigzag order" in "Measurements behind design choices"). Nothing
+  moves where the shards come in zigzag order already (`plan.layout`)."""
+  if plan.layout == "zigzag":
+    return x
   even, odd = _zigzag_pairs(plan)
   if inverse:
     even, odd = [(d, s) for s, d in even], [(d, s) for s, d in odd]
@@ -688,10 +706,11 @@ def _zigzag_calls(st, rows, qi, kv, axis_name, gathered=None):
   against its own keys) for one causal call. `rows`: `(q,)` or the backward's `(q, dout,
   lse, delta)`, in the step layout; `qi`: their ids or None; `kv`: `(k, v[, kv_ids])`;
   `gathered`: None, or `(k, v)` already gathered in zigzag order (`_kernel_gathered_forward`:
-  device `d`'s chunks `d, 2P - 1 - d` at blocks `2d, 2d + 1`). Returns `(pairs, diagonal,
-  early, index, own)`: each call's `(rows[, ids], keys)`, whether each pair's queries are the
-  early chunk, each pair's natural key chunk (`t` if early, else `t - j`), the diagonal's
-  two."""
+  device `d`'s chunks `d, 2P - 1 - d` at blocks `2d, 2d + 1`), as the keys of shards in
+  zigzag order gather (`plan.layout`). Returns `(pairs, diagonal, early, index, own)`: each
+  call's `(rows[, ids], keys)`, whether each pair's queries are the early chunk, and where in
+  the call's order of the keys (natural, or that of its shards) each pair's key chunk lies
+  (natural chunk `t` if early, else `t - j`) and the diagonal's two: the key gradients' blocks."""
   shards = st.plan.shards
   j = jax.lax.axis_index(axis_name)
   t = jnp.arange(2 * shards - 1)
@@ -701,17 +720,18 @@ def _zigzag_calls(st, rows, qi, kv, axis_name, gathered=None):
             for x in (*rows, qi) if x is not None]  # (early, late) chunks
   if gathered is None:
     chunks = _together(lambda x: _blocks(_gather(x, axis_name), 2 * shards), kv, st.plan)
-    at = lambda c: c  # natural chunk c's block
   else:
     chunks = [_blocks(x, 2 * shards) for x in gathered]
-    at = lambda c: jnp.where(c < shards, 2 * c, 4 * shards - 1 - 2 * c)
+  zig = lambda c: jnp.where(c < shards, 2 * c, 4 * shards - 1 - 2 * c)  # natural chunk c's block
+  at = zig if gathered is not None or st.plan.layout == "zigzag" else lambda c: c
+  home = zig if st.plan.layout == "zigzag" else lambda c: c
   pick = lambda a, b: jnp.where(early.reshape((1, -1) + (1,) * (a.ndim - 1)), a[:, None],
                                 b[:, None])
   pairs = ([_fold(pick(a, b)) for a, b in halves],
            [_fold(jnp.take(x, at(index), axis=1)) for x in chunks])
   diagonal = ([_fold(jnp.stack([a, b], axis=1)) for a, b in halves],
               [_fold(jnp.take(x, at(own), axis=1)) for x in chunks])
-  return pairs, diagonal, early, index, own
+  return pairs, diagonal, early, home(index), home(own)
 
 
 def _folded_call(fn, rows_keys, causal, batch, has_ids):
@@ -876,6 +896,21 @@ def _zigzag_backward(st, rows, kv, axis_name):
   return (home(dq), *_together(home, (dk, dv), plan))
 
 
+def _reordered(layout, axis_name, xs, back=False):
+  """The call's arrays `xs` (a pytree of `[B, n, ...]` shards, None leaves kept) from the
+  shards' `layout` into natural order, deferred: a function that moves them once, on its
+  first call, for the plans that run on natural shards (`_Plan.layout`); `back`: the results
+  from natural order into `layout`, now. Zigzag order's moves are `_to_zigzag`'s."""
+  shards = jax.lax.axis_size(axis_name)
+  whole = lambda x: _Plan(None, "ring", x.shape[1], shards, shards)  # a ring over the axis
+  move = lambda inverse: jax.tree.map(lambda x: _to_zigzag(x, whole(x), axis_name, inverse), xs)
+
+  if back:
+    return move(False)
+  moved = []
+  return lambda: moved[0] if moved else moved.append(move(True)) or moved[0]
+
+
 def _gather(x, axis_name):
   return jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
 
@@ -898,6 +933,7 @@ class _Ring:
   # patterns, index)`, shard `s` of `heads_axis` computing `patterns[index[s]]`; `pattern`
   # is `patterns[0]`.
   head_shards: tuple | None = None
+  layout: str = "natural"  # the shards' order (`ring_dilated_attention`)
   saves: typing.ClassVar[bool] = True  # a branch's kernel may gather keys (`KERNEL_GATHER`)
 
   def differentiable(self):
@@ -911,16 +947,19 @@ class _Ring:
     its own runs them all."""
     shards = jax.lax.axis_size(self.axis_name)
     per_kv = heads_per_kv(q.shape[2], k.shape[2])
-    plans = list(_plans(pattern, q.shape[1], shards, q.shape[2], per_kv, every))
+    plans = list(_plans(pattern, q.shape[1], shards, q.shape[2], per_kv, every, self.layout))
     make = lambda plan, branches=None: _RingBranch(plan, pattern, self.scale, self.names,
                                                    self.config, q, k, branches, packed)
     pairs = [(plan, make(plan)) for plan in plans]
     local = [(plan, st) for plan, st in pairs if plan.kind == "local"]
     if merge_local and len(local) > 1:
-      together = make(local[0][0], tuple(plan.branch.index for plan, _ in local))
+      # On shards in zigzag order, one call on them as they are where every branch runs so.
+      layout = ("zigzag" if all(plan.layout == "zigzag" for plan, _ in local) else "natural")
+      first = dataclasses.replace(local[0][0], layout=layout)
+      together = make(first, tuple(plan.branch.index for plan, _ in local))
       chosen = lambda st: st.backend(q, k, st.causal)[0]
       if all(chosen(st) is chosen(together) for _, st in local):
-        pairs = [(local[0][0], together)] + [(p, st) for p, st in pairs if p.kind != "local"]
+        pairs = [(first, together)] + [(p, st) for p, st in pairs if p.kind != "local"]
     return pairs
 
   def _branches(self, q, k, packed):
@@ -944,8 +983,11 @@ class _Ring:
     n, num_heads, axis_name = q.shape[1], q.shape[2], self.axis_name
     outs, lses, saved = [], [], []
     pairs = self._branches(q, k, segment_ids is not None)
+    given = (q, k, v, segment_ids)
+    natural = _reordered(self.layout, axis_name, given)
     for plan, st in pairs:
       kernel = None
+      q, k, v, segment_ids = given if plan.layout == self.layout else natural()
       if plan.kind == "local":  # in q's dtype, merged or not (`_RingBranch.forward`)
         o, lse = st.forward(q, k, v, st.causal, _ids_per_head(segment_ids, q, k),
                             in_dtype=True)
@@ -962,6 +1004,8 @@ class _Ring:
           o = st.unquery(o, q)
           lse = jnp.where(st.covered(num_heads),
                           st.unquery(lse[..., None], q[..., :1])[..., 0], -jnp.inf)
+      if plan.layout != self.layout:
+        o, lse = _reordered(self.layout, axis_name, (o, lse), back=True)
       outs.append(o)
       lses.append(lse)
       saved.append(gathered if kernel else None)
@@ -973,7 +1017,11 @@ class _Ring:
     acc = jnp.promote_types(q.dtype, jnp.float32)
     grads = None
     pairs = self._branches(q, k, segment_ids is not None)
+    given = (q, k, v, dout, lse, delta, segment_ids)
+    natural = _reordered(self.layout, axis_name, given)
     for i, (plan, st) in enumerate(pairs):
+      q, k, v, dout, lse, delta, segment_ids = (given if plan.layout == self.layout
+                                                else natural())
       if plan.kind == "local":  # bf16 where q is, added to or not (`_RingBranch.backward`)
         g = st.backward(q, k, v, dout, lse, delta, st.causal, _ids_per_head(segment_ids, q, k),
                         in_dtype=True)
@@ -986,13 +1034,52 @@ class _Ring:
         gq, gk, gv = _ring_backward(st, q, k, v, dout, lse, delta, axis_name, segment_ids,
                                     None if saved is None else saved[i])
         g = (st.unquery(gq, q), st.unkey(gk, k), st.unkey(gv, v))
+      if plan.layout != self.layout:
+        g = _reordered(self.layout, axis_name, g, back=True)
       grads = g if grads is None else tuple(a.astype(acc) + b for a, b in zip(grads, g))
     return grads
 
 
+def zigzag_positions(n: int, shards: int) -> np.ndarray:
+  """The positions a sequence of `n` tokens holds row by row in zigzag order over `shards`
+  shards (`layout="zigzag"`): cut into `2 * shards` chunks, shard `p` holds chunks `p` and
+  `2 * shards - 1 - p`, so that each shard holds an early and a late chunk and causal work is
+  the same on every device. An int32 array `[n]`.
+
+  Put a model's inputs in this order once (`x[:, zigzag_positions(n, shards)]`, the token ids
+  in the data pipeline, the positions of a rotary embedding alike) and every causal ring of
+  the model skips its moves into zigzag order and back; undo it at the end with
+  `inverse_permutation` of the positions (a loss over all tokens whose targets come in the
+  same order needs not).
+
+  Example:
+    >>> zigzag_positions(8, 2)
+    array([0, 1, 6, 7, 2, 3, 4, 5], dtype=int32)
+  """
+  for name, value in (("n", n), ("shards", shards)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+  if n % (2 * shards):
+    raise ValueError(f"zigzag order cuts the sequence into 2 * shards = {2 * shards} chunks: "
+                     f"n={n} must be divisible by it")
+  chunks = np.arange(n, dtype=np.int32).reshape(2 * shards, -1)
+  return np.concatenate([np.concatenate([chunks[p], chunks[2 * shards - 1 - p]])
+                         for p in range(shards)])
+
+
+def _check_layout(layout, n: int) -> str:
+  """`layout` ("natural" or "zigzag") checked against the shard length `n`."""
+  if layout not in ("natural", "zigzag"):
+    raise ValueError(f'layout must be "natural" or "zigzag", got layout={layout!r}')
+  if layout == "zigzag" and n % 2:
+    raise ValueError(f'layout="zigzag" holds two half-shards a device: the shard length {n} '
+                     f"must be even")
+  return layout
+
+
 def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segment_ids=None,
                            scale=None, return_lse=False, implementation=None, config=None,
-                           heads_axis=None):
+                           heads_axis=None, layout="natural"):
   """`dilated_attention` on sequence shards, called inside `jax.shard_map`.
 
   Each device passes its shard `[B, N / P, H, D]` of `q` and `[B, N / P, Hkv, D]` of `k`, `v`
@@ -1007,6 +1094,14 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
   `shard_map` also splits the heads (and `k`, `v`'s alike) over a mesh axis, name it
   `heads_axis`: without it heads are numbered from 0 on each device, and a pattern whose
   branches depend on the head (`offsets="head"`, `head_groups`) computes other attention.
+
+  `layout` is the order of the shards' rows: "natural" as above, or "zigzag", the sequence in
+  `zigzag_positions(N, P)` order (shard `p` holds chunks `p` and `2P - 1 - p` of `2P`; the
+  output comes in the same order). A causal ring over the whole axis balances its work in
+  zigzag order: given it, the ring skips moving the queries, keys and values there and the
+  output back, each a wait on the peers (full causal attention on 2 x H200 at 8K tokens a
+  GPU: docs/ring.md). Branches that need natural order (local segments longer than half a
+  shard, rings over part of the axis) move their shards there and back.
 
   Example:
     >>> from hilbert_ring_jax import DilatedPattern, dilated_attention
@@ -1024,6 +1119,7 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
   scale = check_scale(scale, q.shape[-1])
   check_flag("return_lse", return_lse)
   segment_ids = check_segment_ids(segment_ids, q)
+  layout = _check_layout(layout, q.shape[1])
   try:
     jax.lax.axis_size(axis_name)
   except NameError as e:
@@ -1037,7 +1133,7 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
   backends.check_config(config)
   def call(pattern, q, k, v, ids, head_shards=None):
     return backends.attention(
-        q, k, v, _Ring(pattern, scale, axis_name, names, config, head_shards), ids)
+        q, k, v, _Ring(pattern, scale, axis_name, names, config, head_shards, layout), ids)
 
   out, lse = on_head_shards(
       pattern, heads_axis, call, q, k, v,
@@ -1049,7 +1145,8 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
 
 def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_name,
                               batch_axis=None, heads_axis=None, segment_ids=None, scale=None,
-                              return_lse=False, implementation=None, config=None):
+                              return_lse=False, implementation=None, config=None,
+                              layout="natural"):
   """`dilated_attention` with the sequence axis sharded over `mesh.shape[axis_name]` devices.
 
   Does the `jax.shard_map` for the caller: `q`, `k`, `v` are global `[B, N, H(kv), D]` arrays
@@ -1058,7 +1155,9 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   sequence parallelism), and with `heads_axis` (a mesh axis) the heads of `q`, `k` and `v`
   (tensor parallelism: each device computes its heads, as the call on all does); other mesh
   axes of more than one device hold replicas, with a warning that says so. `segment_ids` (packed
-  sequences): global `[B, N]` document ids, sharded like `q`.
+  sequences): global `[B, N]` document ids, sharded like `q`. `layout="zigzag"`: `q`, `k`, `v`
+  (and `segment_ids`) hold the sequence in `zigzag_positions(N, P)` order, and so does the
+  result (`ring_dilated_attention`).
   Compiled as one program, so an eager call is as fast as a jitted one (and inlined under an
   outer `jit`). Works the same in one process or under `jax.distributed.initialize()` with
   one process per GPU.
@@ -1120,10 +1219,11 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   scale = check_scale(scale, q.shape[-1])
   check_flag("return_lse", return_lse)
   segment_ids = check_segment_ids(segment_ids, q)
+  layout = _check_layout(layout, q.shape[1] // shards)
   names = backends.candidates(implementation)
   backends.check_config(config)
   fn = _sharded(pattern, mesh, axis_name, batch_axes or None, heads_axis, scale, names, config,
-                segment_ids is not None,
+                segment_ids is not None, layout,
                 (_gather_limit(), _small_step_rows(), _kernel_gather()))
   out, lse = fn(q, k, v) if segment_ids is None else fn(q, k, v, segment_ids)
   return (out, lse) if return_lse else out
@@ -1131,7 +1231,7 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
 
 @functools.lru_cache(maxsize=64)
 def _sharded(pattern, mesh, axis_name, batch_axes, heads_axis, scale, names, config, packed,
-             settings):
+             layout, settings):
   """The jitted shard_map of one configuration (cached: eager calls reuse its compilation);
   `packed`: it takes segment ids, `(q, k, v, segment_ids)`; `settings`: the module settings
   it was traced with (`_gather_limit()`, `SMALL_STEP_ROWS`, `KERNEL_GATHER`)."""
@@ -1140,7 +1240,8 @@ def _sharded(pattern, mesh, axis_name, batch_axes, heads_axis, scale, names, con
   explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
   inner = lambda q, k, v, *ids: ring_dilated_attention(
       q, k, v, pattern, axis_name=axis_name, segment_ids=ids[0] if ids else None, scale=scale,
-      return_lse=True, implementation=names, config=config, heads_axis=heads_axis)
+      return_lse=True, implementation=names, config=config, heads_axis=heads_axis,
+      layout=layout)
   in_specs = (spec,) * 3 + ((ids_spec,) if packed else ())
   mapped = jax.shard_map(inner, mesh=mesh, in_specs=in_specs, out_specs=(spec, spec),
                          check_vma=True)

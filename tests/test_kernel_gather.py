@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import helpers
-from hilbert_ring_jax import DilatedPattern, dilated_attention
+from hilbert_ring_jax import (DilatedPattern, dilated_attention, inverse_permutation,
+                              zigzag_positions)
 from hilbert_ring_jax import ring as ring_module
 from hilbert_ring_jax.backends import hopper, mosaic, mosaic_gather, xla
 from hilbert_ring_jax.ring import sharded_dilated_attention
@@ -133,10 +134,11 @@ ROUTES = {
 }
 
 
-def _ring_case(monkeypatch, name, calls):
+def _ring_case(monkeypatch, name, calls, layout="natural"):
   """`(ring, single, inputs)` of a ROUTES case at 256 tokens a device on all 8 (the
   kernel needs a ring over every device), `KERNEL_GATHER` set, on the recording backend
-  with key blocks of 64 (several a step, as at the sizes users run)."""
+  with key blocks of 64 (several a step, as at the sizes users run). `layout="zigzag"`: the
+  ring on the sequence in zigzag order, its results put back in natural order."""
   make, hkv, small_rows = ROUTES[name]
   _recording_xla(monkeypatch, calls)
   monkeypatch.setattr(ring_module, "KERNEL_GATHER", True)
@@ -148,9 +150,16 @@ def _ring_case(monkeypatch, name, calls):
   case = helpers.Case(n, 2, hkv, pattern.segment_lengths, pattern.dilation_rates,
                       pattern.offsets, head_dim=8)
   m = jax.make_mesh((8,), ("seq",), axis_types=(AUTO,))
-  ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
-      q, k, v, pattern, mesh=m, axis_name="seq", return_lse=True,
-      config=xla.Config(key_block=64)))
+  perm = zigzag_positions(n, 8) if layout == "zigzag" else np.arange(n)
+  back = inverse_permutation(perm)
+
+  def ring(q, k, v):
+    out, lse = sharded_dilated_attention(q[:, perm], k[:, perm], v[:, perm], pattern, mesh=m,
+                                         axis_name="seq", return_lse=True,
+                                         config=xla.Config(key_block=64), layout=layout)
+    return out[:, back], lse[:, back]
+
+  ring = jax.jit(ring)
   single = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
   return ring, single, helpers.random_inputs(case, jnp.float32, 5)
 
@@ -168,13 +177,15 @@ def test_rings_take_the_kernel_only_where_it_applies(monkeypatch, name):
   assert set(calls) == expected.get(name, set())
 
 
-@pytest.mark.parametrize("name", ["full_gqa", "full_causal"])
-def test_a_ring_through_the_kernel_equals_one_device(monkeypatch, name):
+@pytest.mark.parametrize("name,layout", [("full_gqa", "natural"), ("full_causal", "natural"),
+                                         ("full_gqa", "zigzag"), ("full_causal", "zigzag")])
+def test_a_ring_through_the_kernel_equals_one_device(monkeypatch, name, layout):
   """The kernel's partials go back into the ring's layout (lse per row and head; causal: out
-  of zigzag order) and its backward, on the keys the kernel gathered (no all-gather of its
-  own; causal: in zigzag order), matches: output, lse and gradients equal one device's."""
+  of zigzag order, unless the shards came in it) and its backward, on the keys the kernel
+  gathered (no all-gather of its own; causal: in zigzag order), matches: output, lse and
+  gradients equal one device's."""
   calls = []
-  ring, single, (q, k, v, dout, dlse) = _ring_case(monkeypatch, name, calls)
+  ring, single, (q, k, v, dout, dlse) = _ring_case(monkeypatch, name, calls, layout)
   (out, lse), vjp = jax.vjp(ring, q, k, v)
   assert calls
   backward = str(jax.make_jaxpr(vjp)((dout, dlse)))
@@ -249,14 +260,16 @@ def _gpus_for_the_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hkv,d,causal", [(4, 128, False), (2, 64, False), (2, 128, True),
-                                          (4, 64, True)])
-def test_the_kernel_on_gpus(monkeypatch, hkv, d, causal):
+@pytest.mark.parametrize("hkv,d,causal,layout", [
+    (4, 128, False, "natural"), (2, 64, False, "natural"), (2, 128, True, "natural"),
+    (4, 64, True, "natural"), (2, 128, True, "zigzag")])
+def test_the_kernel_on_gpus(monkeypatch, hkv, d, causal, layout):
   """On every GPU of the host (Hopper, two or more): the ring with `KERNEL_GATHER`, bf16,
-  2048 tokens a GPU (causal: in zigzag order, which small rings otherwise leave), against
-  one GPU's float32 result (output, lse, gradients through the all-gathering backward), and
-  the kernel ran; 20 calls on new queries, keys and values equal the ring without it,
-  another program (the semaphores and the counter start afresh in each launch)."""
+  2048 tokens a GPU (causal: in zigzag order, which small rings otherwise leave; `layout`:
+  the shards come in it), against one GPU's float32 result (output, lse, gradients through
+  the all-gathering backward), and the kernel ran; 20 calls on new queries, keys and values
+  equal the ring without it, another program (the semaphores and the counter start afresh
+  in each launch)."""
   gpus = _gpus_for_the_kernel()
   ran = []
   kernel = mosaic_gather.gathered_forward
@@ -267,23 +280,26 @@ def test_the_kernel_on_gpus(monkeypatch, hkv, d, causal):
   n = len(gpus) * 2048
   pattern = DilatedPattern((n,), (1,), causal=causal)
   case = helpers.Case(n, 4, hkv, (n,), (1,), head_dim=d)
-  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 3)
+  natural = helpers.random_inputs(case, jnp.bfloat16, 3)
+  # In zigzag order, as a model's data pipeline would give them; the results put back below.
+  perm = zigzag_positions(n, len(gpus)) if layout == "zigzag" else np.arange(n)
+  q, k, v, dout, dlse = (x[:, perm] for x in natural)
   m = jax.make_mesh((len(gpus),), ("seq",), axis_types=(AUTO,), devices=gpus)
   # A new function each time: jit's trace cache would give `without` below the program
   # traced with the kernel (the setting is read when a call is traced).
   make_call = lambda: lambda q, k, v: sharded_dilated_attention(
-      q, k, v, pattern, mesh=m, axis_name="seq", return_lse=True)
+      q, k, v, pattern, mesh=m, axis_name="seq", return_lse=True, layout=layout)
   (out, lse), vjp = jax.vjp(jax.jit(make_call()), q, k, v)
   assert ran
   f32 = lambda *xs: [jax.device_put(x.astype(jnp.float32), gpus[0]) for x in xs]
   (ref_out, ref_lse), ref_vjp = jax.vjp(
       lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True,
-                                        implementation="xla"), *f32(q, k, v))
+                                        implementation="xla"), *f32(*natural[:3]))
   tol = helpers.TOL[jnp.bfloat16]
-  assert out.dtype == jnp.bfloat16 and helpers.rel_err(out, np.asarray(ref_out)) < tol
-  helpers.check_lse(lse, np.asarray(ref_lse), tol)
-  for g, ref in zip(vjp((dout, dlse)), ref_vjp(tuple(f32(dout, dlse)))):
-    assert helpers.rel_err(g, np.asarray(ref)) < tol
+  assert out.dtype == jnp.bfloat16 and helpers.rel_err(out, np.asarray(ref_out)[:, perm]) < tol
+  helpers.check_lse(lse, np.asarray(ref_lse)[:, perm], tol)
+  for g, ref in zip(vjp((dout, dlse)), ref_vjp(tuple(f32(*natural[3:])))):
+    assert helpers.rel_err(g, np.asarray(ref)[:, perm]) < tol
   with_kernel = jax.jit(make_call())
   with_kernel(q, k, v)  # traced with the setting on
   monkeypatch.setattr(ring_module, "KERNEL_GATHER", False)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import helpers
-from hilbert_ring_jax import DilatedPattern, dilated_attention, merge
+from hilbert_ring_jax import DilatedPattern, dilated_attention, merge, zigzag_positions
 from hilbert_ring_jax import ring as ring_module
 from hilbert_ring_jax.backends import hopper, xla
 from hilbert_ring_jax.ring import _plans, ring_dilated_attention, sharded_dilated_attention
@@ -588,16 +588,20 @@ GPU_CASES = {
 }
 
 
-def _check_ring_on_gpus(b, n, h, hkv, d, pattern, implementation=None, data=1):
+def _check_ring_on_gpus(b, n, h, hkv, d, pattern, implementation=None, data=1,
+                        layout="natural"):
   """The ring over every GPU of the host (a (data, seq) mesh, the batch over "data"), bf16,
-  against one GPU's float32 "xla" result: outputs, lse and gradients. Returns the mosaic
-  forward launches traced (the gathering kernel's included)."""
+  against one GPU's float32 "xla" result: outputs, lse and gradients (`layout="zigzag"`: the
+  ring on the sequence in zigzag order, the reference's results in it too). Returns the
+  mosaic forward launches traced (the gathering kernel's included)."""
   # pylint: disable-next=g-import-not-at-top
   from hilbert_ring_jax.backends import mosaic_forward, mosaic_gather
   gpus = jax.devices("gpu")
   case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
                       pattern.offsets, head_dim=d, batch=b)
-  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 3)
+  natural = helpers.random_inputs(case, jnp.bfloat16, 3)
+  perm = zigzag_positions(n, len(gpus) // data) if layout == "zigzag" else np.arange(n)
+  q, k, v, dout, dlse = (x[:, perm] for x in natural)  # in the ring's order
   launches = []
   with pytest.MonkeyPatch.context() as patch:
     for module, name in ((mosaic_forward, "launch"), (mosaic_gather, "gathered_forward")):
@@ -608,15 +612,16 @@ def _check_ring_on_gpus(b, n, h, hkv, d, pattern, implementation=None, data=1):
                              axis_types=(AUTO, AUTO), devices=gpus)
     ring = jax.jit(lambda q, k, v: sharded_dilated_attention(
         q, k, v, pattern, mesh=gpu_mesh, axis_name="seq", return_lse=True,
-        batch_axis="data" if data > 1 else None, implementation=implementation))
+        batch_axis="data" if data > 1 else None, implementation=implementation,
+        layout=layout))
     (out, lse), vjp = jax.vjp(ring, q, k, v)
     grads = vjp((dout, dlse))
   f32 = lambda *xs: [jax.device_put(x.astype(jnp.float32), gpus[0]) for x in xs]
   single = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True,
                                              implementation="xla")
-  (ref_out, ref_lse), ref_vjp = jax.vjp(single, *f32(q, k, v))
-  ref_grads = ref_vjp(tuple(f32(dout, dlse)))
-  ref_out, ref_lse, *ref_grads = (np.asarray(x, np.float64)
+  (ref_out, ref_lse), ref_vjp = jax.vjp(single, *f32(*natural[:3]))
+  ref_grads = ref_vjp(tuple(f32(*natural[3:])))
+  ref_out, ref_lse, *ref_grads = (np.asarray(x, np.float64)[:, perm]
                                   for x in (ref_out, ref_lse, *ref_grads))
   tol = helpers.TOL[jnp.bfloat16]
   assert out.dtype == jnp.bfloat16
@@ -644,6 +649,16 @@ def test_ring_on_gpus(name):
   launches = _check_ring_on_gpus(b, p * per_gpu, h, hkv, d, make(p * per_gpu))
   if hopper.is_hopper():
     assert launches, "no step ran the mosaic kernels"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["full_causal_gqa", "longnet_causal_d64"])
+def test_ring_on_zigzag_shards_of_gpus(name):
+  """`layout="zigzag"`: the whole causal ring on the shards as they are, and (LongNet) beside
+  branches moved into natural order and back."""
+  p = len(_gpus())
+  b, per_gpu, h, hkv, d, make = GPU_CASES[name]
+  _check_ring_on_gpus(b, p * per_gpu, h, hkv, d, make(p * per_gpu), layout="zigzag")
 
 
 @pytest.mark.gpu

@@ -1,0 +1,143 @@
+"""The ring on shards in zigzag order (`layout="zigzag"`): equal to one device's result on the
+sequence in that order (`zigzag_positions`), gradients too, for every way a branch runs on such
+shards; a causal ring over the whole axis moves no queries, keys or outputs into zigzag order
+and back."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+from hilbert_ring_jax import (DilatedPattern, dilated_attention, inverse_permutation,
+                              sharded_dilated_attention, zigzag_positions)
+from hilbert_ring_jax import ring as ring_module
+from hilbert_ring_jax.backends import xla
+
+AUTO = jax.sharding.AxisType.Auto
+
+
+def test_zigzag_positions():
+  """Shard `p` of `P` holds chunks `p` and `2P - 1 - p` of `2P`, a permutation of the
+  positions; bad arguments raise naming them."""
+  np.testing.assert_array_equal(zigzag_positions(8, 2), [0, 1, 6, 7, 2, 3, 4, 5])
+  perm = zigzag_positions(24, 3)
+  assert perm.dtype == np.int32 and sorted(perm) == list(range(24))
+  chunks = perm.reshape(3, 2, 4)[:, :, 0] // 4  # each shard's (early, late) chunk
+  np.testing.assert_array_equal(chunks, [[0, 5], [1, 4], [2, 3]])
+  np.testing.assert_array_equal(zigzag_positions(6, 1), np.arange(6))
+  with pytest.raises(ValueError, match="n=10 must be divisible"):
+    zigzag_positions(10, 3)
+  for bad in ((0, 2), (8, 0), (8.0, 2), (8, True)):
+    with pytest.raises(ValueError, match="must be a positive int"):
+      zigzag_positions(*bad)
+
+
+def test_bad_layout_raises_naming_it():
+  m = jax.make_mesh((4,), ("seq",), axis_types=(AUTO,), devices=jax.devices()[:4])
+  pattern = DilatedPattern((16,), (1,), causal=True)
+  x = jnp.zeros((1, 16, 2, 8))
+  with pytest.raises(ValueError, match='layout must be "natural" or "zigzag"'):
+    sharded_dilated_attention(x, x, x, pattern, mesh=m, axis_name="seq", layout="striped")
+  y = jnp.zeros((1, 12, 2, 8))  # shards of 3 rows
+  with pytest.raises(ValueError, match='layout="zigzag" .* shard length 3 must be even'):
+    sharded_dilated_attention(y, y, y, DilatedPattern((12,), (1,)), mesh=m, axis_name="seq",
+                              layout="zigzag")
+
+
+# (data, seq, tokens a shard, H, Hkv, pattern over N, ring settings, packed). Heads and head
+# dims small, shards of 512-1024 rows, key blocks of 128: several a step.
+CASES = {
+    # A whole causal ring gathered in zigzag order, on the shards as they are.
+    "full_causal": (1, 4, 1024, 2, 1, lambda n: DilatedPattern((n,), (1,), causal=True), {},
+                    False),
+    # ... rotating its keys.
+    "full_causal_rotating": (1, 4, 1024, 2, 1, lambda n: DilatedPattern((n,), (1,),
+                                                                        causal=True),
+                             {"GATHER_LIMIT_BYTES": 0}, False),
+    # Packed: local segments within half-shards (as they are) and of a whole shard (moved into
+    # natural order, with the sub-ring of 2 shards), a compact whole ring (as it is, small).
+    "longnet_causal_packed": (1, 4, 1024, 2, 2, lambda n: DilatedPattern(
+        (512, 1024, 2048, n), (1, 1, 2, 4), causal=True), {}, True),
+    # Data x sequence: non-causal, the whole ring dilated (as it is) beside the gather
+    # fallback (moved).
+    "data2_seq4_gather": (2, 4, 512, 2, 1, lambda n: DilatedPattern((768, n), (1, 2)), {},
+                          False),
+}
+
+
+def _layout_case(name, monkeypatch):
+  data, seq, per, h, hkv, make, settings, packed = CASES[name]
+  for setting, value in settings.items():
+    monkeypatch.setattr(ring_module, setting, value)
+  n = seq * per
+  pattern = make(n)
+  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
+                      pattern.offsets, batch=data, head_dim=8)
+  devices = jax.devices()[:data * seq]
+  m = (jax.make_mesh((seq,), ("seq",), axis_types=(AUTO,), devices=devices) if data == 1 else
+       jax.make_mesh((data, seq), ("data", "seq"), axis_types=(AUTO, AUTO), devices=devices))
+  return case, pattern, m, packed
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_zigzag_layout_equals_one_device(monkeypatch, name):
+  """Outputs, lse and gradients of the ring on the sequence in zigzag order, put back in
+  natural order, equal one device's on the natural sequence; the plans run on the shards as
+  they are or moved into natural order and back, both in each mixed case."""
+  case, pattern, m, packed = _layout_case(name, monkeypatch)
+  seq = m.shape["seq"]
+  # pylint: disable-next=protected-access
+  plans = list(ring_module._plans(pattern, case.n // seq, seq, case.heads,
+                                  case.heads // case.kv_heads, layout="zigzag"))
+  as_given = {plan.layout == "zigzag" for plan in plans}
+  assert as_given == ({True} if name.startswith("full") else {True, False})
+  perm = zigzag_positions(case.n, seq)
+  back = inverse_permutation(perm)
+  ids = (jnp.asarray(np.random.default_rng(3).integers(0, 3, (case.batch, case.n)).cumsum(1),
+                     jnp.int32) if packed else None)  # documents of ~1.5 tokens to ~all
+  batch_axis = "data" if "data" in m.shape else None
+  config = xla.Config(key_block=128)
+
+  def ring(q, k, v):
+    out, lse = sharded_dilated_attention(
+        q[:, perm], k[:, perm], v[:, perm], pattern, mesh=m, axis_name="seq",
+        batch_axis=batch_axis, segment_ids=None if ids is None else ids[:, perm],
+        return_lse=True, config=config, layout="zigzag")
+    return out[:, back], lse[:, back]
+
+  single = lambda q, k, v: dilated_attention(q, k, v, pattern, segment_ids=ids,
+                                             return_lse=True)
+  inputs = helpers.random_inputs(case, jnp.float32, 31)
+  helpers.assert_same_results(helpers.results_with_grads(jax.jit(ring), inputs),
+                              helpers.results_with_grads(jax.jit(single), inputs))
+
+
+def _collectives(pattern, layout, p=4, n=32):
+  """`(shape, kind)` of every collective of the ring's forward and backward, as lowered."""
+  x = jax.ShapeDtypeStruct((1, p * n, 2, 16), jnp.float32)
+  m = jax.make_mesh((p,), ("seq",), axis_types=(AUTO,), devices=jax.devices()[:p])
+  call = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=m, axis_name="seq",
+                                                   layout=layout)
+  hlo = jax.jit(jax.grad(lambda *a: call(*a).sum(), (0, 1, 2))).lower(x, x, x).as_text(
+      dialect="hlo")
+  return sorted((re.sub(r"\{.*\}", "", shape), kind) for shape, kind in re.findall(
+      r"= (\S+) (collective-permute|all-gather|all-reduce|all-to-all|reduce-scatter)"
+      r"(?:-start)?\(", hlo))
+
+
+def test_a_whole_causal_ring_on_zigzag_shards_moves_only_keys(monkeypatch):
+  """Full causal attention over 4 shards of 32, gathered: in natural order the queries, keys,
+  values, outputs and the backward's rows move into zigzag order and back (collective
+  permutes of half-shards); on shards in zigzag order only the keys' all-gathers (the
+  forward's and the backward's, as lowered) and their gradients' reduce-scatter remain (small
+  rings take zigzag order there too)."""
+  pattern = DilatedPattern((128,), (1,), causal=True)
+  monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)  # natural order's rings in zigzag
+  natural = _collectives(pattern, "natural")
+  assert ("f32[1,16,2,16]", "collective-permute") in natural
+  monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 4096)
+  assert _collectives(pattern, "zigzag") == [
+      ("f32[1,128,2,16]", "all-gather")] * 4 + [("f32[1,32,2,16]", "reduce-scatter")] * 2
