@@ -761,21 +761,29 @@ def _gathered_zigzag_forward(st, qs, qi, kv, axis_name):
 def _gathered_zigzag_backward(st, rows, qi, kv, axis_name, gathered=None):
   """The backward of `_gathered_zigzag_forward` (or of a causal `_kernel_gathered_forward`,
   whose `gathered` keys it reads): the same two calls; each query chunk sums its pairs' dq,
-  and dk, dv (added up by natural key chunk) go home by reduce-scatter."""
+  and dk, dv (added up by key chunk) go home by reduce-scatter. On shards in zigzag order
+  (`plan.layout`) the diagonal's keys are the device's own: its dk, dv join after the
+  reduce-scatter, which then waits only for the pairs' call."""
   plan, b = st.plan, rows[0].shape[0]
   pairs, diagonal, early, index, own = _zigzag_calls(st, rows, qi, kv, axis_name, gathered)
-  (dq, dk, dv), (ddq, ddk, ddv) = (_folded_call(st.backward, x, causal, b, qi is not None)
-                                   for x, causal in ((pairs, False), (diagonal, True)))
+  call = lambda x, causal: _folded_call(st.backward, x, causal, b, qi is not None)
+  dq, dk, dv = call(pairs, False)
+
+  def by_key_chunk(g, d=None):
+    total = jnp.zeros((b, 2 * plan.shards) + g.shape[2:], g.dtype).at[:, index].add(g)
+    return total if d is None else total.at[:, own].add(d)
+
+  if plan.layout == "zigzag":
+    dk, dv = _home((by_key_chunk(dk), by_key_chunk(dv)), plan, axis_name)
+    ddq, ddk, ddv = call(diagonal, True)
+    dk, dv = (g + d.reshape(g.shape) for g, d in ((dk, ddk), (dv, ddv)))
+  else:
+    ddq, ddk, ddv = call(diagonal, True)
+    dk, dv = _home((by_key_chunk(dk, ddk), by_key_chunk(dv, ddv)), plan, axis_name)
   mine = lambda keep: jnp.sum(jnp.where(keep.reshape((1, -1) + (1,) * (dq.ndim - 2)), dq, 0.0),
                               axis=1)
   dq = jnp.concatenate([mine(early) + ddq[:, 0], mine(~early) + ddq[:, 1]], axis=1)
-
-  def by_key_chunk(g, d):
-    total = jnp.zeros((b, 2 * plan.shards) + g.shape[2:], g.dtype)
-    return total.at[:, index].add(g).at[:, own].add(d)
-
-  return (_to_zigzag(dq, plan, axis_name, inverse=True),
-          *_home((by_key_chunk(dk, ddk), by_key_chunk(dv, ddv)), plan, axis_name))
+  return _to_zigzag(dq, plan, axis_name, inverse=True), dk, dv
 
 
 def _zigzag_forward(st, qs, qi, kv, axis_name):
