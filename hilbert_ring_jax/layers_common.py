@@ -411,7 +411,8 @@ def check_mesh_axes(mesh, seq_axis, batch_axis, heads_axis) -> None:
 
 
 def attend(q, k, v, pattern, *, key_mask=None, segment_ids=None, scale=None, return_lse=False,
-           implementation=None, mesh=None, seq_axis=None, batch_axis=None, heads_axis=None):
+           implementation=None, mesh=None, seq_axis=None, batch_axis=None, heads_axis=None,
+           layout="natural"):
   """`dilated_attention`, or the ring version sharded over `seq_axis` (and the batch over
   `batch_axis`, the heads over `heads_axis`) of `mesh`, with hidden keys and keys of another
   length than the queries.
@@ -420,8 +421,8 @@ def attend(q, k, v, pattern, *, key_mask=None, segment_ids=None, scale=None, ret
     q, k, v: `[B, Nq, H, D]` queries, `[B, Nk, Hkv, D]` keys and values, in processing order.
     key_mask: None, or `[B, Nk]` bool: False hides that key from every query (`hide_keys`).
     segment_ids, scale, return_lse, implementation: as in `dilated_attention`.
-    mesh, seq_axis, batch_axis, heads_axis: as in `sharded_dilated_attention` (None: one
-      device).
+    mesh, seq_axis, batch_axis, heads_axis, layout: as in `sharded_dilated_attention` (None:
+      one device).
 
   Keys of another length (`Nk != Nq`) need a pattern that shows every key to every query
   (`check_position_free`): the shorter side is padded, queries with rows dropped after and keys
@@ -446,7 +447,8 @@ def attend(q, k, v, pattern, *, key_mask=None, segment_ids=None, scale=None, ret
       ) from e
     run = functools.partial(sharded_dilated_attention, pattern=pattern, mesh=mesh,
                             axis_name=seq_axis, batch_axis=batch_axis, heads_axis=heads_axis,
-                            segment_ids=segment_ids, implementation=implementation)
+                            segment_ids=segment_ids, implementation=implementation,
+                            layout=layout)
   n_q, n_k = q.shape[1], k.shape[1]
   if n_q != n_k:
     if segment_ids is not None:
@@ -491,6 +493,43 @@ def serialize_inputs(perm, mesh, *xs):
     if x is not None and id(x) not in done:
       done[id(x)] = permute(x, perm, mesh=mesh)
   return tuple(None if x is None else done[id(x)] for x in xs)
+
+
+def check_layout(layout, mesh, order: TokenOrder) -> str:
+  """A layer's `layout`: "natural", or "zigzag" (the sequence in zigzag order over the mesh's
+  `seq_axis`, as `ring.sharded_dilated_attention` takes it), which needs a mesh and takes the
+  tokens as given (no ordering)."""
+  if layout not in ("natural", "zigzag"):
+    raise ValueError(f'layout must be "natural" or "zigzag", got layout={layout!r}')
+  if layout == "zigzag" and mesh is None:
+    raise ValueError('layout="zigzag" is the order of the shards of a mesh: it needs mesh=')
+  if layout == "zigzag" and order.kind is not None:
+    raise ValueError(f'layout="zigzag" takes the tokens in zigzag order as they are: it needs '
+                     f"ordering=None, got ordering {order.kind!r}")
+  return layout
+
+
+def layout_positions(layout, mesh, seq_axis, n: int):
+  """The positions of a sequence's `n` rows in `layout` (`ring.zigzag_positions` over the
+  mesh's `seq_axis`), or None in natural order."""
+  if layout == "natural":
+    return None
+  from .ring import zigzag_positions  # pylint: disable=import-outside-toplevel
+  return zigzag_positions(n, mesh.shape[seq_axis])
+
+
+def sown_weights(q, k, lse, pattern, perm, batch: tuple, *, key_mask=None, segment_ids=None,
+                 rows=None):
+  """What a layer sows: `attention_weights` in the caller's token order (`perm`: the layer's
+  ordering, or None) and batch dims. `rows`: the positions the caller's rows hold (a zigzag
+  layout, `layout_positions`), or None: the weights are computed in natural order, then put
+  in the caller's."""
+  if rows is not None:
+    perm = inverse_permutation(rows)  # natural position j is the caller's row perm[j]
+    q, k, lse, key_mask, segment_ids = (None if x is None else x[:, perm]
+                                        for x in (q, k, lse, key_mask, segment_ids))
+  weights = attention_weights(q, k, lse, pattern, key_mask=key_mask, segment_ids=segment_ids)
+  return caller_weights(weights, perm, batch)
 
 
 def caller_weights(weights, perm, batch: tuple):

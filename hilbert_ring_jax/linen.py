@@ -15,11 +15,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from .decode import KVCache, init_kv_cache
-from .layers_common import (TokenOrder, apply_dropout, attend, attention_weights, caller_weights,
-                            check_call, check_dropout_rate, check_flag, check_heads, check_options,
+from .layers_common import (TokenOrder, apply_dropout, attend, check_call, check_dropout_rate,
+                            check_flag, check_heads, check_layout, check_options,
                             check_rotary_base, checked_init, decode_attend, decode_positions,
-                            key_mask_of, layer_inputs, permute, rotate, serialize_inputs,
-                            static_implementation, token_ids_of)
+                            key_mask_of, layer_inputs, layout_positions, permute, rotate,
+                            serialize_inputs, sown_weights, static_implementation, token_ids_of)
 from .pattern import DilatedPattern
 
 DEFAULT_KERNEL_INIT = nn.initializers.lecun_normal()
@@ -58,7 +58,7 @@ class DilatedMultiHeadAttention(nn.Module):
     dropout_rate: dropout on the attention output.
     deterministic: True disables dropout; or give it to the call.
     dtype, param_dtype: computation and parameter dtypes.
-    implementation, mesh, seq_axis, batch_axis, heads_axis: as in the NNX layer.
+    implementation, mesh, seq_axis, batch_axis, heads_axis, layout: as in the NNX layer.
     broadcast_dropout: share the dropout mask across the batch axis.
     precision: `jax.lax.Precision` of the four projections.
     kernel_init: initializer of the projection kernels (and by default the `out` kernel).
@@ -109,6 +109,7 @@ class DilatedMultiHeadAttention(nn.Module):
   seq_axis: str | None = None
   batch_axis: Any = None
   heads_axis: str | None = None
+  layout: str = "natural"
   # The options of nn.MultiHeadDotProductAttention, with its defaults.
   broadcast_dropout: bool = True
   precision: Any = None
@@ -145,6 +146,7 @@ class DilatedMultiHeadAttention(nn.Module):
                   kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
                   bias_init=self.bias_init, out_bias_init=self.out_bias_init)
     order = TokenOrder.make(self.ordering, self.grid_shape)
+    layout = check_layout(self.layout, self.mesh, order)
     segment_ids = token_ids_of("segment_ids", segment_ids, batch, xq.shape[1])
     positions = token_ids_of("positions", positions, batch, xq.shape[1])
     # An init call with decode makes the cache and runs as a prefill would.
@@ -170,6 +172,8 @@ class DilatedMultiHeadAttention(nn.Module):
       q, k = norm(name="query_ln")(q), norm(name="key_ln")(k)
     implementation = static_implementation(self.implementation)
     decoding = self.decode and self.has_variable("cache", "cache_index")
+    # The positions of the rows in a zigzag layout (keys of another length: none needed).
+    rows = None if cross else layout_positions(layout, self.mesh, self.seq_axis, xq.shape[1])
     if decoding:
       cached_key = self.variable("cache", "cached_key")
       cached_value = self.variable("cache", "cached_value")
@@ -184,7 +188,8 @@ class DilatedMultiHeadAttention(nn.Module):
       positions = decode_positions(cache, xq.shape[1], prefill=prefill,
                                    segment_ids=segment_ids)
     elif positions is None:
-      positions = jnp.arange(xq.shape[1]) if perm is None else jnp.asarray(perm)
+      positions = jnp.arange(xq.shape[1]) if perm is None and rows is None else jnp.asarray(
+          rows if perm is None else perm)
     q, k = rotate(q, k, rotary_base, positions)
     # [B, N, H, D]
     if decoding:
@@ -207,11 +212,11 @@ class DilatedMultiHeadAttention(nn.Module):
       y, lse = attend(q, k, v, self.pattern, key_mask=key_mask, segment_ids=segment_ids,
                       return_lse=True, implementation=implementation, mesh=self.mesh,
                       seq_axis=self.seq_axis, batch_axis=self.batch_axis,
-                      heads_axis=self.heads_axis)
+                      heads_axis=self.heads_axis, layout=layout)
       if sow_weights:
-        weights = attention_weights(q, k, lse, self.pattern, key_mask=key_mask,
-                                    segment_ids=segment_ids)
-        self.sow("intermediates", "attention_weights", caller_weights(weights, perm, batch))
+        self.sow("intermediates", "attention_weights", sown_weights(
+            q, k, lse, self.pattern, perm, batch, key_mask=key_mask, segment_ids=segment_ids,
+            rows=rows))
     if rate > 0.0:
       deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
       if not deterministic:

@@ -20,9 +20,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .decode import KVCache, init_kv_cache
-from .layers_common import (TokenOrder, apply_dropout, attend, attention_weights, caller_weights,
+from .layers_common import (TokenOrder, apply_dropout, attend, attention_weights,
                             check_call, check_decodable, check_dropout_rate, check_features,
-                            check_flag, check_heads, check_input_shape, check_mesh_axes,
+                            check_flag, check_heads, check_input_shape, check_layout,
+                            check_mesh_axes, layout_positions, sown_weights,
                             check_options, check_rotary_base, checked_init, decode_attend,
                             decode_positions, key_mask_of, layer_inputs, permute,
                             resolve_deterministic, rotate, serialize_inputs,
@@ -100,6 +101,10 @@ class DilatedMultiHeadAttention(nnx.Module):
       sequence parallelism.
     heads_axis: with `mesh`, the mesh axis the heads are split over (tensor parallelism;
       `sharded_dilated_attention`'s `heads_axis`): each device computes its heads.
+    layout: with `mesh`, the order of the sequence the layer takes and returns: "natural", or
+      "zigzag" (`sharded_dilated_attention`'s `layout`: a model that keeps its tokens in
+      `zigzag_positions(N, P)` order spares its causal rings their moves into it and back;
+      `rotary_base` then turns each token by its position there, and `ordering` must be None).
     rngs: `nnx.Rngs` for parameter init; with `dropout_rate > 0` (and `keep_rngs`) it must have
       a `dropout` (or `default`) stream, forked here for the calls.
     keep_rngs: keep that stream (as `self.rngs`); False: the calls that drop out pass `rngs`.
@@ -143,7 +148,8 @@ class DilatedMultiHeadAttention(nnx.Module):
                kernel_init=DEFAULT_KERNEL_INIT, out_kernel_init=None,
                bias_init=DEFAULT_BIAS_INIT, out_bias_init=None, use_bias: bool = True,
                normalize_qk: bool = False, implementation=None, mesh=None, seq_axis=None,
-               batch_axis=None, heads_axis=None, rngs: nnx.Rngs, keep_rngs: bool = True,
+               batch_axis=None, heads_axis=None, layout: str = "natural", rngs: nnx.Rngs,
+               keep_rngs: bool = True,
                kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
                out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
                bias_metadata: Mapping[str, Any] = MappingProxyType({}),
@@ -185,6 +191,7 @@ class DilatedMultiHeadAttention(nnx.Module):
     self.qkv_features = qkv_features
     self.pattern = pattern
     self.order = TokenOrder.make(ordering, grid_shape)
+    self.layout = check_layout(layout, mesh, self.order)
     if decode is not None and check_flag("decode", decode):
       check_decodable(self.order, pattern, mesh)
     self.decode = decode
@@ -399,11 +406,15 @@ class DilatedMultiHeadAttention(nnx.Module):
       q, k = self.query_ln(q), self.key_ln(k)
     # [B, N, H, D]
     cache = self.kv_cache() if decode else None
+    # The positions of the rows in a zigzag layout (keys of another length: none needed).
+    rows = None if cross else layout_positions(self.layout, self.mesh, self.seq_axis,
+                                               xq.shape[1])
     if decode:  # after the cached tokens (no ordering when decoding)
       positions = decode_positions(cache, xq.shape[1], prefill=prefill,
                                    segment_ids=segment_ids)
     elif positions is None:
-      positions = jnp.arange(xq.shape[1]) if perm is None else jnp.asarray(perm)
+      positions = jnp.arange(xq.shape[1]) if perm is None and rows is None else jnp.asarray(
+          rows if perm is None else perm)
     q, k = rotate(q, k, self.rotary_base, positions)
     if decode:
       y, cache = decode_attend(q, k, v, cache, self.pattern, prefill=prefill,
@@ -419,11 +430,11 @@ class DilatedMultiHeadAttention(nnx.Module):
       y, lse = attend(q, k, v, self.pattern, key_mask=key_mask, segment_ids=segment_ids,
                       return_lse=True, implementation=self.implementation, mesh=self.mesh,
                       seq_axis=self.seq_axis, batch_axis=self.batch_axis,
-                      heads_axis=self.heads_axis)
+                      heads_axis=self.heads_axis, layout=self.layout)
       if sow_weights:
-        weights = attention_weights(q, k, lse, self.pattern, key_mask=key_mask,
-                                    segment_ids=segment_ids)
-        self.sow(nnx.Intermediate, "attention_weights", caller_weights(weights, perm, batch))
+        self.sow(nnx.Intermediate, "attention_weights", sown_weights(
+            q, k, lse, self.pattern, perm, batch, key_mask=key_mask, segment_ids=segment_ids,
+            rows=rows))
     if not deterministic:
       y = self.dropout(y, rngs)
     # [B, N, out_features]
