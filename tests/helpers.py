@@ -188,3 +188,18 @@ def fused_launches(monkeypatch) -> list:
   monkeypatch.setattr(mosaic, "_fused_backward", counted)
   jax.clear_caches()
   return fused
+
+
+def ring_problem(data, seq, per, heads, kv_heads, make):
+  """`(case, pattern, mesh)` of a ring test on `data * seq` devices: `seq` shards of `per`
+  tokens, the pattern `make(N)`, head dim 8, a batch of `data` (split over a "data" axis of
+  the mesh where `data > 1`)."""
+  n = seq * per
+  pattern = make(n)
+  case = Case(n, heads, kv_heads, pattern.segment_lengths, pattern.dilation_rates,
+              pattern.offsets, batch=data, head_dim=8)
+  devices, auto = jax.devices()[:data * seq], jax.sharding.AxisType.Auto
+  mesh = (jax.make_mesh((seq,), ("seq",), axis_types=(auto,), devices=devices) if data == 1
+          else jax.make_mesh((data, seq), ("data", "seq"), axis_types=(auto, auto),
+                             devices=devices))
+  return case, pattern, mesh

@@ -726,14 +726,8 @@ def _realistic(name, monkeypatch):
   if name.endswith("_large"):
     name = name[:-len("_large")]
     monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)
-  data, seq, per, h, hkv, make, key_block = REALISTIC[name]
-  n = seq * per
-  pattern = make(n)
-  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
-                      pattern.offsets, batch=data, head_dim=8)
-  devices = jax.devices()[:data * seq]
-  m = (jax.make_mesh((seq,), ("seq",), axis_types=(AUTO,), devices=devices) if data == 1 else
-       jax.make_mesh((data, seq), ("data", "seq"), axis_types=(AUTO, AUTO), devices=devices))
+  *problem, key_block = REALISTIC[name]
+  case, pattern, m = helpers.ring_problem(*problem)
   config = None if key_block is None else xla.Config(key_block=key_block)
   return case, pattern, m, config
 

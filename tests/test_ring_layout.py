@@ -69,17 +69,10 @@ CASES = {
 
 
 def _layout_case(name, monkeypatch):
-  data, seq, per, h, hkv, make, settings, packed = CASES[name]
+  *problem, settings, packed = CASES[name]
   for setting, value in settings.items():
     monkeypatch.setattr(ring_module, setting, value)
-  n = seq * per
-  pattern = make(n)
-  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates,
-                      pattern.offsets, batch=data, head_dim=8)
-  devices = jax.devices()[:data * seq]
-  m = (jax.make_mesh((seq,), ("seq",), axis_types=(AUTO,), devices=devices) if data == 1 else
-       jax.make_mesh((data, seq), ("data", "seq"), axis_types=(AUTO, AUTO), devices=devices))
-  return case, pattern, m, packed
+  return (*helpers.ring_problem(*problem), packed)
 
 
 @pytest.mark.parametrize("name", CASES)
