@@ -512,7 +512,7 @@ def check_layout(layout, mesh, order: TokenOrder) -> str:
 def layout_positions(layout, mesh, seq_axis, n: int):
   """The positions of a sequence's `n` rows in `layout` (`ring.zigzag_positions` over the
   mesh's `seq_axis`), or None in natural order."""
-  if layout == "natural":
+  if layout == "natural" or seq_axis not in mesh.shape:  # (no such axis: `attend` says so)
     return None
   from .ring import zigzag_positions  # pylint: disable=import-outside-toplevel
   return zigzag_positions(n, mesh.shape[seq_axis])
