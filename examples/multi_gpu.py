@@ -3,6 +3,7 @@
 One process over all local devices (CPU default: 8 virtual CPU devices):
   python examples/multi_gpu.py
   python examples/multi_gpu.py --data-parallel 2     # (data=2, seq=4): batch x sequence
+  python examples/multi_gpu.py --causal --layout zigzag   # the sequence kept in zigzag order
 
 One process per GPU under JAX's multi-controller runtime (the same fingerprint, see below):
   for i in 0 1 2 3; do
@@ -83,6 +84,10 @@ def main():
   ap.add_argument("--kv-heads", type=int, default=2)
   ap.add_argument("--head-dim", type=int, default=32)
   ap.add_argument("--causal", action="store_true")
+  ap.add_argument("--layout", default="natural", choices=("natural", "zigzag"),
+                  help="the order of the sequence on the mesh: zigzag, as a data pipeline gives "
+                       "it to a causal model (sharded_dilated_attention's layout); the results "
+                       "are put back in natural order before they are compared")
   ap.add_argument("--data-parallel", type=int, default=1, metavar="D",
                   help="split the devices into a (data=D, seq=devices/D) mesh: the batch (of D "
                        "sequences) over 'data', each sequence over 'seq'")
@@ -132,7 +137,8 @@ def main():
   import jax.numpy as jnp
   from jax.experimental import multihost_utils
 
-  from hilbert_ring_jax import DilatedPattern, dilated_attention
+  from hilbert_ring_jax import (DilatedPattern, dilated_attention, inverse_permutation,
+                                zigzag_positions)
   from hilbert_ring_jax.ring import sharded_dilated_attention
 
   n = args.seq_len
@@ -146,15 +152,20 @@ def main():
   rng = np.random.default_rng(0)
   shapes = [(data, n, args.heads, args.head_dim)] + [(data, n, args.kv_heads, args.head_dim)] * 2
   host = [rng.standard_normal(s).astype(np.float32) for s in shapes + shapes[:1]]
-  # Each process places the slices its devices hold of the same global arrays.
+  # Each process places the slices its devices hold of the same global arrays (in zigzag
+  # order: as the data pipeline of a model that keeps its tokens so would give them).
   dtype = jnp.dtype(args.dtype)
   host = [x.astype(dtype) for x in host]
-  q, k, v, dout = (jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx])
+  order = (zigzag_positions(n, mesh.shape["seq"]) if args.layout == "zigzag" else
+           np.arange(n))
+  q, k, v, dout = (jax.make_array_from_callback(x.shape, sharding,
+                                                lambda idx, x=x: x[:, order][idx])
                    for x in host)
 
   def loss(q, k, v, dout):
     out = sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq",
-                                    batch_axis="data", implementation=args.impl)
+                                    batch_axis="data", implementation=args.impl,
+                                    layout=args.layout)
     return jnp.sum(out * dout), out
 
   grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -171,14 +182,16 @@ def main():
       print(f"process {jax.process_index()}: step {step + 1}/{args.steps} done "
             f"({time.monotonic() - start:.1f} s)", flush=True)
   watchdog.expect("the final gather")
-  results = [multihost_utils.process_allgather(x, tiled=True) for x in (out, *grads)]
+  results = [multihost_utils.process_allgather(x, tiled=True)[:, inverse_permutation(order)]
+             for x in (out, *grads)]  # in natural order
   watchdog.expect(None)
 
   if jax.process_index() == 0:
     print(f"{jax.process_count()} process(es), {jax.device_count()} x "
           f"{jax.devices()[0].device_kind} as (data={data}, seq={jax.device_count() // data}), "
           f"N={n}, pattern {pattern.segment_lengths} x "
-          f"{pattern.dilation_rates}{' causal' if args.causal else ''}, {args.dtype}")
+          f"{pattern.dilation_rates}{' causal' if args.causal else ''}, {args.dtype}, "
+          f"{args.layout} order")
     if args.steps > 1:  # the first step compiles
       print(f"forward+backward: median {np.median(step_ms[1:]):.3f} ms a step over steps "
             f"2-{args.steps}")

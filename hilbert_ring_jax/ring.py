@@ -116,10 +116,12 @@ def _custom_calls_out_of_command_buffers() -> bool:
 
 
 def _gather_limit() -> int:
-  """`GATHER_LIMIT_BYTES`, checked, its default resolved for the default backend's devices."""
+  """`GATHER_LIMIT_BYTES`, checked, its default resolved for the default backend's devices
+  (this process's: another process's device reports no memory, under
+  `jax.distributed.initialize()` a `JaxRuntimeError`)."""
   if GATHER_LIMIT_BYTES is not None:
     return _count("GATHER_LIMIT_BYTES", GATHER_LIMIT_BYTES)
-  memory = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  memory = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
   return 12 << 30 if memory is None else min(12 << 30, memory // 6)
 
 

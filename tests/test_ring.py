@@ -354,7 +354,7 @@ def test_gather_limit_default_follows_device_memory(monkeypatch):
   """`GATHER_LIMIT_BYTES=None`: 12 GiB, or a sixth of what JAX may allocate on a device
   where that is less (none reported, as on CPUs: 12 GiB); a number is taken as it is."""
   def device_with(stats):
-    monkeypatch.setattr(ring_module.jax, "devices",
+    monkeypatch.setattr(ring_module.jax, "local_devices",
                         lambda: [types.SimpleNamespace(memory_stats=lambda: stats)])
 
   monkeypatch.setattr(ring_module, "GATHER_LIMIT_BYTES", None)

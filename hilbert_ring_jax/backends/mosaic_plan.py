@@ -417,7 +417,7 @@ class Work:
     evaluated here on the host), plus one for the item itself."""
     per_batch = self.items // batch  # items of one batch element (the same costs in each)
     try:
-      host = jax.devices("cpu")[0]
+      host = jax.local_devices(backend="cpu")[0]  # this process's (several processes)
     except RuntimeError:  # no CPU backend configured: the default device then
       host = None
     with jax.ensure_compile_time_eval(), jax.default_device(host):
