@@ -515,7 +515,11 @@ def layout_positions(layout, mesh, seq_axis, n: int):
   if layout == "natural" or seq_axis not in mesh.shape:  # (no such axis: `attend` says so)
     return None
   from .ring import zigzag_positions  # pylint: disable=import-outside-toplevel
-  return zigzag_positions(n, mesh.shape[seq_axis])
+  shards = mesh.shape[seq_axis]
+  if n % (2 * shards):
+    raise ValueError(f'layout="zigzag" cuts the sequence into two chunks a device of mesh axis '
+                     f"seq_axis={seq_axis!r}: its {n} tokens must be divisible by {2 * shards}")
+  return zigzag_positions(n, shards)
 
 
 def sown_weights(q, k, lse, pattern, perm, batch: tuple, *, key_mask=None, segment_ids=None,

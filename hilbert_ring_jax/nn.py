@@ -20,13 +20,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .decode import KVCache, init_kv_cache
-from .layers_common import (TokenOrder, apply_dropout, attend, attention_weights,
-                            check_call, check_decodable, check_dropout_rate, check_features,
-                            check_flag, check_heads, check_input_shape, check_layout,
-                            check_mesh_axes, layout_positions, sown_weights,
+from .layers_common import (TokenOrder, apply_dropout, attend, attention_weights, check_call,
+                            check_decodable, check_dropout_rate, check_features, check_flag,
+                            check_heads, check_input_shape, check_layout, check_mesh_axes,
                             check_options, check_rotary_base, checked_init, decode_attend,
-                            decode_positions, key_mask_of, layer_inputs, permute,
-                            resolve_deterministic, rotate, serialize_inputs,
+                            decode_positions, key_mask_of, layer_inputs, layout_positions, permute,
+                            resolve_deterministic, rotate, serialize_inputs, sown_weights,
                             static_implementation, token_ids_of)
 from .pattern import DilatedPattern
 
@@ -103,7 +102,8 @@ class DilatedMultiHeadAttention(nnx.Module):
       `sharded_dilated_attention`'s `heads_axis`): each device computes its heads.
     layout: with `mesh`, the order of the sequence the layer takes and returns: "natural", or
       "zigzag" (`sharded_dilated_attention`'s `layout`: a model that keeps its tokens in
-      `zigzag_positions(N, P)` order spares its causal rings their moves into it and back;
+      `zigzag_positions(N, P)` order spares its causal rings over the whole axis their moves
+      into it and back, while branches that need natural order move there and back;
       `rotary_base` then turns each token by its position there, and `ordering` must be None).
     rngs: `nnx.Rngs` for parameter init; with `dropout_rate > 0` (and `keep_rngs`) it must have
       a `dropout` (or `default`) stream, forked here for the calls.
@@ -413,8 +413,8 @@ class DilatedMultiHeadAttention(nnx.Module):
       positions = decode_positions(cache, xq.shape[1], prefill=prefill,
                                    segment_ids=segment_ids)
     elif positions is None:
-      positions = jnp.arange(xq.shape[1]) if perm is None and rows is None else jnp.asarray(
-          rows if perm is None else perm)
+      order = perm if rows is None else rows  # (an ordering and a zigzag layout exclude each other)
+      positions = jnp.arange(xq.shape[1]) if order is None else jnp.asarray(order)
     q, k = rotate(q, k, self.rotary_base, positions)
     if decode:
       y, cache = decode_attend(q, k, v, cache, self.pattern, prefill=prefill,

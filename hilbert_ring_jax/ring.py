@@ -17,9 +17,9 @@ Each branch `(w, r)` of the pattern runs in one of three ways, chosen on the hos
   ring over the whole axis (non-causal, or causal in zigzag order) gathers its keys at once
   instead, where that fits in `GATHER_LIMIT_BYTES`: one all-gather, its steps as one backend
   call (causal: a second for the diagonal). A ring of small steps (fewer rows a shard than
-  `SMALL_STEP_ROWS`, compact rows counted) keeps natural order: over the whole axis it
-  gathers its keys, causal or not; rotating, it computes its invisible steps and drops them
-  rather than branching around them;
+  `SMALL_STEP_ROWS`, compact rows counted) keeps natural order (unless the shards come in
+  zigzag order: `layout`): over the whole axis it gathers its keys, causal or not; rotating,
+  it computes its invisible steps and drops them rather than branching around them;
 - gather (any other shape): the branch runs on all-gathered inputs (exact, not fast).
 
 Every step is a call to a single-device backend with the global `lse` (the kernel contract),
@@ -58,8 +58,9 @@ GATHER_LIMIT_BYTES: int | None = None
 
 
 # A ring whose steps have fewer rows a shard than this (a compact ring: residue rows) is
-# small: causal, it keeps natural order instead of dealing half-shards out in zigzag order,
-# and over the whole axis gathers its keys at once (memory permitting, `GATHER_LIMIT_BYTES`).
+# small: causal, it keeps natural order instead of dealing half-shards out in zigzag order
+# (unless the shards come in zigzag order, `layout="zigzag"`, where nothing then moves), and
+# over the whole axis gathers its keys at once (memory permitting, `GATHER_LIMIT_BYTES`).
 # Zigzag order balances the causal work over the devices, but costs a transfer of the
 # queries, outputs and (backward) their gradients each way, each a synchronisation of the
 # devices: more than the work it saves in a small step (docs/performance.md, "Small steps").
@@ -164,7 +165,7 @@ def _plans(pattern: DilatedPattern, n: int, shards: int, num_heads: int, per_kv:
   order (which such shards make free of moves, so small ones take it too) and non-causal
   ones (whose keys are all visible at every step, in any order of the shards)."""
   small_rows = _small_step_rows()
-  halves = layout == "zigzag" and n % 2 == 0
+  halves = layout == "zigzag"
   for br in pattern.layout(n * shards, num_heads):
     if not (br.heads or every):  # a head group none of this call's heads is in (`head_offset`)
       continue
@@ -174,10 +175,10 @@ def _plans(pattern: DilatedPattern, n: int, shards: int, num_heads: int, per_kv:
     elif br.w % n == 0 and n % br.r == 0:
       compact = br.per_head and per_kv < br.r and not every
       small = (n // br.r if compact else n) < small_rows
-      whole = halves and br.w == n * shards and (n // 2) % br.r == 0
-      # Zigzag needs half-shards that keep whole residue classes: n / 2 (compact: n / 2r) rows.
-      zigzag = br.causal and (whole or not small and (
-          n // br.r % 2 == 0 if compact else (n // 2) % br.r == 0)) and n % 2 == 0
+      # Zigzag order needs half-shards that keep whole residue classes (compact: n / 2r rows).
+      residues = n % 2 == 0 and (n // 2) % br.r == 0
+      whole = halves and residues and br.w == n * shards
+      zigzag = br.causal and residues and (whole or not small)
       yield _Plan(br, "ring", n, shards, br.w // n, compact, zigzag, small,
                   "zigzag" if whole else "natural")
     else:
@@ -557,9 +558,9 @@ def _merge2(a, b):
 def _kernel_gathered_forward(st, kernel, q, k, v, axis_name):
   """`(o, lse, (k, v) gathered)` of a ring branch that the backend's kernel gathers itself
   (`_RingBranch.gathering_kernel`, whose `(backend, config)` is `kernel`). Causal: q, k and
-  v move into zigzag order first, so that on every device its own keys are `1 / P` of its
-  work, done while the peers' arrive; o and lse move back, the keys gathered stay in that
-  order (`_zigzag_calls` reads them)."""
+  v move into zigzag order first (unless the shards come in it: `plan.layout`), so that on
+  every device its own keys are `1 / P` of its work, done while the peers' arrive; o and lse
+  move back, the keys gathered stay in that order (`_zigzag_calls` reads them)."""
   backend, config = kernel
   plan, causal = st.plan, st.causal
   if causal:
@@ -906,19 +907,12 @@ def _zigzag_backward(st, rows, kv, axis_name):
   return (home(dq), *_together(home, (dk, dv), plan))
 
 
-def _reordered(layout, axis_name, xs, back=False):
-  """The call's arrays `xs` (a pytree of `[B, n, ...]` shards, None leaves kept) from the
-  shards' `layout` into natural order, deferred: a function that moves them once, on its
-  first call, for the plans that run on natural shards (`_Plan.layout`); `back`: the results
-  from natural order into `layout`, now. Zigzag order's moves are `_to_zigzag`'s."""
+def _zigzag_moves(axis_name, xs, to_natural: bool):
+  """The call's arrays `xs` (a pytree of `[B, n, ...]` shards, None leaves kept) moved from
+  zigzag order into natural order (`to_natural`), or back: `_to_zigzag` over the whole axis."""
   shards = jax.lax.axis_size(axis_name)
   whole = lambda x: _Plan(None, "ring", x.shape[1], shards, shards)  # a ring over the axis
-  move = lambda inverse: jax.tree.map(lambda x: _to_zigzag(x, whole(x), axis_name, inverse), xs)
-
-  if back:
-    return move(False)
-  moved = []
-  return lambda: moved[0] if moved else moved.append(move(True)) or moved[0]
+  return jax.tree.map(lambda x: _to_zigzag(x, whole(x), axis_name, inverse=to_natural), xs)
 
 
 def _gather(x, axis_name):
@@ -994,7 +988,10 @@ class _Ring:
     outs, lses, saved = [], [], []
     pairs = self._branches(q, k, segment_ids is not None)
     given = (q, k, v, segment_ids)
-    natural = _reordered(self.layout, axis_name, given)
+    # Plans of natural order on shards in zigzag order: their inputs moved there once, their
+    # partials merged, then moved back once.
+    natural = functools.cache(lambda: _zigzag_moves(axis_name, given, to_natural=True))
+    moved_outs, moved_lses = [], []
     for plan, st in pairs:
       kernel = None
       q, k, v, segment_ids = given if plan.layout == self.layout else natural()
@@ -1014,11 +1011,14 @@ class _Ring:
           o = st.unquery(o, q)
           lse = jnp.where(st.covered(num_heads),
                           st.unquery(lse[..., None], q[..., :1])[..., 0], -jnp.inf)
-      if plan.layout != self.layout:
-        o, lse = _reordered(self.layout, axis_name, (o, lse), back=True)
-      outs.append(o)
-      lses.append(lse)
+      moved = plan.layout != self.layout
+      (moved_outs if moved else outs).append(o)
+      (moved_lses if moved else lses).append(lse)
       saved.append(gathered if kernel else None)
+    if moved_outs:
+      partial = merge(moved_outs, moved_lses)
+      outs, lses = (x + [y] for x, y in zip(
+          (outs, lses), _zigzag_moves(axis_name, partial, to_natural=False)))
     out, lse = merge(outs, lses)
     return (out, lse, tuple(saved)) if save else (out, lse)
 
@@ -1028,7 +1028,9 @@ class _Ring:
     grads = None
     pairs = self._branches(q, k, segment_ids is not None)
     given = (q, k, v, dout, lse, delta, segment_ids)
-    natural = _reordered(self.layout, axis_name, given)
+    natural = functools.cache(lambda: _zigzag_moves(axis_name, given, to_natural=True))
+    add = lambda a, b: b if a is None else tuple(x.astype(acc) + y for x, y in zip(a, b))
+    moved = None  # the gradients of the plans run in natural order, summed, then moved once
     for i, (plan, st) in enumerate(pairs):
       q, k, v, dout, lse, delta, segment_ids = (given if plan.layout == self.layout
                                                 else natural())
@@ -1045,8 +1047,11 @@ class _Ring:
                                     None if saved is None else saved[i])
         g = (st.unquery(gq, q), st.unkey(gk, k), st.unkey(gv, v))
       if plan.layout != self.layout:
-        g = _reordered(self.layout, axis_name, g, back=True)
-      grads = g if grads is None else tuple(a.astype(acc) + b for a, b in zip(grads, g))
+        moved = add(moved, g)
+      else:
+        grads = add(grads, g)
+    if moved is not None:
+      grads = add(grads, _zigzag_moves(axis_name, moved, to_natural=False))
     return grads
 
 
@@ -1097,7 +1102,8 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
   shard of the output of `dilated_attention` on the whole sequence, with exact gradients.
   Keys and values travel only for branches whose segments span shards (see the module
   docstring); queries and outputs stay on their device, except that a causal zigzag branch
-  trades half-shards once each way and the gather fallback all-gathers its inputs. Each
+  trades half-shards once each way, the gather fallback all-gathers its inputs, and on
+  shards in zigzag order the branches that need natural order move there and back. Each
   branch's steps use the backend `dilated_attention` would pick for them (`implementation`
   and `config` as there). `segment_ids` (packed sequences, as in `dilated_attention`): this
   shard's `[B, N / P]` document ids; the keys' ids travel with the keys. Where the
@@ -1111,7 +1117,9 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
   zigzag order: given it, the ring skips moving the queries, keys and values there and the
   output back, each a wait on the peers (full causal attention on 2 x H200 at 8K tokens a
   GPU: docs/ring.md). Branches that need natural order (local segments longer than half a
-  shard, rings over part of the axis) move their shards there and back.
+  shard, rings over part of the axis, whole rings whose rate does not divide half a shard,
+  the gather fallback) move their shards there and back, once for all of them: a pattern
+  with such branches may run slower in zigzag order (causal LongNet at 8K tokens a GPU).
 
   Example:
     >>> from hilbert_ring_jax import DilatedPattern, dilated_attention

@@ -164,16 +164,19 @@ def _ring_case(monkeypatch, name, calls, layout="natural"):
   return ring, single, helpers.random_inputs(case, jnp.float32, 5)
 
 
+@pytest.mark.parametrize("layout", ["natural", "zigzag"])
 @pytest.mark.parametrize("name", ROUTES)
-def test_rings_take_the_kernel_only_where_it_applies(monkeypatch, name):
+def test_rings_take_the_kernel_only_where_it_applies(monkeypatch, name, layout):
   """With `KERNEL_GATHER` set, a whole ring of plain full attention, the call's only branch,
   non-causal or causal in zigzag order, runs as the backend's gathering kernel; causal in
   natural order (small), dilated or one branch of several, the ring runs as before (traced
-  only: the next test computes)."""
+  only: the next test computes). On zigzag shards a small causal ring takes zigzag order, so
+  the kernel too."""
   calls = []
-  ring, _, (q, k, v, _, _) = _ring_case(monkeypatch, name, calls)
+  ring, _, (q, k, v, _, _) = _ring_case(monkeypatch, name, calls, layout)
   jax.make_jaxpr(ring)(q, k, v)
-  expected = {"full_gqa": {(8, False)}, "full_causal": {(8, True)}}
+  expected = {"full_gqa": {(8, False)}, "full_causal": {(8, True)},
+              **({"full_causal_small": {(8, True)}} if layout == "zigzag" else {})}
   assert set(calls) == expected.get(name, set())
 
 

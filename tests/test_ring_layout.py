@@ -57,10 +57,13 @@ CASES = {
     "full_causal_rotating": (1, 4, 1024, 2, 1, lambda n: DilatedPattern((n,), (1,),
                                                                         causal=True),
                              {"GATHER_LIMIT_BYTES": 0}, False),
-    # Packed: local segments within half-shards (as they are) and of a whole shard (moved into
-    # natural order, with the sub-ring of 2 shards), a compact whole ring (as it is, small).
+    # Packed: local segments, one of them a whole shard, so that their one call moves into
+    # natural order (with the sub-ring of 2 shards), and a compact whole ring (as it is, small).
     "longnet_causal_packed": (1, 4, 1024, 2, 2, lambda n: DilatedPattern(
         (512, 1024, 2048, n), (1, 1, 2, 4), causal=True), {}, True),
+    # Local segments all within half-shards: their one call on the shards as they are.
+    "locals_within_halves": (1, 4, 1024, 2, 2, lambda n: DilatedPattern(
+        (256, 512, n), (1, 2, 4), causal=True), {}, False),
     # Data x sequence: non-causal, the whole ring dilated (as it is) beside the gather
     # fallback (moved).
     "data2_seq4_gather": (2, 4, 512, 2, 1, lambda n: DilatedPattern((768, n), (1, 2)), {},
@@ -86,7 +89,8 @@ def test_zigzag_layout_equals_one_device(monkeypatch, name):
   plans = list(ring_module._plans(pattern, case.n // seq, seq, case.heads,
                                   case.heads // case.kv_heads, layout="zigzag"))
   as_given = {plan.layout == "zigzag" for plan in plans}
-  assert as_given == ({True} if name.startswith("full") else {True, False})
+  assert as_given == ({True} if name in ("full_causal", "full_causal_rotating",
+                                         "locals_within_halves") else {True, False})
   perm = zigzag_positions(case.n, seq)
   back = inverse_permutation(perm)
   ids = (jnp.asarray(np.random.default_rng(3).integers(0, 3, (case.batch, case.n)).cumsum(1),
@@ -104,6 +108,51 @@ def test_zigzag_layout_equals_one_device(monkeypatch, name):
   single = lambda q, k, v: dilated_attention(q, k, v, pattern, segment_ids=ids,
                                              return_lse=True)
   inputs = helpers.random_inputs(case, jnp.float32, 31)
+  helpers.assert_same_results(helpers.results_with_grads(jax.jit(ring), inputs),
+                              helpers.results_with_grads(jax.jit(single), inputs))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_plans_in_natural_order_move_once(monkeypatch, name):
+  """The plans that run in natural order share one move of the inputs there and one move of
+  their merged results back (forward: o and lse; backward: the summed gradients); a call whose
+  plans all run on the shards as they are (the local branches' one call included) moves
+  nothing."""
+  case, pattern, m, packed = _layout_case(name, monkeypatch)
+  moves = []
+  real = ring_module._zigzag_moves  # pylint: disable=protected-access
+  monkeypatch.setattr(ring_module, "_zigzag_moves", lambda axis_name, xs, to_natural: (
+      moves.append(to_natural), real(axis_name, xs, to_natural))[1])
+  ids = jnp.zeros((case.batch, case.n), jnp.int32) if packed else None
+  call = lambda q, k, v: sharded_dilated_attention(
+      q, k, v, pattern, mesh=m, axis_name="seq", batch_axis="data" if "data" in m.shape else None,
+      segment_ids=ids, layout="zigzag").sum()
+  q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 1)
+  jax.make_jaxpr(jax.grad(call, (0, 1, 2)))(q, k, v)
+  # Each traced pass (the forward, traced twice under `grad`, and the backward) moves in once
+  # and back once: two plans run in natural order in "longnet_causal_packed", one in the other.
+  natural = name in ("longnet_causal_packed", "data2_seq4_gather")
+  assert moves == ([True, False] * 3 if natural else []), moves
+
+
+def test_zigzag_layout_with_head_shards():
+  """Heads split over a mesh axis whose shards read other residues (`heads_axis`, a switch
+  between the collectives): a local branch within half-shards and a compact whole causal ring
+  on zigzag shards, outputs, lse and gradients."""
+  pattern = DilatedPattern((64, 512), (1, 4), causal=True)
+  case = helpers.Case(512, 4, 4, pattern.segment_lengths, pattern.dilation_rates, head_dim=8)
+  m = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(AUTO, AUTO))
+  perm = zigzag_positions(512, 4)
+  back = inverse_permutation(perm)
+
+  def ring(q, k, v):
+    out, lse = sharded_dilated_attention(q[:, perm], k[:, perm], v[:, perm], pattern, mesh=m,
+                                         axis_name="seq", heads_axis="model", return_lse=True,
+                                         layout="zigzag")
+    return out[:, back], lse[:, back]
+
+  single = lambda q, k, v: dilated_attention(q, k, v, pattern, return_lse=True)
+  inputs = helpers.random_inputs(case, jnp.float32, 32)
   helpers.assert_same_results(helpers.results_with_grads(jax.jit(ring), inputs),
                               helpers.results_with_grads(jax.jit(single), inputs))
 
