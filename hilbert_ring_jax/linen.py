@@ -188,8 +188,8 @@ class DilatedMultiHeadAttention(nn.Module):
       positions = decode_positions(cache, xq.shape[1], prefill=prefill,
                                    segment_ids=segment_ids)
     elif positions is None:
-      order = perm if rows is None else rows  # (an ordering and a zigzag layout exclude each other)
-      positions = jnp.arange(xq.shape[1]) if order is None else jnp.asarray(order)
+      held = perm if rows is None else rows  # (an ordering and a zigzag layout exclude each other)
+      positions = jnp.arange(xq.shape[1]) if held is None else jnp.asarray(held)
     q, k = rotate(q, k, rotary_base, positions)
     # [B, N, H, D]
     if decoding:

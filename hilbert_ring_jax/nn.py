@@ -413,8 +413,8 @@ class DilatedMultiHeadAttention(nnx.Module):
       positions = decode_positions(cache, xq.shape[1], prefill=prefill,
                                    segment_ids=segment_ids)
     elif positions is None:
-      order = perm if rows is None else rows  # (an ordering and a zigzag layout exclude each other)
-      positions = jnp.arange(xq.shape[1]) if order is None else jnp.asarray(order)
+      held = perm if rows is None else rows  # (an ordering and a zigzag layout exclude each other)
+      positions = jnp.arange(xq.shape[1]) if held is None else jnp.asarray(held)
     q, k = rotate(q, k, self.rotary_base, positions)
     if decode:
       y, cache = decode_attend(q, k, v, cache, self.pattern, prefill=prefill,
