@@ -17,9 +17,10 @@ Each branch `(w, r)` of the pattern runs in one of three ways, chosen on the hos
   ring over the whole axis (non-causal, or causal in zigzag order) gathers its keys at once
   instead, where that fits in `GATHER_LIMIT_BYTES`: one all-gather, its steps as one backend
   call (causal: a second for the diagonal). A ring of small steps (fewer rows a shard than
-  `SMALL_STEP_ROWS`, compact rows counted) keeps natural order (unless the shards come in
-  zigzag order: `layout`): over the whole axis it gathers its keys, causal or not; rotating,
-  it computes its invisible steps and drops them rather than branching around them;
+  `SMALL_STEP_ROWS`, compact rows counted) keeps natural order (on shards given in zigzag
+  order a whole causal ring takes zigzag order: `_plans`): over the whole axis it gathers its
+  keys, causal or not; rotating, it computes its invisible steps and drops them rather than
+  branching around them;
 - gather (any other shape): the branch runs on all-gathered inputs (exact, not fast).
 
 Every step is a call to a single-device backend with the global `lse` (the kernel contract),
@@ -59,7 +60,8 @@ GATHER_LIMIT_BYTES: int | None = None
 
 # A ring whose steps have fewer rows a shard than this (a compact ring: residue rows) is
 # small: causal, it keeps natural order instead of dealing half-shards out in zigzag order
-# (unless the shards come in zigzag order, `layout="zigzag"`, where nothing then moves), and
+# (but a whole ring on shards given in zigzag order, `layout="zigzag"`, takes it where its
+# half-shards keep whole residue classes: nothing then moves), and
 # over the whole axis gathers its keys at once (memory permitting, `GATHER_LIMIT_BYTES`).
 # Zigzag order balances the causal work over the devices, but costs a transfer of the
 # queries, outputs and (backward) their gradients each way, each a synchronisation of the
@@ -1119,7 +1121,8 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
   GPU: docs/ring.md). Branches that need natural order (local segments longer than half a
   shard, rings over part of the axis, whole rings whose rate does not divide half a shard,
   the gather fallback) move their shards there and back, once for all of them: a pattern
-  with such branches may run slower in zigzag order (causal LongNet at 8K tokens a GPU).
+  with such branches may run slower in zigzag order (causal LongNet at 8K tokens a GPU, whose
+  local call holds a branch of whole shards).
 
   Example:
     >>> from hilbert_ring_jax import DilatedPattern, dilated_attention
