@@ -180,8 +180,9 @@ def test_rings_take_the_kernel_only_where_it_applies(monkeypatch, name, layout):
   assert set(calls) == expected.get(name, set())
 
 
-@pytest.mark.parametrize("name,layout", [("full_gqa", "natural"), ("full_causal", "natural"),
-                                         ("full_gqa", "zigzag"), ("full_causal", "zigzag")])
+@pytest.mark.parametrize("name,layout", [
+    ("full_gqa", "natural"), ("full_causal", "natural"), ("full_causal", "zigzag"),
+    pytest.param("full_gqa", "zigzag", marks=pytest.mark.slow)])  # (order-free: -m slow)
 def test_a_ring_through_the_kernel_equals_one_device(monkeypatch, name, layout):
   """The kernel's partials go back into the ring's layout (lse per row and head; causal: out
   of zigzag order, unless the shards came in it) and its backward, on the keys the kernel

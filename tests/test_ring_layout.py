@@ -144,6 +144,7 @@ def test_plans_in_natural_order_move_once(monkeypatch, name):
     assert moves == [], moves
 
 
+@pytest.mark.slow  # ~9 s; test_tensor_parallel runs the switch in natural order by default
 def test_zigzag_layout_with_head_shards():
   """Heads split over a mesh axis whose shards read other residues (`heads_axis`, a switch
   between the collectives): a local branch of whole shards (moved into natural order and
