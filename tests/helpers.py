@@ -1,13 +1,14 @@
 """Shared checks: one configuration run through an implementation and the float64 reference."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import reference_np
-from hilbert_ring_jax import DilatedPattern, dilated_attention
+from hilbert_ring_jax import DilatedPattern, dilated_attention, sharded_dilated_attention
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
@@ -203,3 +204,20 @@ def ring_problem(data, seq, per, heads, kv_heads, make):
           else jax.make_mesh((data, seq), ("data", "seq"), axis_types=(auto, auto),
                              devices=devices))
   return case, pattern, mesh
+
+
+def ring_collectives(pattern, p=4, n=64, h=2, hkv=2, grad=False, layout="natural"):
+  """`(shape, kind)` of the result of every collective in the ring program over `p` CPU
+  devices (`n` tokens in all; `grad`: its forward and backward), as lowered: every move the
+  ring makes, before XLA's passes, which only merge or drop moves (a backward's with the
+  forward's), a second a program instead of several."""
+  x = jax.ShapeDtypeStruct((1, n, h, 16), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, n, hkv, 16), jnp.float32)
+  mesh = jax.make_mesh((p,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:p])
+  call = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh,
+                                                   axis_name="seq", layout=layout)
+  f = jax.grad(lambda *a: call(*a).sum(), (0, 1, 2)) if grad else call
+  hlo = jax.jit(f).lower(x, kv, kv).as_text(dialect="hlo")
+  return re.findall(r"= (\S+) (collective-permute|all-gather|all-reduce|all-to-all|"
+                    r"reduce-scatter)(?:-start)?\(", hlo)

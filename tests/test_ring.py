@@ -153,18 +153,7 @@ def test_bf16_local_partial_merges_with_the_rings(monkeypatch):
   assert ("bfloat16", "float32", "float32") in merged, merged  # the call's merge
 
 
-def _collectives(pattern, p=4, n=64, h=2, hkv=2, grad=False):
-  """Shapes of the results of every collective in the ring program (`grad`: its forward and
-  backward), as lowered: every move the ring makes, before XLA's passes, which only merge
-  or drop moves (a backward's with the forward's), a second a program instead of several."""
-  x = jax.ShapeDtypeStruct((1, n, h, 16), jnp.float32)
-  kv = jax.ShapeDtypeStruct((1, n, hkv, 16), jnp.float32)
-  call = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=mesh(p),
-                                                   axis_name="seq")
-  f = jax.grad(lambda *a: call(*a).sum(), (0, 1, 2)) if grad else call
-  hlo = jax.jit(f).lower(x, kv, kv).as_text(dialect="hlo")
-  return re.findall(r"= (\S+) (collective-permute|all-gather|all-reduce|all-to-all|"
-                    r"reduce-scatter)(?:-start)?\(", hlo)
+_collectives = helpers.ring_collectives
 
 
 def test_local_patterns_send_nothing():

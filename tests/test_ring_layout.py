@@ -187,17 +187,11 @@ def test_zigzag_layout_in_bf16():
     assert helpers.rel_err(g, np.asarray(ref, np.float64)[:, perm]) < helpers.TOL[jnp.bfloat16]
 
 
-def _collectives(pattern, layout, p=4, n=32):
-  """`(shape, kind)` of every collective of the ring's forward and backward, as lowered."""
-  x = jax.ShapeDtypeStruct((1, p * n, 2, 16), jnp.float32)
-  m = jax.make_mesh((p,), ("seq",), axis_types=(AUTO,), devices=jax.devices()[:p])
-  call = lambda q, k, v: sharded_dilated_attention(q, k, v, pattern, mesh=m, axis_name="seq",
-                                                   layout=layout)
-  hlo = jax.jit(jax.grad(lambda *a: call(*a).sum(), (0, 1, 2))).lower(x, x, x).as_text(
-      dialect="hlo")
-  return sorted((re.sub(r"\{.*\}", "", shape), kind) for shape, kind in re.findall(
-      r"= (\S+) (collective-permute|all-gather|all-reduce|all-to-all|reduce-scatter)"
-      r"(?:-start)?\(", hlo))
+def _collectives(pattern, layout):
+  """`(shape, kind)` of the collectives of the ring's forward and backward over 4 shards of
+  32, as lowered, sorted."""
+  return sorted((re.sub(r"\{.*\}", "", shape), kind) for shape, kind in
+                helpers.ring_collectives(pattern, n=128, grad=True, layout=layout))
 
 
 def test_a_whole_causal_ring_on_zigzag_shards_moves_only_keys(monkeypatch):
