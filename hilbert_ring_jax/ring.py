@@ -212,13 +212,14 @@ def _rotation(plan: _Plan, hop: int, shift: bool = False):
   return pairs
 
 
-def _together(fn, xs, plan: _Plan):
+def _together(fn, xs, plan: _Plan, join=None):
   """`fn` (a collective) over each of the arrays `xs`: `(k, v[, kv_ids])` or `(dk, dv)`. A
-  compact ring moves the first two as one buffer, joined along the head dim: one collective
-  for both instead of two, each a wait for the peers (docs/performance.md, "Keys and values
-  in one buffer"). Its compaction copies them anyway; other rings' are the inputs, whose
-  copy would cost more than the collective saves."""
-  if not plan.compact:
+  compact ring (or `join`) moves the first two as one buffer, joined along the head dim: one
+  collective for both instead of two, each a wait for the peers (docs/performance.md, "Keys
+  and values in one buffer"). Its compaction copies them anyway, as the fusion that makes a
+  zigzag ring's dk and dv does (`join`); other rings' are the inputs, whose copy would cost
+  more than the collective saves."""
+  if not (plan.compact if join is None else join):
     return tuple(fn(x) for x in xs)
   d = xs[0].shape[-1]
   both = fn(jnp.concatenate(xs[:2], axis=-1))
@@ -640,12 +641,12 @@ def _repeat_rows(x, count):
   return None if x is None else jnp.repeat(x, count, axis=0)
 
 
-def _home(grads, plan: _Plan, axis_name):
+def _home(grads, plan: _Plan, axis_name, join=None):
   """`(dk, dv)` by key block of the whole axis, `[B, blocks, n', ...]` each, added up over the
   devices, each device's own shard of them: one reduce-scatter (for both, `_together`)."""
   scatter = lambda g: jax.lax.psum_scatter(g.reshape(g.shape[0], -1, *g.shape[3:]), axis_name,
                                            scatter_dimension=1, tiled=True)
-  return _together(scatter, grads, plan)
+  return _together(scatter, grads, plan, join)
 
 
 def _natural_blocks(st, kv, axis_name, gathered=None):
@@ -712,31 +713,54 @@ def _zigzag_calls(st, rows, qi, kv, axis_name, gathered=None):
   lse, delta)`, in the step layout; `qi`: their ids or None; `kv`: `(k, v[, kv_ids])`;
   `gathered`: None, or `(k, v)` already gathered in zigzag order (`_kernel_gathered_forward`:
   device `d`'s chunks `d, 2P - 1 - d` at blocks `2d, 2d + 1`), as the keys of shards in
-  zigzag order gather (`plan.layout`). Returns `(pairs, diagonal, early, index, own)`: each
-  call's `(rows[, ids], keys)`, whether each pair's queries are the early chunk, and where in
-  the call's order of the keys (natural, or that of its shards) each pair's key chunk lies
-  (natural chunk `t` if early, else `t - j`) and the diagonal's two: the key gradients' blocks."""
+  zigzag order gather (`plan.layout`). Returns `(pairs, diagonal, early)`: each call's
+  `(rows[, ids], keys)`, and whether each pair's queries are the early chunk (pair `t` holds
+  natural key chunk `t` if early, else `t - j`; `_by_key_chunk`)."""
   shards = st.plan.shards
   j = jax.lax.axis_index(axis_name)
   t = jnp.arange(2 * shards - 1)
   early = t < j
   index, own = jnp.where(early, t, t - j), jnp.stack([j, 2 * shards - 1 - j])
-  halves = [_halves(_to_zigzag(x, st.plan, axis_name))[0]
-            for x in (*rows, qi) if x is not None]  # (early, late) chunks
+  zigzag = [_to_zigzag(x, st.plan, axis_name) for x in (*rows, qi) if x is not None]
+  halves = [_halves(x)[0] for x in zigzag]  # (early, late) chunks
   if gathered is None:
     chunks = _together(lambda x: _blocks(_gather(x, axis_name), 2 * shards), kv, st.plan)
   else:
     chunks = [_blocks(x, 2 * shards) for x in gathered]
   zig = lambda c: jnp.where(c < shards, 2 * c, 4 * shards - 1 - 2 * c)  # natural chunk c's block
   at = zig if gathered is not None or st.plan.layout == "zigzag" else lambda c: c
-  home = zig if st.plan.layout == "zigzag" else lambda c: c
   pick = lambda a, b: jnp.where(early.reshape((1, -1) + (1,) * (a.ndim - 1)), a[:, None],
                                 b[:, None])
   pairs = ([_fold(pick(a, b)) for a, b in halves],
            [_fold(jnp.take(x, at(index), axis=1)) for x in chunks])
-  diagonal = ([_fold(jnp.stack([a, b], axis=1)) for a, b in halves],
+  # The diagonal's rows are each device's two chunks, as are its keys on zigzag shards: no copy.
+  diagonal = ([_fold(_blocks(x, 2)) for x in zigzag],
+              [_fold(_blocks(x, 2)) for x in kv] if st.plan.layout == "zigzag" else
               [_fold(jnp.take(x, at(own), axis=1)) for x in chunks])
-  return pairs, diagonal, early, home(index), home(own)
+  return pairs, diagonal, early
+
+
+def _by_key_chunk(g, plan: _Plan, axis_name, d=None):
+  """dk or dv of `_zigzag_calls`' pairs call, `[B, 2P - 1, n', ...]`, added up by key chunk
+  into `[B, 2P, n', ...]` in the order of the shards' keys (natural, or zigzag: `plan.layout`),
+  with the diagonal call's `d` (`[B, 2, n', ...]`, this device's chunks `j` and `2P - 1 - j`)
+  where given. Natural chunk `c` is the key chunk of pair `c` if `c < j` (early queries) and
+  of pair `c + j` if `c + j <= 2P - 2` (late queries): each block gathers its at most two
+  pairs (one elementwise pass; a scatter-add into zeros took three on the H200)."""
+  shards = plan.shards
+  j = jax.lax.axis_index(axis_name)
+  blocks = np.arange(2 * shards)
+  chunk = (np.where(blocks % 2 == 0, blocks // 2, (4 * shards - 1 - blocks) // 2)
+           if plan.layout == "zigzag" else blocks)  # each block's natural chunk, static
+  last = 2 * shards - 2
+  shape = lambda keep: keep.reshape((1, -1) + (1,) * (g.ndim - 2))
+  pick = lambda x, t, keep: jnp.where(shape(keep), jnp.take(x, jnp.minimum(t, last), axis=1),
+                                      0.0)
+  total = pick(g, chunk, chunk < j) + pick(g, chunk + j, chunk + j <= last)
+  if d is None:
+    return total
+  mine = (chunk == j) | (chunk == 2 * shards - 1 - j)
+  return total + pick(d, jnp.where(chunk == j, 0, 1), mine)
 
 
 def _folded_call(fn, rows_keys, causal, batch, has_ids):
@@ -752,7 +776,7 @@ def _gathered_zigzag_forward(st, qs, qi, kv, axis_name):
   """`_zigzag_forward` of a branch that `_gathers` (`_zigzag_calls`); each query chunk
   merges its pairs' partials (the other chunk's masked out) with its diagonal one."""
   plan, shards = st.plan, st.plan.shards
-  pairs, diagonal, early, _, _ = _zigzag_calls(st, (qs,), qi, kv, axis_name)
+  pairs, diagonal, early = _zigzag_calls(st, (qs,), qi, kv, axis_name)
   (o, lse), (do, dlse) = (_folded_call(st.forward, x, causal, qs.shape[0], qi is not None)
                           for x, causal in ((pairs, False), (diagonal, True)))
   merged = lambda keep, i: merge(
@@ -770,21 +794,17 @@ def _gathered_zigzag_backward(st, rows, qi, kv, axis_name, gathered=None):
   (`plan.layout`) the diagonal's keys are the device's own: its dk, dv join after the
   reduce-scatter, which then waits only for the pairs' call."""
   plan, b = st.plan, rows[0].shape[0]
-  pairs, diagonal, early, index, own = _zigzag_calls(st, rows, qi, kv, axis_name, gathered)
+  pairs, diagonal, early = _zigzag_calls(st, rows, qi, kv, axis_name, gathered)
   call = lambda x, causal: _folded_call(st.backward, x, causal, b, qi is not None)
   dq, dk, dv = call(pairs, False)
-
-  def by_key_chunk(g, d=None):
-    total = jnp.zeros((b, 2 * plan.shards) + g.shape[2:], g.dtype).at[:, index].add(g)
-    return total if d is None else total.at[:, own].add(d)
-
+  sums = lambda *d: [_by_key_chunk(g, plan, axis_name, *x) for g, *x in zip((dk, dv), *d)]
   if plan.layout == "zigzag":
-    dk, dv = _home((by_key_chunk(dk), by_key_chunk(dv)), plan, axis_name)
+    dk, dv = _home(sums(), plan, axis_name, join=True)
     ddq, ddk, ddv = call(diagonal, True)
     dk, dv = (g + d.reshape(g.shape) for g, d in ((dk, ddk), (dv, ddv)))
   else:
     ddq, ddk, ddv = call(diagonal, True)
-    dk, dv = _home((by_key_chunk(dk, ddk), by_key_chunk(dv, ddv)), plan, axis_name)
+    dk, dv = _home(sums((ddk, ddv)), plan, axis_name, join=True)
   mine = lambda keep: jnp.sum(jnp.where(keep.reshape((1, -1) + (1,) * (dq.ndim - 2)), dq, 0.0),
                               axis=1)
   dq = jnp.concatenate([mine(early) + ddq[:, 0], mine(~early) + ddq[:, 1]], axis=1)

@@ -198,15 +198,15 @@ def test_a_whole_causal_ring_on_zigzag_shards_moves_only_keys(monkeypatch):
   """Full causal attention over 4 shards of 32, gathered: in natural order the queries, keys,
   values, outputs and the backward's rows move into zigzag order and back (collective
   permutes of half-shards); on shards in zigzag order only the keys' all-gathers (the
-  forward's and the backward's, as lowered) and their gradients' reduce-scatter remain (small
-  rings take zigzag order there too)."""
+  forward's and the backward's, as lowered) and their gradients' one reduce-scatter (dk and dv
+  joined along the head dim) remain (small rings take zigzag order there too)."""
   pattern = DilatedPattern((128,), (1,), causal=True)
   monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 0)  # natural order's rings in zigzag
   natural = _collectives(pattern, "natural")
   assert ("f32[1,16,2,16]", "collective-permute") in natural
   monkeypatch.setattr(ring_module, "SMALL_STEP_ROWS", 4096)
   assert _collectives(pattern, "zigzag") == [
-      ("f32[1,128,2,16]", "all-gather")] * 4 + [("f32[1,32,2,16]", "reduce-scatter")] * 2
+      ("f32[1,128,2,16]", "all-gather")] * 4 + [("f32[1,32,2,32]", "reduce-scatter")]
 
 
 def test_layers_on_zigzag_shards():
