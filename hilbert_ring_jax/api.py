@@ -104,6 +104,13 @@ def check_flag(name: str, value) -> bool:
   return value
 
 
+def check_layout_name(layout) -> str:
+  """`layout`, the order of a sequence's shards over a mesh: "natural" or "zigzag"."""
+  if layout not in ("natural", "zigzag"):
+    raise ValueError(f'layout must be "natural" or "zigzag", got layout={layout!r}')
+  return layout
+
+
 def check_scale(scale, head_dim: int) -> float:
   """`scale` as a float: None (`head_dim ** -0.5`), a number or a concrete 0-d array; a
   static argument, so a traced one is refused (`ValueError`)."""

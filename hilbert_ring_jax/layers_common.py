@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .api import check_scale, dilated_attention
+from .api import check_layout_name, check_scale, dilated_attention
 from .decode import KVCache, dilated_attention_prefill, dilated_attention_step, document_starts
 from .ordering import (check_perm, hilbert_permutation, hilbert_permutation_per_segment,
                        inverse_permutation, serialize, unserialize)
@@ -499,9 +499,7 @@ def check_layout(layout, mesh, order: TokenOrder) -> str:
   """A layer's `layout`: "natural", or "zigzag" (the sequence in zigzag order over the mesh's
   `seq_axis`, as `ring.sharded_dilated_attention` takes it), which needs a mesh and takes the
   tokens as given (no ordering)."""
-  if layout not in ("natural", "zigzag"):
-    raise ValueError(f'layout must be "natural" or "zigzag", got layout={layout!r}')
-  if layout == "zigzag" and mesh is None:
+  if check_layout_name(layout) == "zigzag" and mesh is None:
     raise ValueError('layout="zigzag" is the order of the shards of a mesh: it needs mesh=')
   if layout == "zigzag" and order.kind is not None:
     raise ValueError(f'layout="zigzag" takes the tokens in zigzag order as they are: it needs '

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import backends
-from .api import (check_flag, check_inputs, check_scale, check_segment_ids, head_shard_kind,
-                  on_head_shards)
+from .api import (check_flag, check_inputs, check_layout_name, check_scale, check_segment_ids,
+                  head_shard_kind, on_head_shards)
 from .merge import merge
 from .pattern import Branch, DilatedPattern, heads_per_kv
 
@@ -1106,9 +1106,7 @@ def zigzag_positions(n: int, shards: int) -> np.ndarray:
 
 def _check_layout(layout, n: int) -> str:
   """`layout` ("natural" or "zigzag") checked against the shard length `n`."""
-  if layout not in ("natural", "zigzag"):
-    raise ValueError(f'layout must be "natural" or "zigzag", got layout={layout!r}')
-  if layout == "zigzag" and n % 2:
+  if check_layout_name(layout) == "zigzag" and n % 2:
     raise ValueError(f'layout="zigzag" holds two half-shards a device: the shard length {n} '
                      f"must be even")
   return layout
