@@ -171,10 +171,10 @@ def test_ring_with_heads_axis_and_head_groups_in_16_bits(dtype):
   """The rings above in 16 bits: on the shard none of whose heads is in the local branch, that
   branch's empty step returns its zeros in the dtype the other shard's backend returns (a
   `lax.switch` needs equal types); outputs, lse and gradients against the float64
-  reference."""
-  pattern = DilatedPattern((512, 2048, 4096), (1, 2, 4), causal=True, head_groups=True)
+  reference (at half the length: shards of 512 rows, the same plans)."""
+  pattern = DilatedPattern((256, 1024, 2048), (1, 2, 4), causal=True, head_groups=True)
   ring = _ring_over_model_and_seq(pattern)
-  case = helpers.Case(4096, 8, 2, pattern.segment_lengths, pattern.dilation_rates,
+  case = helpers.Case(2048, 8, 2, pattern.segment_lengths, pattern.dilation_rates,
                       head_groups=True)
   inputs = helpers.random_inputs(case, dtype, 5)
   (out, lse), grads = helpers.with_grads(ring)(*inputs[:3], tuple(inputs[3:]))
