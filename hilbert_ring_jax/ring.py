@@ -746,7 +746,7 @@ def _by_key_chunk(g, plan: _Plan, axis_name, d=None):
   with the diagonal call's `d` (`[B, 2, n', ...]`, this device's chunks `j` and `2P - 1 - j`)
   where given. Natural chunk `c` is the key chunk of pair `c` if `c < j` (early queries) and
   of pair `c + j` if `c + j <= 2P - 2` (late queries): each block gathers its at most two
-  pairs (one elementwise pass; a scatter-add into zeros took three on the H200)."""
+  pairs, one elementwise pass rather than a scatter-add into zeros."""
   shards = plan.shards
   j = jax.lax.axis_index(axis_name)
   blocks = np.arange(2 * shards)
