@@ -134,6 +134,13 @@ for stage in "$@"; do
                   --passes fwd,fwdbwd --per-gpu 8192,32768 --set KERNEL_GATHER=True --rounds 5 \
                   --json "$OUT/causal_kernel_gather_ab.json" 2>&1 | \
                   grep -v "^W1\|^I1\|bfc_allocator" ;;
+    ring-zigzag-causal|ring-zigzag-causal-fwdbwd)  # performance.md's zigzag tables: natural
+                  # against zigzag shards, each with and without the kernel (4 GPUs: ~250 s a pass)
+                  XLA_FLAGS="${XLA_FLAGS:-} $NO_CB" timeout 560 python3 benchmarks/ring_ab.py \
+                  --causal --patterns full --per-gpu 8192,32768 --set KERNEL_GATHER=True \
+                  --layout zigzag --rounds 5 --passes \
+                  $([ "$stage" = ring-zigzag-causal ] && echo fwd,fwdbwd || echo fwdbwd) \
+                  --json "$OUT/$stage.json" 2>&1 | grep -v "^W1\|^I1\|bfc_allocator" ;;
     ring) timeout 420 python3 benchmarks/ring_scaling.py --devices 1,$(nvidia-smi -L | wc -l) \
               --per-gpu 8192,32768 --strong 65536 --runs 3 --longest --longest-start 4194304 \
               --json "$OUT/ring.json" 2>&1 | grep -v "^W1\|^I1\|bfc_allocator\|^\*" ;;
