@@ -520,6 +520,14 @@ def layout_positions(layout, mesh, seq_axis, n: int):
   return zigzag_positions(n, shards)
 
 
+def default_positions(n: int, perm, rows):
+  """A call's rotary positions where none are given: those its `n` rows hold, by the layer's
+  ordering (`perm`) or a zigzag layout (`rows`, `layout_positions`; the two exclude each
+  other), else `0 .. n - 1`."""
+  held = perm if rows is None else rows
+  return jnp.arange(n) if held is None else jnp.asarray(held)
+
+
 def sown_weights(q, k, lse, pattern, perm, batch: tuple, *, key_mask=None, segment_ids=None,
                  rows=None):
   """What a layer sows: `attention_weights` in the caller's token order (`perm`: the layer's

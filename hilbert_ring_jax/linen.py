@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from .decode import KVCache, init_kv_cache
 from .layers_common import (TokenOrder, apply_dropout, attend, check_call, check_dropout_rate,
-                            check_flag, check_heads, check_layout, check_options,
-                            check_rotary_base, checked_init, decode_attend, decode_positions,
+                            check_flag, check_heads, check_layout, check_options, check_rotary_base,
+                            checked_init, decode_attend, decode_positions, default_positions,
                             key_mask_of, layer_inputs, layout_positions, permute, rotate,
                             serialize_inputs, sown_weights, static_implementation, token_ids_of)
 from .pattern import DilatedPattern
@@ -188,8 +188,7 @@ class DilatedMultiHeadAttention(nn.Module):
       positions = decode_positions(cache, xq.shape[1], prefill=prefill,
                                    segment_ids=segment_ids)
     elif positions is None:
-      held = perm if rows is None else rows  # (an ordering and a zigzag layout exclude each other)
-      positions = jnp.arange(xq.shape[1]) if held is None else jnp.asarray(held)
+      positions = default_positions(xq.shape[1], perm, rows)
     q, k = rotate(q, k, rotary_base, positions)
     # [B, N, H, D]
     if decoding:

@@ -24,9 +24,9 @@ from .layers_common import (TokenOrder, apply_dropout, attend, attention_weights
                             check_decodable, check_dropout_rate, check_features, check_flag,
                             check_heads, check_input_shape, check_layout, check_mesh_axes,
                             check_options, check_rotary_base, checked_init, decode_attend,
-                            decode_positions, key_mask_of, layer_inputs, layout_positions, permute,
-                            resolve_deterministic, rotate, serialize_inputs, sown_weights,
-                            static_implementation, token_ids_of)
+                            decode_positions, default_positions, key_mask_of, layer_inputs,
+                            layout_positions, permute, resolve_deterministic, rotate,
+                            serialize_inputs, sown_weights, static_implementation, token_ids_of)
 from .pattern import DilatedPattern
 
 DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
@@ -413,8 +413,7 @@ class DilatedMultiHeadAttention(nnx.Module):
       positions = decode_positions(cache, xq.shape[1], prefill=prefill,
                                    segment_ids=segment_ids)
     elif positions is None:
-      held = perm if rows is None else rows  # (an ordering and a zigzag layout exclude each other)
-      positions = jnp.arange(xq.shape[1]) if held is None else jnp.asarray(held)
+      positions = default_positions(xq.shape[1], perm, rows)
     q, k = rotate(q, k, self.rotary_base, positions)
     if decode:
       y, cache = decode_attend(q, k, v, cache, self.pattern, prefill=prefill,

@@ -727,7 +727,8 @@ def _zigzag_calls(st, rows, qi, kv, axis_name, gathered=None):
     chunks = _together(lambda x: _blocks(_gather(x, axis_name), 2 * shards), kv, st.plan)
   else:
     chunks = [_blocks(x, 2 * shards) for x in gathered]
-  zig = lambda c: jnp.where(c < shards, 2 * c, 4 * shards - 1 - 2 * c)  # natural chunk c's block
+  blocks = np.argsort(zigzag_positions(2 * shards, shards))  # natural chunk c's zigzag block
+  zig = lambda c: jnp.asarray(blocks)[c]
   at = zig if gathered is not None or st.plan.layout == "zigzag" else lambda c: c
   pick = lambda a, b: jnp.where(early.reshape((1, -1) + (1,) * (a.ndim - 1)), a[:, None],
                                 b[:, None])
@@ -749,9 +750,8 @@ def _by_key_chunk(g, plan: _Plan, axis_name, d=None):
   pairs, one elementwise pass rather than a scatter-add into zeros."""
   shards = plan.shards
   j = jax.lax.axis_index(axis_name)
-  blocks = np.arange(2 * shards)
-  chunk = (np.where(blocks % 2 == 0, blocks // 2, (4 * shards - 1 - blocks) // 2)
-           if plan.layout == "zigzag" else blocks)  # each block's natural chunk, static
+  chunk = (zigzag_positions(2 * shards, shards) if plan.layout == "zigzag" else
+           np.arange(2 * shards))  # each block's natural chunk, static
   last = 2 * shards - 2
   shape = lambda keep: keep.reshape((1, -1) + (1,) * (g.ndim - 2))
   pick = lambda x, t, keep: jnp.where(shape(keep), jnp.take(x, jnp.minimum(t, last), axis=1),
@@ -797,14 +797,15 @@ def _gathered_zigzag_backward(st, rows, qi, kv, axis_name, gathered=None):
   pairs, diagonal, early = _zigzag_calls(st, rows, qi, kv, axis_name, gathered)
   call = lambda x, causal: _folded_call(st.backward, x, causal, b, qi is not None)
   dq, dk, dv = call(pairs, False)
-  sums = lambda *d: [_by_key_chunk(g, plan, axis_name, *x) for g, *x in zip((dk, dv), *d)]
+  sums = lambda ddk=None, ddv=None: (_by_key_chunk(dk, plan, axis_name, ddk),
+                                      _by_key_chunk(dv, plan, axis_name, ddv))
   if plan.layout == "zigzag":
     dk, dv = _home(sums(), plan, axis_name, join=True)
     ddq, ddk, ddv = call(diagonal, True)
     dk, dv = (g + d.reshape(g.shape) for g, d in ((dk, ddk), (dv, ddv)))
   else:
     ddq, ddk, ddv = call(diagonal, True)
-    dk, dv = _home(sums((ddk, ddv)), plan, axis_name, join=True)
+    dk, dv = _home(sums(ddk, ddv), plan, axis_name, join=True)
   mine = lambda keep: jnp.sum(jnp.where(keep.reshape((1, -1) + (1,) * (dq.ndim - 2)), dq, 0.0),
                               axis=1)
   dq = jnp.concatenate([mine(early) + ddq[:, 0], mine(~early) + ddq[:, 1]], axis=1)
