@@ -14,7 +14,7 @@ import pytest
 import helpers
 from hilbert_ring_jax import backends, dilated_attention
 from hilbert_ring_jax.pattern import DilatedPattern
-from hilbert_ring_jax.backends import common, mosaic, mosaic_plan
+from hilbert_ring_jax.backends import common, mosaic, mosaic_pipeline, mosaic_plan, schedule
 from test_packed import CASES, check_packed, packed_ids
 import reference_np
 
@@ -191,6 +191,52 @@ def test_mosaic_packed_items_taken_by_several_programs(monkeypatch):
       q, k, v, m[None] * reference_np.same_document(ids, ids), scale, dout, dlse)
   assert helpers.rel_err(out, ref_out) < helpers.TOL[jnp.bfloat16]
   helpers.check_lse(lse, ref_lse, helpers.TOL[jnp.bfloat16])
+
+
+@pytest.mark.parametrize("keys,block", [(True, 128), (True, 64), (False, 64)])
+def test_consumers_skip_only_blocks_their_rows_cannot_see(keys, block):
+  """A consumer's blocks (`mosaic_plan.Ranges` with its `rows` and windows), evaluated here
+  for every item of a packed causal row (documents of ~60 tokens; items of 128 rows, 64 a
+  consumer; blocks of keys (`keys`: the forward's 128, dq's 64) or of queries (dk/dv's 64)):
+  the blocks it skips (`[lo, s0)`, `[s1, hi)`) hold no pair its rows see, those it runs
+  unmasked (`[a, b)`) only such pairs, and each such pair lies in `[lo, hi)`. Some are
+  skipped: the second consumer's first query block (dk/dv), the first's last key block (dq),
+  the other documents' blocks of an item across two documents."""
+  n, rows = 1024, 64
+  ids = np.asarray(packed_ids(1, n, 60, seed=7))
+  pattern = DilatedPattern((n,), (1,), causal=True)
+  sched = schedule.build(pattern, n, 1, 1, (0,), not keys)
+  ranges = mosaic_plan.Ranges(keys, n, 1, True, 2 * rows, block)
+  kernel_ids = mosaic._ids(jnp.asarray(ids), jnp.asarray(ids), 1, keys=not keys)
+  tiles = mosaic_pipeline.IdTiles.of(kernel_ids, n, 1, rows)
+  table = tiles.inputs(kernel_ids, n)[3]
+  table_rows, pieces, bias = sched.arrays()
+  causal = np.arange(n)[:, None] >= np.arange(n)[None]
+  for packed in (True, False):  # and the same rows without ids (no windows)
+    sees = causal & (ids[0][:, None] == ids[0][None]) if packed else causal
+    sees = sees if keys else sees.T  # [row, block's position]
+    skipped = 0
+    for item in range(n // (2 * rows)):
+      prog = mosaic_plan.Program.decode(table_rows.reshape(-1), sched, 2 * rows, n, item,
+                                        False)
+      for wg in range(2):
+        first = int(prog.start) + wg * rows
+        window = packed and (*tiles.window(table, prog, 0, 1), *tiles.window(table, prog, wg))
+        walk = ranges(prog, pieces.reshape(-1), bias, (first, first + rows - 1),
+                      window or None)
+        (p,) = range(int(prog.p0), int(prog.p1))
+        lo, s0, a, b, s1, hi = (int(x) for x in walk(p)[1:])
+        assert lo <= s0 <= a <= b <= s1 <= hi
+        mine = sees[first:first + rows]
+        seen = [mine[:, j * block:(j + 1) * block] for j in range(n // block)]
+        assert all(not seen[j].any() for j in [*range(lo, s0), *range(s1, hi)])
+        assert all(seen[j].all() for j in range(a, b))
+        assert not any(seen[j].any() for j in [*range(lo), *range(hi, n // block)])
+        skipped += (s0 - lo) + (hi - s1)
+    # Without ids, the diagonal's: one a consumer per item where blocks are its rows' size
+    # (none where they are twice it); with ids also blocks of items across two documents.
+    diagonal = n // (2 * rows) if block == rows else 0
+    assert skipped > diagonal if packed else skipped == diagonal
 
 
 def test_id_windows():

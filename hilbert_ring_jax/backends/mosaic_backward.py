@@ -169,10 +169,21 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
           plgpu.barrier_arrive(k_free.at[slot])
           return dq, step + 1
 
+        def skip(carry, piece, j):
+          """A key block none of this consumer's queries sees: its turn, no products."""
+          dq, step = carry
+          slot = lax.rem(step, stages)
+          for bar in (kid_bar, k_bar, v_bar) if packed else (k_bar, v_bar):
+            plgpu.barrier_wait(bar.at[slot])
+          plgpu.barrier_arrive(v_free.at[slot])
+          plgpu.barrier_arrive(k_free.at[slot])
+          return dq, step + 1
+
         dq = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
-        ranges = key_ranges(prog, pieces_ref, bias_ref, q_first,
-                            (*window(prog, 0, 1), *window(prog, wg)[2:]) if packed else None)
-        dq, step = walk(prog, ranges, block, (dq, step))
+        q_last = prog.first + L * (jnp.minimum(q_start + bq, prog.nrows) - 1)
+        ranges = key_ranges(prog, pieces_ref, bias_ref, (q_first, q_last),
+                            (*window(prog, 0, 1), *window(prog, wg)) if packed else None)
+        dq, step = walk(prog, ranges, block, (dq, step), skip)
         # The next item's rows load during this one's store.
         pl.when(has_next)(lambda: load_rows(next_prog()))
 
@@ -445,11 +456,28 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             add_dq(prog, piece, j, step)
           return dk, dv, step + 1, (lax.rem(step, 2) != wg).astype(jnp.int32)
 
+        def skip(carry, piece, j):
+          """A query block that sees none of this consumer's keys: its turn (and, fused, a
+          zero ds^T for the block's dq), no products."""
+          dk, dv, step, owed = carry
+          slot = lax.rem(step, stages)
+          for bar in ((q_bar, qid_bar) if packed else (q_bar,)) + (do_bar, lse_bar, delta_bar):
+            plgpu.barrier_wait(bar.at[slot])
+          plgpu.barrier_arrive(stat_free.at[slot])
+          if fused:
+            put_ds(plgpu.layout_cast(jnp.zeros((bk, bq), dtype), plgpu.Layout.WGMMA), step,
+                   owed)
+          plgpu.barrier_arrive(do_free.at[slot])
+          plgpu.barrier_arrive(q_free.at[slot])
+          if fused:
+            add_dq(prog, piece, j, step)
+          return dk, dv, step + 1, (lax.rem(step, 2) != wg).astype(jnp.int32)
+
         zeros = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
-        ranges = query_ranges(prog, pieces_ref, bias_ref, k_last,
-                              (*window(prog, 0, 1), *window(prog, wg)[2:]) if packed else None)
+        ranges = query_ranges(prog, pieces_ref, bias_ref, (prog.first + L * k_start, k_last),
+                              (*window(prog, 0, 1), *window(prog, wg)) if packed else None)
         owed = jnp.where(prog.busy, 0, owed)  # settled above
-        dk, dv, step, owed = walk(prog, ranges, block, (zeros, zeros, step, owed))
+        dk, dv, step, owed = walk(prog, ranges, block, (zeros, zeros, step, owed), skip)
         if early:
           pl.when(has_next)(lambda: load_rows(next_prog()))
 

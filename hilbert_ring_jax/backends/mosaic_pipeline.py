@@ -12,8 +12,6 @@ stores into them: `add_rows`). The blocks themselves are `mosaic_plan.Ranges`'.
 from __future__ import annotations
 
 import dataclasses
-import functools
-
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -144,15 +142,22 @@ def produce_kv(work: Work, origin_ref, rows_ref, per_kv: int, k, v, ranges, L: i
   produce_items(work, origin_ref, rows_ref, item, [k[-1], v[-1]], stages, claims)
 
 
-def walk(prog: Program, ranges, block, carry):
-  """A consumer's pass over the blocks `produce` loads: `ranges(p) = (piece, lo, a, b, hi)`,
-  blocks `[a, b)` unmasked, the rest of `[lo, hi)` masked; `block(carry, piece, j, masked)`."""
+def walk(prog: Program, ranges, block, carry, skip=None):
+  """A consumer's pass over the blocks `produce` loads: `ranges(p) = (piece, lo, s0, a, b,
+  s1, hi)` (`mosaic_plan.Ranges`), blocks `[a, b)` unmasked, the rest of `[lo, hi)` masked,
+  `block(carry, piece, j, masked)`; but with `skip`, the blocks of `[lo, s0)` and `[s1, hi)`,
+  where the consumer's rows see nothing, go to `skip(carry, piece, j)` instead, which keeps
+  the pipeline's turns (waits, releases) without the products."""
 
   def per_piece(p, carry):
-    piece, lo, a, b, hi = ranges(p)
-    for begin, end, masked in ((lo, a, True), (a, b, False), (b, hi, True)):
-      carry = lax.fori_loop(begin, end, functools.partial(
-          lambda masked, j, c: block(c, piece, j, masked), masked), carry)
+    piece, lo, s0, a, b, s1, hi = ranges(p)
+    masked = lambda j, c: block(c, piece, j, True)
+    parts = [(lo, a, masked), (a, b, lambda j, c: block(c, piece, j, False)), (b, hi, masked)]
+    if skip is not None:
+      passed = lambda j, c: skip(c, piece, j)
+      parts = [(lo, s0, passed), (s0, a, masked), parts[1], (b, s1, masked), (s1, hi, passed)]
+    for begin, end, body in parts:
+      carry = lax.fori_loop(begin, end, body, carry)
     return carry
 
   return lax.fori_loop(prog.p0, prog.p1, per_piece, carry)

@@ -589,18 +589,22 @@ def _window_keys(piece, at, w0, w1, L, n):
   return up(lo), jnp.maximum(up(lo), up(hi))
 
 
-def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_first=None,
+def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, rows=None,
                 window=None):
-  """Key pieces of a query row (forward, dq): `(piece, 0, 0, unmasked, blocks)` where
-  `blocks` covers the keys any query of the program sees and the first `unmasked` blocks
-  hold keys that exist and (causal) precede `q_first`, a consumer's first query; with
-  `q_first` None, `(piece, lo, hi)` for the producer.
+  """Key pieces of a query row (forward, dq): with `rows` None, `(piece, lo, hi)` for the
+  producer, where `[lo, hi)` covers the keys any query of the program sees; with `rows`, a
+  consumer's first and last query positions, `(piece, lo, s0, a, b, s1, hi)` for it
+  (`walk`): blocks `[a, b)` hold keys that exist and (causal) precede its first query, and
+  the blocks of `[lo, s0)` and `[s1, hi)` hold none that its queries see (causal: past its
+  last query).
 
   `window` (packed rows): the positions `(u0, u1)` of the keys that may share a document
-  with a query of the program, for the producer; for a consumer also `(r0, r1)`, a run of
-  keys all in the one document of each of its queries (`r0 > r1`: none). Blocks outside
-  `[u0, u1]` are skipped, by the producer and both consumers alike; blocks inside `[r0, r1]`
-  need no document mask; every other block is masked (`walk`'s masked blocks compare ids)."""
+  with a query of the program, for the producer; for a consumer also its own `(v0, v1)` and
+  `(r0, r1)`, a run of keys all in the one document of each of its queries (`r0 > r1`:
+  none). Blocks outside `[u0, u1]` are skipped, by the producer and both consumers alike;
+  blocks outside `[v0, v1]` hold no key of the consumer's documents; blocks inside
+  `[r0, r1]` need no document mask; every other block is masked (`walk`'s masked blocks
+  compare ids)."""
   hi_q = prog.first + L * (jnp.minimum(prog.start + block_rows, prog.nrows) - 1)
 
   def seen(piece, pos):  # keys of the piece at or before position `pos`
@@ -619,23 +623,28 @@ def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, q_firs
       i0, i1 = _window_keys(piece, at, window[0], window[1], L, n)
       lo, blocks = jnp.minimum(lax.div(i0, bk), blocks), jnp.minimum(ceil_div(i1, bk), blocks)
       blocks = jnp.maximum(lo, blocks)
-    if q_first is None:
+    if rows is None:
       return piece, lo, blocks
-    unmasked = jnp.minimum(lax.div(seen(piece, q_first), bk), blocks)
-    if window is None:
-      return piece, 0, 0, unmasked, blocks
-    i0, i1 = _window_keys(piece, at, window[2], window[3], L, n)
-    a = jnp.clip(ceil_div(i0, bk), lo, blocks)
-    return piece, lo, a, jnp.clip(jnp.minimum(lax.div(i1, bk), unmasked), a, blocks), blocks
+    a, b = lo, jnp.clip(lax.div(seen(piece, rows[0]), bk), lo, blocks)
+    s0, s1 = lo, ceil_div(seen(piece, rows[1]), bk)
+    if window is not None:
+      i0, i1 = _window_keys(piece, at, window[4], window[5], L, n)
+      a = jnp.clip(ceil_div(i0, bk), lo, blocks)
+      b = jnp.clip(jnp.minimum(lax.div(i1, bk), b), a, blocks)
+      i0, i1 = _window_keys(piece, at, window[2], window[3], L, n)
+      s0, s1 = lax.div(i0, bk), jnp.minimum(s1, ceil_div(i1, bk))
+    return piece, lo, jnp.clip(s0, lo, a), a, b, jnp.clip(s1, b, blocks), blocks
 
   return ranges
 
 
-def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last=None, window=None):
-  """Query pieces of a key row (dk/dv): `(piece, lo, a, b, hi)` where `[lo, hi)` covers the
-  queries that see any key of the program (causal: at or after its first key), `[a, b)` the
-  blocks of queries that exist and see every key up to `k_last`, a consumer's last key;
-  with `k_last` None, `(piece, lo, hi)` for the producer. `window`: as `_key_ranges`', the
+def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, rows=None, window=None):
+  """Query pieces of a key row (dk/dv): with `rows` None, `(piece, lo, hi)` for the
+  producer, where `[lo, hi)` covers the queries that see any key of the program (causal: at
+  or after its first key); with `rows`, a consumer's first and last key positions,
+  `(piece, lo, s0, a, b, s1, hi)` for it (`walk`): blocks `[a, b)` hold queries that exist
+  and see every key up to its last, and the blocks of `[lo, s0)` and `[s1, hi)` none that
+  sees one of its keys (causal: before its first key). `window`: as `_key_ranges`', the
   roles of queries and keys swapped."""
   k_first = prog.first + L * prog.start
 
@@ -655,15 +664,18 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last=None, win
       i0, i1 = _window_keys(piece, at, window[0], window[1], L, n)
       lo = jnp.maximum(lo, lax.div(i0, bq))
       hi = jnp.maximum(lo, jnp.minimum(hi, ceil_div(i1, bq)))
-    if k_last is None:
+    if rows is None:
       return piece, lo, hi
-    a = jnp.maximum(lo, ceil_div(before(piece, k_last), bq))
-    b = jnp.maximum(a, lax.div(piece.count, bq))
-    if window is None:
-      return piece, lo, a, b, hi
-    i0, i1 = _window_keys(piece, at, window[2], window[3], L, n)
-    a = jnp.clip(jnp.maximum(a, ceil_div(i0, bq)), lo, hi)
-    return piece, lo, a, jnp.clip(jnp.minimum(b, lax.div(i1, bq)), a, hi), hi
+    a = jnp.clip(ceil_div(before(piece, rows[1]), bq), lo, hi)
+    b = jnp.clip(lax.div(piece.count, bq), a, hi)
+    s0, s1 = lax.div(before(piece, rows[0]), bq), hi
+    if window is not None:
+      i0, i1 = _window_keys(piece, at, window[4], window[5], L, n)
+      a = jnp.clip(ceil_div(i0, bq), a, hi)
+      b = jnp.clip(jnp.minimum(b, lax.div(i1, bq)), a, hi)
+      i0, i1 = _window_keys(piece, at, window[2], window[3], L, n)
+      s0, s1 = jnp.maximum(s0, lax.div(i0, bq)), ceil_div(i1, bq)
+    return piece, lo, jnp.clip(s0, lo, a), a, b, jnp.clip(s1, b, hi), hi
 
   return ranges
 
@@ -672,9 +684,9 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, k_last=None, win
 class Ranges:
   """The blocks of an item's pieces, as one kernel walks them: `_key_ranges` (`keys`: the
   forward and dq) or `_query_ranges` (dk/dv), `block` positions a block, items of
-  `block_rows` positions. One object for the producer, the consumers (with their `bound`:
-  first query or last key), the launch's work (`Work.of`, cached by it) and the host's cost
-  estimate."""
+  `block_rows` positions. One object for the producer, the consumers (with their `rows`:
+  the positions of their first and last query or key), the launch's work (`Work.of`, cached
+  by it) and the host's cost estimate."""
   keys: bool
   n: int
   L: int
@@ -682,12 +694,12 @@ class Ranges:
   block_rows: int
   block: int
 
-  def __call__(self, prog, pieces_ref, bias_ref, bound=None, window=None):
+  def __call__(self, prog, pieces_ref, bias_ref, rows=None, window=None):
     if self.keys:
       return _key_ranges(prog, pieces_ref, bias_ref, self.n, self.L, self.causal,
-                         self.block_rows, self.block, bound, window)
+                         self.block_rows, self.block, rows, window)
     return _query_ranges(prog, pieces_ref, bias_ref, self.n, self.L, self.causal, self.block,
-                         bound, window)
+                         rows, window)
 
 
 def strided_view(x, stride: int):
