@@ -198,10 +198,10 @@ def test_consumers_skip_only_blocks_their_rows_cannot_see(keys, block):
   """A consumer's blocks (`mosaic_plan.Ranges` with its `rows` and windows), evaluated here
   for every item of a packed causal row (documents of ~60 tokens; items of 128 rows, 64 a
   consumer; blocks of keys (`keys`: the forward's 128, dq's 64) or of queries (dk/dv's 64)):
-  the blocks it skips (`[lo, s0)`, `[s1, hi)`) hold no pair its rows see, those it runs
-  unmasked (`[a, b)`) only such pairs, and each such pair lies in `[lo, hi)`. Some are
-  skipped: the second consumer's first query block (dk/dv), the first's last key block (dq),
-  the other documents' blocks of an item across two documents."""
+  the blocks of `[lo, s0)` and `[s1, hi)` (which the backward kernels skip) hold no pair its
+  rows see, those it runs unmasked (`[a, b)`) only such pairs, and each such pair lies in
+  `[lo, hi)`. There are some: the second consumer's first query block (dk/dv), the first's
+  last key block (dq), the other documents' blocks of an item across two documents."""
   n, rows = 1024, 64
   ids = np.asarray(packed_ids(1, n, 60, seed=7))
   pattern = DilatedPattern((n,), (1,), causal=True)
@@ -221,9 +221,9 @@ def test_consumers_skip_only_blocks_their_rows_cannot_see(keys, block):
                                         False)
       for wg in range(2):
         first = int(prog.start) + wg * rows
-        window = packed and (*tiles.window(table, prog, 0, 1), *tiles.window(table, prog, wg))
-        walk = ranges(prog, pieces.reshape(-1), bias, (first, first + rows - 1),
-                      window or None)
+        window = ((*tiles.window(table, prog, 0, 1), *tiles.window(table, prog, wg))
+                  if packed else None)
+        walk = ranges(prog, pieces.reshape(-1), bias, (first, first + rows - 1), window)
         (p,) = range(int(prog.p0), int(prog.p1))
         lo, s0, a, b, s1, hi = (int(x) for x in walk(p)[1:])
         assert lo <= s0 <= a <= b <= s1 <= hi

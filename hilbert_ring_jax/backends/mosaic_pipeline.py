@@ -12,6 +12,7 @@ stores into them: `add_rows`). The blocks themselves are `mosaic_plan.Ranges`'.
 from __future__ import annotations
 
 import dataclasses
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
