@@ -220,6 +220,8 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
         m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_stat)
         l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_stat)
         pl.when(prog.busy)(start_turns)  # one consumer's softmax beside the other's wgmmas
+        # (The blocks this warpgroup cannot see, which its last query and own window give, are
+        # walked masked: `walk` without a `skip`; docs/performance.md, "Packed sequences".)
         q_last = prog.first + L * (jnp.minimum(prog.start + (wg + 1) * bq, prog.nrows) - 1)
         ranges = key_ranges(prog, pieces_ref, bias_ref, (q_first, q_last),
                             (*item_window(prog), *window(prog, wg)) if packed else None)

@@ -589,6 +589,19 @@ def _window_keys(piece, at, w0, w1, L, n):
   return up(lo), jnp.maximum(up(lo), up(hi))
 
 
+def _in_order(lo, s0, a, b, s1, hi):
+  """A consumer's `(lo, s0, a, b, s1, hi)` in `walk`'s order: the blocks it cannot see,
+  `[lo, s0)` and `[s1, hi)`, cut where they would meet its unmasked blocks `[a, b)`; an empty
+  `[a, b)` (no block all of whose pairs it sees) moved between them, so that it cuts
+  neither."""
+  s0 = jnp.clip(s0, lo, hi)
+  s1 = jnp.clip(s1, s0, hi)
+  empty = b <= a
+  a = jnp.where(empty, jnp.clip(a, s0, s1), a)
+  b = jnp.where(empty, a, b)
+  return lo, jnp.minimum(s0, a), a, b, jnp.maximum(s1, b), hi
+
+
 def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, rows=None,
                 window=None):
   """Key pieces of a query row (forward, dq): with `rows` None, `(piece, lo, hi)` for the
@@ -601,7 +614,7 @@ def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, rows=N
   `window` (packed rows): the positions `(u0, u1)` of the keys that may share a document
   with a query of the program, for the producer; for a consumer also its own `(v0, v1)` and
   `(r0, r1)`, a run of keys all in the one document of each of its queries (`r0 > r1`:
-  none). Blocks outside `[u0, u1]` are skipped, by the producer and both consumers alike;
+  none). Blocks outside `[u0, u1]` are not walked, by the producer and both consumers alike;
   blocks outside `[v0, v1]` hold no key of the consumer's documents; blocks inside
   `[r0, r1]` need no document mask; every other block is masked (`walk`'s masked blocks
   compare ids)."""
@@ -633,7 +646,7 @@ def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, rows=N
       b = jnp.clip(jnp.minimum(lax.div(i1, bk), b), a, blocks)
       i0, i1 = _window_keys(piece, at, window[2], window[3], L, n)
       s0, s1 = lax.div(i0, bk), jnp.minimum(s1, ceil_div(i1, bk))
-    return piece, lo, jnp.clip(s0, lo, a), a, b, jnp.clip(s1, b, blocks), blocks
+    return (piece, *_in_order(lo, s0, a, b, s1, blocks))
 
   return ranges
 
@@ -675,7 +688,7 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, rows=None, windo
       b = jnp.clip(jnp.minimum(b, lax.div(i1, bq)), a, hi)
       i0, i1 = _window_keys(piece, at, window[2], window[3], L, n)
       s0, s1 = jnp.maximum(s0, lax.div(i0, bq)), ceil_div(i1, bq)
-    return piece, lo, jnp.clip(s0, lo, a), a, b, jnp.clip(s1, b, hi), hi
+    return (piece, *_in_order(lo, s0, a, b, s1, hi))
 
   return ranges
 
