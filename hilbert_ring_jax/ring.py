@@ -631,6 +631,12 @@ def _blocks(x, count):
   return x.reshape(x.shape[0], count, x.shape[1] // count, *x.shape[2:])
 
 
+def _per_block(keep, ndim: int):
+  """`keep` (one flag a block) shaped to select along axis 1 of a `[B, blocks, ...]` array of
+  `ndim` dims."""
+  return keep.reshape((1, -1) + (1,) * (ndim - 2))
+
+
 def _fold(x):
   """`[B, m, ...]` -> `[B m, ...]`: each of the `m` blocks a batch row."""
   return x.reshape(-1, *x.shape[2:])
@@ -730,8 +736,7 @@ def _zigzag_calls(st, rows, qi, kv, axis_name, gathered=None):
   blocks = np.argsort(zigzag_positions(2 * shards, shards))  # natural chunk c's zigzag block
   zig = lambda c: jnp.asarray(blocks)[c]
   at = zig if gathered is not None or st.plan.layout == "zigzag" else lambda c: c
-  pick = lambda a, b: jnp.where(early.reshape((1, -1) + (1,) * (a.ndim - 1)), a[:, None],
-                                b[:, None])
+  pick = lambda a, b: jnp.where(_per_block(early, a.ndim + 1), a[:, None], b[:, None])
   pairs = ([_fold(pick(a, b)) for a, b in halves],
            [_fold(jnp.take(x, at(index), axis=1)) for x in chunks])
   # The diagonal's rows are each device's two chunks, as are its keys on zigzag shards: no copy.
@@ -753,9 +758,8 @@ def _by_key_chunk(g, plan: _Plan, axis_name, d=None):
   chunk = (zigzag_positions(2 * shards, shards) if plan.layout == "zigzag" else
            np.arange(2 * shards))  # each block's natural chunk, static
   last = 2 * shards - 2
-  shape = lambda keep: keep.reshape((1, -1) + (1,) * (g.ndim - 2))
-  pick = lambda x, t, keep: jnp.where(shape(keep), jnp.take(x, jnp.minimum(t, last), axis=1),
-                                      0.0)
+  pick = lambda x, t, keep: jnp.where(_per_block(keep, g.ndim),
+                                      jnp.take(x, jnp.minimum(t, last), axis=1), 0.0)
   total = pick(g, chunk, chunk < j) + pick(g, chunk + j, chunk + j <= last)
   if d is None:
     return total
@@ -806,8 +810,7 @@ def _gathered_zigzag_backward(st, rows, qi, kv, axis_name, gathered=None):
   else:
     ddq, ddk, ddv = call(diagonal, True)
     dk, dv = _home(sums(ddk, ddv), plan, axis_name, join=True)
-  mine = lambda keep: jnp.sum(jnp.where(keep.reshape((1, -1) + (1,) * (dq.ndim - 2)), dq, 0.0),
-                              axis=1)
+  mine = lambda keep: jnp.sum(jnp.where(_per_block(keep, dq.ndim), dq, 0.0), axis=1)
   dq = jnp.concatenate([mine(early) + ddq[:, 0], mine(~early) + ddq[:, 1]], axis=1)
   return _to_zigzag(dq, plan, axis_name, inverse=True), dk, dv
 
