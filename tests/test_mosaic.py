@@ -322,6 +322,47 @@ def test_causal_plan_balances_items():
   assert work.plan is None and not work.persistent and work.programs == work.items
 
 
+@pytest.mark.parametrize("claims", [False, True])
+def test_packed_launches_number_items_block_major(claims):
+  """Packed rows' causal launches (`Work.of(..., packed=True)`) number their items block-major:
+  block `i` of every head's row, then block `i + 1` (reversed under a causal forward's
+  `reverse`), each item exactly once, with the rows and blocks that a row-major launch gives
+  the same item otherwise; with a program per item (the causal default at 32K) or, where the
+  kernel takes items itself (`claims`, the forward), dynamic persistent programs."""
+  n, heads = 32768, 4
+  sched = schedule.build(Case(n, heads, heads, (n,), (1,)).pattern(True), n, heads, heads,
+                         (0,), False)
+  ranges = mosaic_plan.Ranges(True, n, 1, True, 128, 128)
+  rows = sched.arrays()[0].reshape(-1)
+  blocks = n // 128
+  for reverse in (False, True):
+    packed = mosaic_plan.Work.of(sched, 2, mosaic.Config(), reverse, ranges, True, claims)
+    plain = mosaic_plan.Work.of(sched, 2, mosaic.Config(), reverse, ranges)
+    assert packed.interleaved and not plain.interleaved
+    assert packed.dynamic == claims and not plain.dynamic
+    assert packed.programs == (hopper.sm_count() if claims else packed.items)
+
+    def decoded(work):
+      def item(i):
+        prog = mosaic_plan.Program.decode(rows, sched, 128, n, i, reverse, work.interleaved)
+        return prog.b, prog.head, prog.start
+
+      return np.stack([np.asarray(x) for x in jax.vmap(item)(jnp.arange(work.items))], 1)
+
+    ours, theirs = decoded(packed), decoded(plain)
+    assert ours.shape == (2 * heads * blocks, 3)
+    assert sorted(map(tuple, ours)) == sorted(map(tuple, theirs))  # every item once
+    first = ours[:heads * blocks]
+    assert (first[:, 0] == 0).all()  # batch-major, as before
+    assert (first[:, 1] == np.tile(np.arange(heads), blocks)).all()  # heads side by side
+    last_block = (blocks - 1) * 128
+    assert (first[:heads, 2] == (last_block if reverse else 0)).all()
+    assert (np.diff(first[:, 2].reshape(blocks, heads), axis=1) == 0).all()
+  # Not causal: the order of unpacked launches.
+  full = mosaic_plan.Ranges(True, n, 1, False, 128, 128)
+  assert not mosaic_plan.Work.of(sched, 2, mosaic.Config(), False, full, True, claims).interleaved
+
+
 def test_ring_steps_run_a_program_per_item():
   """A ring step's config (`ring_step_config`, which the ring asks for): programs of one work
   item each where the caller left `persistent` unset, so that SMs free up for the transfers

@@ -172,10 +172,10 @@ def test_mosaic_packed_items_taken_by_several_programs(monkeypatch):
   against the float64 reference (the backward kernels keep a program per item)."""
   of = mosaic_plan.Work.of.__func__
 
-  def three(cls, sched, batch, config, reverse, ranges, packed=False):
-    work = of(cls, sched, batch, config, reverse, ranges, packed)
+  def three(cls, sched, batch, config, reverse, ranges, packed=False, claims=False):
+    work = of(cls, sched, batch, config, reverse, ranges, packed, claims)
     return dataclasses.replace(work, dynamic=True, persistent=True, plan=None,
-                               programs=min(3, work.items)) if packed else work
+                               programs=min(3, work.items)) if claims else work
 
   monkeypatch.setattr(mosaic_plan.Work, "of", classmethod(three))
   case = helpers.Case(256, 2, 1, (256,), (1,), head_dim=64)
@@ -476,8 +476,8 @@ def test_mosaic_packed_kernels_take_items_as_programs_free_up(monkeypatch):
     pytest.skip("the mosaic kernels run on Hopper GPUs")
   of, dynamic_launches = mosaic_plan.Work.of.__func__, []
 
-  def spy(cls, *args):
-    work = of(cls, *args)
+  def spy(cls, *args, **kwargs):
+    work = of(cls, *args, **kwargs)
     dynamic_launches.append(work.dynamic)
     return work
 

@@ -79,7 +79,7 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
   qk_scale = scale * LOG2E
   interpret = config.interpret
   key_ranges = Ranges(True, n, L, causal, block_rows, bk)
-  work = Work.of(sched, batch, config, causal, key_ranges)
+  work = Work.of(sched, batch, config, causal, key_ranges, ids is not None)
   id_tiles = IdTiles.of(ids, n_out, L, bq)
   packed = id_tiles is not None
 
@@ -273,7 +273,8 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   interpret = config.interpret
   fused = dq_accs is not None
   query_ranges = Ranges(False, n, L, causal, block_rows, bq)
-  work = Work.of(sched, batch, config, False, query_ranges)  # causal: heaviest first
+  # causal: heaviest first
+  work = Work.of(sched, batch, config, False, query_ranges, ids is not None)
   # 16-bit outputs: dk and dv in tiles of their own, in the bytes of the consumer's float32
   # tile (fused: which stages dq between items).
   two_tiles = jnp.dtype(out_dtype).itemsize == 2

@@ -100,7 +100,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
   hidden = -scale_sign * jnp.inf
   interpret = config.interpret
   key_ranges = Ranges(True, n, L, causal, block_rows, bk)
-  work = Work.of(sched, batch, config, causal, key_ranges, ids is not None)
+  work = Work.of(sched, batch, config, causal, key_ranges, ids is not None, claims=True)
   out_dtype = jnp.dtype(out_dtype)
   same = out_dtype == dtype  # then the output tile reuses the query tile
   out_itemsize = out_dtype.itemsize

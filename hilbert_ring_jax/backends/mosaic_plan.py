@@ -325,13 +325,18 @@ class Program:
 
   @classmethod
   def decode(cls, rows_ref, sched: schedule.Schedule, block_rows: int, n: int, item,
-             reverse: bool):
+             reverse: bool, interleaved: bool = False):
     """Item `item` of the launch: `(batch, period)`-major, then rows, then the row's blocks
-    (from its last block if `reverse`: under a causal mask the heaviest first)."""
+    (from its last block if `reverse`: under a causal mask the heaviest first); or, where
+    `interleaved`, the row's blocks before the rows (block `i` of every row, then block
+    `i + 1` of every row)."""
     row_blocks, rc = sched.row_blocks(block_rows), schedule.ROW_COLUMNS
     per_bp = len(sched.rows) * row_blocks
     bp, pid = lax.div(item, per_bp), lax.rem(item, per_bp)
-    r, blk = lax.div(pid, row_blocks), lax.rem(pid, row_blocks)
+    if interleaved:
+      blk, r = lax.div(pid, len(sched.rows)), lax.rem(pid, len(sched.rows))
+    else:
+      r, blk = lax.div(pid, row_blocks), lax.rem(pid, row_blocks)
     if reverse:
       blk = row_blocks - 1 - blk
     base = lax.rem(bp, sched.periods) * sched.period
@@ -382,16 +387,25 @@ class Work:
   reverse: bool
   plan: np.ndarray | None = None
   dynamic: bool = False
+  interleaved: bool = False
 
   @classmethod
   @functools.lru_cache(maxsize=256)
   def of(cls, sched: schedule.Schedule, batch: int, config: Config, reverse: bool,
-         ranges: Ranges, packed: bool = False):
+         ranges: Ranges, packed: bool = False, claims: bool = False):
     """The work of a launch whose items walk `ranges` (which holds the launch's `n`, causal
     mask and program block; the items' costs are what `plan` balances). Cached (the plan is
-    host work: a model's layers share it). `packed` (the forward of packed rows): the ids
-    decide the items' costs, so where a program per item is the default, persistent
-    programs take their items dynamically instead."""
+    host work: a model's layers share it).
+
+    `packed` (packed rows): the ids decide the items' costs, which under a causal mask no
+    longer fall along a row as the mask alone makes them; causal launches then number their
+    items block-major (`interleaved`: the heads' rows side by side), so that the last ones
+    taken are the row's first (or, reversed, last) blocks of every head, not the last head's
+    whole row, whose long documents' items kept some SMs busy after the others ran out of
+    work (docs/performance.md, "Packed sequences"; not causal: the order of before, which
+    measured faster on LongNet). `claims` (a kernel that can take its items dynamically: the
+    forward): where a program per item is the default, packed rows' persistent programs take
+    their items dynamically instead."""
     strides = np.asarray(sched.pieces)[:, schedule.PIECE_STRIDE]
     assert np.isin(strides, (1, sched.stride)).all(), "strides 1 or L (_div_stride)"
     rows, bps = sched.grid(batch, ranges.block_rows)
@@ -400,13 +414,14 @@ class Work:
     # Interpret mode: one program walks all items (one launch: persistent programs in
     # several interpreted launches hung under jit, nondeterministically, on JAX 0.11.2).
     programs = min(items, 1 if config.interpret else sm_count())
-    work = cls(sched, ranges.block_rows, ranges.n, items, programs, persistent, reverse)
+    work = cls(sched, ranges.block_rows, ranges.n, items, programs, persistent, reverse,
+               interleaved=packed and ranges.causal)
     if not (persistent and ranges.causal):
       return work if persistent else dataclasses.replace(work, programs=items)
     costs = work.costs(batch, ranges)
     if config.persistent is None and costs.mean() > _SHORT_ITEMS:
-      return dataclasses.replace(work, dynamic=True) if packed else dataclasses.replace(
-          work, programs=items, persistent=False)
+      return dataclasses.replace(work, dynamic=True) if packed and claims else (
+          dataclasses.replace(work, programs=items, persistent=False))
     # A static split (`p, p + programs, ...`) of LongNet's causal items left the SMs idle for
     # part of the launch, its busiest program well above the mean; the list schedule's is
     # near it (ncu and the estimate: docs/performance.md).
@@ -425,7 +440,8 @@ class Work:
       rows = rows.reshape(-1)
 
       def cost(item):
-        prog = Program.decode(rows, self.sched, self.block_rows, self.n, item, self.reverse)
+        prog = Program.decode(rows, self.sched, self.block_rows, self.n, item, self.reverse,
+                              self.interleaved)
         blocks = ranges(prog, pieces.reshape(-1), bias)
 
         def add(p, total):
@@ -465,7 +481,7 @@ class Work:
 
     def prog(i):
       return Program.decode(rows_ref, self.sched, self.block_rows, self.n, item(i),
-                            self.reverse)
+                            self.reverse, self.interleaved)
 
     def loop(body, carry):
       return lax.fori_loop(
@@ -498,7 +514,7 @@ class Work:
     size = slots.shape[0]
     pid = lax.axis_index("row") + origin_ref[0]
     prog = lambda item: Program.decode(rows_ref, self.sched, self.block_rows, self.n, item,
-                                       self.reverse)
+                                       self.reverse, self.interleaved)
 
     def publish(m):  # the program's item m (>= 1) into slot m % size
       slot = lax.rem(m, size)
