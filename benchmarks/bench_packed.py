@@ -191,7 +191,9 @@ def main():
     fb = jax.jit(lambda q, k, v, do, ids, fn=fn: jax.vjp(
         lambda q, k, v: fn(q, k, v, ids), q, k, v)[1](do))
     times[label] = median_ms(fb, (q, k, v, do, zeros), args.runs)
+    times[label + " b2b"] = median_ms(fb, (q, k, v, do, zeros), args.runs, calls=10)
   result["longnet_equal_ids_over_none_fwdbwd"] = times["equal ids"] / times["no ids"]
+  result["longnet_equal_ids_over_none_fwdbwd_b2b"] = times["equal ids b2b"] / times["no ids b2b"]
   print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "documents", "args")}),
         flush=True)
   if args.json:
