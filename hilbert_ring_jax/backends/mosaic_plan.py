@@ -328,8 +328,7 @@ class Program:
              reverse: bool, interleaved: bool = False):
     """Item `item` of the launch: `(batch, period)`-major, then rows, then the row's blocks
     (from its last block if `reverse`: under a causal mask the heaviest first); or, where
-    `interleaved`, the row's blocks before the rows (block `i` of every row, then block
-    `i + 1` of every row)."""
+    `interleaved`, block-major: block `i` of every row, then block `i + 1` of every row."""
     row_blocks, rc = sched.row_blocks(block_rows), schedule.ROW_COLUMNS
     per_bp = len(sched.rows) * row_blocks
     bp, pid = lax.div(item, per_bp), lax.rem(item, per_bp)
@@ -402,8 +401,8 @@ class Work:
     items block-major (`interleaved`: the heads' rows side by side), so that the last ones
     taken are the row's first (or, reversed, last) blocks of every head, not the last head's
     whole row, whose long documents' items kept some SMs busy after the others ran out of
-    work (docs/performance.md, "Packed sequences"; not causal: the order of before, which
-    measured faster on LongNet). `claims` (a kernel that can take its items dynamically: the
+    work (docs/performance.md, "Packed sequences"; not causal: the order of before, the
+    other not measured). `claims` (a kernel that can take its items dynamically: the
     forward): where a program per item is the default, packed rows' persistent programs take
     their items dynamically instead."""
     strides = np.asarray(sched.pieces)[:, schedule.PIECE_STRIDE]
