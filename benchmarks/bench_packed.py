@@ -13,7 +13,7 @@ Forward and forward+backward medians (`timing.median_ms`) of each call alone (di
 wait included) and, `_b2b`, of 10 calls back to back (as a training loop issues them), TFLOP/s
 (of the calls alone) counted on the pairs the documents leave visible, each peer's output
 checked against ours (relative L2). Then LongNet with every id equal against no ids (what
-packing costs where it changes nothing).
+packing costs where it changes nothing), alone and (`_b2b`) back to back.
 
   python benchmarks/bench_packed.py --seq-len 32768 --median 2048 --json out/packed.json
 

@@ -324,43 +324,48 @@ def test_causal_plan_balances_items():
 
 @pytest.mark.parametrize("claims", [False, True])
 def test_packed_launches_number_items_block_major(claims):
-  """Packed rows' causal launches (`Work.of(..., packed=True)`) number their items block-major:
-  block `i` of every head's row, then block `i + 1` (reversed under a causal forward's
-  `reverse`), each item exactly once, with the rows and blocks that a row-major launch gives
-  the same item otherwise; with a program per item (the causal default at 32K) or, where the
-  kernel takes items itself (`claims`, the forward), dynamic persistent programs."""
-  n, heads = 32768, 4
-  sched = schedule.build(Case(n, heads, heads, (n,), (1,)).pattern(True), n, heads, heads,
-                         (0,), False)
-  ranges = mosaic_plan.Ranges(True, n, 1, True, 128, 128)
-  rows = sched.arrays()[0].reshape(-1)
-  blocks = n // 128
-  for reverse in (False, True):
-    packed = mosaic_plan.Work.of(sched, 2, mosaic.Config(), reverse, ranges, True, claims)
-    plain = mosaic_plan.Work.of(sched, 2, mosaic.Config(), reverse, ranges)
-    assert packed.interleaved and not plain.interleaved
-    assert packed.dynamic == claims and not plain.dynamic
-    assert packed.programs == (hopper.sm_count() if claims else packed.items)
+  """Packed rows' causal launches (`Work.of(..., packed=True)`) number their items
+  block-major: block `i` of every row (here every head's, or every head and class's of a
+  strided launch), then block `i + 1` (reversed under `reverse`), each item exactly once,
+  with the rows, blocks and pieces that a row-major launch gives the same item otherwise;
+  with a program per item (the causal default at 32K) or, where the kernel takes items
+  itself (`claims`, the forward), dynamic persistent programs. Not causal: row-major."""
+  heads, batch = 4, 2
+  longnet = DilatedPattern((256, 512, 1024), (1, 2, 4), causal=True)
+  launches = [(Case(32768, heads, heads, (32768,), (1,)).pattern(True), 32768, (0,))] + [
+      (longnet, 1024, branches) for branches in schedule.launches(longnet, 1024, heads,
+                                                                  min_row=128)]
+  for pattern, n, branches in launches:
+    sched = schedule.build(pattern, n, heads, heads, branches, False)
+    ranges = mosaic_plan.Ranges(True, n, sched.stride, True, 128, 128)
+    rows = sched.arrays()[0].reshape(-1)
+    count, blocks = len(sched.rows), sched.row_blocks(128)
+    for reverse in (False, True):
+      packed = mosaic_plan.Work.of(sched, batch, mosaic.Config(), reverse, ranges, True, claims)
+      plain = mosaic_plan.Work.of(sched, batch, mosaic.Config(), reverse, ranges)
+      assert packed.interleaved and not plain.interleaved
+      assert not plain.dynamic and (packed.dynamic == (claims and packed.plan is None))
 
-    def decoded(work):
-      def item(i):
-        prog = mosaic_plan.Program.decode(rows, sched, 128, n, i, reverse, work.interleaved)
-        return prog.b, prog.head, prog.start
+      def decoded(work):
+        def item(i):
+          prog = mosaic_plan.Program.decode(rows, sched, 128, n, i, reverse, work.interleaved)
+          return prog.b, prog.base, prog.head, prog.first, prog.start, prog.p0, prog.busy
 
-      return np.stack([np.asarray(x) for x in jax.vmap(item)(jnp.arange(work.items))], 1)
+        return np.stack([np.asarray(x) for x in jax.vmap(item)(jnp.arange(work.items))], 1)
 
-    ours, theirs = decoded(packed), decoded(plain)
-    assert ours.shape == (2 * heads * blocks, 3)
-    assert sorted(map(tuple, ours)) == sorted(map(tuple, theirs))  # every item once
-    first = ours[:heads * blocks]
-    assert (first[:, 0] == 0).all()  # batch-major, as before
-    assert (first[:, 1] == np.tile(np.arange(heads), blocks)).all()  # heads side by side
-    last_block = (blocks - 1) * 128
-    assert (first[:heads, 2] == (last_block if reverse else 0)).all()
-    assert (np.diff(first[:, 2].reshape(blocks, heads), axis=1) == 0).all()
-  # Not causal: the order of unpacked launches.
-  full = mosaic_plan.Ranges(True, n, 1, False, 128, 128)
-  assert not mosaic_plan.Work.of(sched, 2, mosaic.Config(), False, full, True, claims).interleaved
+      ours, theirs = decoded(packed), decoded(plain)
+      assert len(ours) == batch * sched.periods * count * blocks
+      assert sorted(map(tuple, ours)) == sorted(map(tuple, theirs))  # every item once
+      first = ours[:count * blocks].reshape(blocks, count, -1)
+      assert (first[..., :2] == 0).all()  # (batch, period)-major, as before
+      order = np.arange(blocks)[::-1] if reverse else np.arange(blocks)
+      assert (first[..., 4] == 128 * order[:, None]).all()  # block-major
+      row_major = theirs[:count * blocks].reshape(count, blocks, -1)
+      for column in (2, 3, 5):  # the rows in their order within each block: head, first, p0
+        assert (first[..., column] == row_major[None, :, 0, column]).all()
+    not_causal = mosaic_plan.Ranges(True, n, sched.stride, False, 128, 128)
+    assert not mosaic_plan.Work.of(sched, batch, mosaic.Config(), False, not_causal, True,
+                                   claims).interleaved
 
 
 def test_ring_steps_run_a_program_per_item():

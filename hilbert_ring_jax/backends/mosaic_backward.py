@@ -273,7 +273,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   interpret = config.interpret
   fused = dq_accs is not None
   query_ranges = Ranges(False, n, L, causal, block_rows, bq)
-  # causal: heaviest first
+  # (not reversed: under a causal mask the first key rows are the heaviest)
   work = Work.of(sched, batch, config, False, query_ranges, ids is not None)
   # 16-bit outputs: dk and dv in tiles of their own, in the bytes of the consumer's float32
   # tile (fused: which stages dq between items).

@@ -23,16 +23,17 @@ in cost, and that static split left the SMs idle for part of the launch (ncu, Lo
 D = 64); so the host estimates each item's cost (the blocks it walks, by the producer's own
 ranges) and list-schedules the items in launch order (each to the program that frees first:
 what the GPU's own block scheduler does, decided ahead, which keeps the programs in flight
-on neighbouring keys, in L2). The default does so where items walk at most `_SHORT_ITEMS`
-blocks on average (against a program per item: causal LongNet's forward measured faster and
-its forward+backward the same, that 8K LongNet's forward+backward faster); longer items (full
-causal attention) have little fixed cost to hide, and an A/B measured its list-scheduled
-backward slower, so each item is a program there. In packed rows the ids, on the device,
-decide those long items' costs: there the forward's persistent programs take the next item
-from a counter in global memory each time they free up (dynamic work: the GPU scheduler's
-order, with the next item's queries loaded early), measured faster than a program per item;
-the backward's, slower, keep a program per item. (The figures behind these choices:
-docs/performance.md.)
+on neighbouring keys, in L2; packed rows' causal launches number their items block-major,
+the heads' rows side by side: `Work.of`). The default does so where items walk at most
+`_SHORT_ITEMS` blocks on average (against a program per item: causal LongNet's forward
+measured faster and its forward+backward the same, that 8K LongNet's forward+backward
+faster); longer items (full causal attention) have little fixed cost to hide, and an A/B
+measured its list-scheduled backward slower, so each item is a program there. In packed rows
+the ids, on the device, decide those long items' costs: there the forward's persistent
+programs take the next item from a counter in global memory each time they free up (dynamic
+work: the GPU scheduler's order, with the next item's queries loaded early), measured faster
+than a program per item; the backward's, slower, keep a program per item. (The figures
+behind these choices: docs/performance.md.)
 """
 
 from __future__ import annotations
@@ -354,7 +355,8 @@ class Program:
 
 def list_schedule(costs: np.ndarray, programs: int) -> np.ndarray:
   """List scheduling, decided on the host: the items in launch order (row by row, which
-  keeps the programs in flight on neighbouring keys), each to the program that frees first
+  keeps the programs in flight on neighbouring keys; block-major in packed rows' causal
+  launches: `Work.interleaved`), each to the program that frees first
   by its estimated cost (`costs`, one per item): what the GPU's block scheduler does with a
   program per item. Returns int32 `[programs + 1 + items]`: program `p`'s items are
   `order[offsets[p]:offsets[p + 1]]`, in launch order, `offsets` first."""
@@ -375,8 +377,9 @@ class Work:
   (`persistent`: one program per SM; else one per item). Program `p` takes items
   `p, p + programs, ...`, or under a causal mask, where items differ in cost, the items
   `plan` gives it: offsets `[programs + 1]`, then the items grouped by program, appended
-  to the rows table (`table`); or (`dynamic`, packed rows) item `p`, then each next item
-  not yet taken, from a counter in global memory (`mine`)."""
+  to the rows table (`table`); or (`dynamic`, the packed forward) item `p`, then each next
+  item not yet taken, from a counter in global memory (`mine`). Items are numbered row by
+  row, or block by block (`interleaved`: packed rows' causal launches; `Program.decode`)."""
   sched: schedule.Schedule
   block_rows: int
   n: int
@@ -399,10 +402,10 @@ class Work:
     `packed` (packed rows): the ids decide the items' costs, which under a causal mask no
     longer fall along a row as the mask alone makes them; causal launches then number their
     items block-major (`interleaved`: the heads' rows side by side), so that the last ones
-    taken are the row's first (or, reversed, last) blocks of every head, not the last head's
+    taken are every head's last blocks (with `reverse`, its first), not the last head's
     whole row, whose long documents' items kept some SMs busy after the others ran out of
-    work (docs/performance.md, "Packed sequences"; not causal: the order of before, the
-    other not measured). `claims` (a kernel that can take its items dynamically: the
+    work (docs/performance.md, "Packed sequences"; not causal: row-major as before,
+    block-major there not measured). `claims` (a kernel that can take its items dynamically: the
     forward): where a program per item is the default, packed rows' persistent programs take
     their items dynamically instead."""
     strides = np.asarray(sched.pieces)[:, schedule.PIECE_STRIDE]

@@ -59,7 +59,8 @@ class Schedule:
 
   Launch geometry: a program per (row block, row) on the grid's first axis, row-major
   (`row * row_blocks + block`), and per (batch, period) on the second (`b * periods + p`);
-  `_triton_kernels._program` decodes the same.
+  `_triton_kernels._program` decodes the same (mosaic's packed causal launches number theirs
+  block-major: `mosaic_plan.Work.interleaved`).
   """
   period: int
   periods: int
