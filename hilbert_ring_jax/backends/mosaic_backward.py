@@ -128,7 +128,6 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
 
       def item(i, prog, has_next, next_prog, step):
         b, head, cls = prog.b, prog.head, prog.cls
-        q_start = prog.start + wg * bq
         q_rows = prog.rows(wg, bq)
 
         @pl.when(prog.busy)
@@ -139,7 +138,7 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
         lse2 = plgpu.load(lse_smem.at[wg], layout=row_stat)
         q_ids = plgpu.load(qid_smem.at[wg], layout=row_stat) if packed else None
         delta_i = plgpu.load(delta_smem.at[wg], layout=row_stat)
-        q_first = prog.first + L * q_start
+        q_first, q_last = prog.ends(wg, bq, L)
         q_pos = q_first + L * row_iota if causal else None
 
         def block(carry, piece, j, masked: bool):
@@ -180,7 +179,6 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
           return dq, step + 1
 
         dq = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
-        q_last = prog.first + L * (jnp.minimum(q_start + bq, prog.nrows) - 1)
         ranges = key_ranges(prog, pieces_ref, bias_ref, (q_first, q_last),
                             (*window(prog, 0, 1), *window(prog, wg)) if packed else None)
         dq, step = walk(prog, ranges, block, (dq, step), skip)
@@ -399,7 +397,6 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       def item(i, prog, has_next, next_prog, carry):
         step, owed = carry
         b, head, cls = prog.b, prog.head, prog.cls  # head: the key/value head
-        k_start = prog.start + wg * bk
         k_rows = prog.rows(wg, bk)
 
         @pl.when(prog.busy)
@@ -415,8 +412,8 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
         k_ids = plgpu.load(kid_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) if packed \
             else None
-        k_pos = prog.first + L * (k_start + row_iota) if causal else None
-        k_last = prog.first + L * (jnp.minimum(k_start + bk, prog.nrows) - 1)
+        k_first, k_last = prog.ends(wg, bk, L)
+        k_pos = k_first + L * row_iota if causal else None
 
         def block(carry, piece, j, masked: bool):
           """One query block: s^T = k q^T and dp^T = v dout^T, p^T = exp2(s^T c + log2 m -
@@ -475,7 +472,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
           return dk, dv, step + 1, (lax.rem(step, 2) != wg).astype(jnp.int32)
 
         zeros = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
-        ranges = query_ranges(prog, pieces_ref, bias_ref, (prog.first + L * k_start, k_last),
+        ranges = query_ranges(prog, pieces_ref, bias_ref, (k_first, k_last),
                               (*window(prog, 0, 1), *window(prog, wg)) if packed else None)
         owed = jnp.where(prog.busy, 0, owed)  # settled above
         dk, dv, step, owed = walk(prog, ranges, block, (zeros, zeros, step, owed), skip)

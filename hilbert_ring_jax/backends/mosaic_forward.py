@@ -167,7 +167,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
           load_q(i, prog)
         q_tile = q_smem.at[tile(i)]
         pl.when(prog.busy)(lambda: plgpu.barrier_wait(q_bar.at[tile(i)]))
-        q_first = prog.first + L * (prog.start + wg * bq)  # this warpgroup's first query
+        q_first, q_last = prog.ends(wg, bq, L)  # this warpgroup's first and last query
         q_pos = q_first + L * row_iota if causal else None  # this warpgroup's query positions
         if packed:  # this warpgroup's queries' document ids, a row each
           pl.when(prog.busy)(lambda: plgpu.barrier_wait(qid_bar.at[tile(i)]))
@@ -222,7 +222,6 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
         pl.when(prog.busy)(start_turns)  # one consumer's softmax beside the other's wgmmas
         # (The blocks this warpgroup cannot see, which its last query and own window give, are
         # walked masked: `walk` without a `skip`; docs/performance.md, "Packed sequences".)
-        q_last = prog.first + L * (jnp.minimum(prog.start + (wg + 1) * bq, prog.nrows) - 1)
         ranges = key_ranges(prog, pieces_ref, bias_ref, (q_first, q_last),
                             (*item_window(prog), *window(prog, wg)) if packed else None)
         acc, m_i, l_i, step = walk(prog, ranges, block, (acc, m_i, l_i, step))

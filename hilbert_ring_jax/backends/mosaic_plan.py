@@ -324,6 +324,13 @@ class Program:
     """Consumer `wg`'s `size` rows of the item, in the strided view."""
     return pl.ds(aligned(self.row0 + self.start + wg * size), size)
 
+  def ends(self, wg, size: int, stride: int):
+    """The positions of consumer `wg`'s first and last row (`size` rows of the row's
+    `stride`; the last cut at the row's end): a consumer's `rows` for `Ranges`."""
+    start = self.start + wg * size
+    return (self.first + stride * start,
+            self.first + stride * (jnp.minimum(start + size, self.nrows) - 1))
+
   @classmethod
   def decode(cls, rows_ref, sched: schedule.Schedule, block_rows: int, n: int, item,
              reverse: bool, interleaved: bool = False):
@@ -356,9 +363,9 @@ class Program:
 def list_schedule(costs: np.ndarray, programs: int) -> np.ndarray:
   """List scheduling, decided on the host: the items in launch order (row by row, which
   keeps the programs in flight on neighbouring keys; block-major in packed rows' causal
-  launches: `Work.interleaved`), each to the program that frees first
-  by its estimated cost (`costs`, one per item): what the GPU's block scheduler does with a
-  program per item. Returns int32 `[programs + 1 + items]`: program `p`'s items are
+  launches: `Work.interleaved`), each to the program that frees first by its estimated cost
+  (`costs`, one per item): what the GPU's block scheduler does with a program per item.
+  Returns int32 `[programs + 1 + items]`: program `p`'s items are
   `order[offsets[p]:offsets[p + 1]]`, in launch order, `offsets` first."""
   free = [(0, p) for p in range(programs)]
   owner = np.empty(len(costs), np.int32)
