@@ -119,7 +119,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
     wg = lax.axis_index("wg")
 
     window = packed and functools.partial(id_tiles.window, id_refs[3])
-    item_window = lambda prog: (*window(prog, 0, 1),)  # both consumers' union
+    item_window = lambda prog: window(prog, 0, 1)  # both consumers' union and common run
 
     def producer():
       produce_kv(work, origin_ref, rows_ref, per_kv, (k4_ref, k5_ref, k_smem, k_bar, k_free),

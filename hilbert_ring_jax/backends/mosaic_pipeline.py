@@ -216,7 +216,8 @@ class IdTiles:
 
   def window(self, table_ref, prog, first: int, last: int | None = None):
     """`(u0, u1, r0, r1)` of an item's row tile `first` (0, 1: the consumers' tiles) from
-    the `inputs` table; with `last`, the union `(u0, u1)` of tiles `first..last`."""
+    the `inputs` table; with `last`, of tiles `first..last` together: the union of their
+    `[u0, u1]` and the common part of their runs `[r0, r1]`."""
 
     def read(tile):
       row = lax.div(prog.row0 + prog.start, self.size) + tile
@@ -226,8 +227,9 @@ class IdTiles:
 
     if last is None:
       return read(first)
-    u0, u1, _, _ = read(first)
+    u0, u1, r0, r1 = read(first)
     for tile in range(first + 1, last + 1):
-      a, b, _, _ = read(tile)
+      a, b, c, e = read(tile)
       u0, u1 = jnp.minimum(u0, a), jnp.maximum(u1, b)
-    return u0, u1
+      r0, r1 = jnp.maximum(r0, c), jnp.minimum(r1, e)
+    return u0, u1, r0, r1

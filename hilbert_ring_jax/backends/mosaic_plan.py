@@ -614,6 +614,21 @@ def _window_keys(piece, at, w0, w1, L, n):
   return up(lo), jnp.maximum(up(lo), up(hi))
 
 
+def _windowed(piece, base, window, bounds):
+  """`bounds(piece, window)`, the piece's blocks cut by an item's `window` (None: none), as
+  `_key_ranges` and `_query_ranges` work them out; or `bounds(piece, None)` where every
+  position of the piece lies in the run `window[2:4]` common to the item's rows (a row of one
+  document; a long document's segments), which no window then cuts: a branch that skips
+  their arithmetic, which a piece's first products wait for (LongNet walks pieces of a block
+  or two: with every id equal its kernels took 8-11% longer than without ids before;
+  docs/performance.md, "Pieces inside one document")."""
+  if window is None:
+    return bounds(piece, None)
+  at = base + piece.first
+  inside = (window[2] <= at) & (at + piece.stride * (piece.count - 1) <= window[3])
+  return lax.cond(inside, lambda: bounds(piece, None), lambda: bounds(piece, window))
+
+
 def _in_order(lo, s0, a, b, s1, hi):
   """A consumer's `(lo, s0, a, b, s1, hi)` in `walk`'s order: the blocks it cannot see,
   `[lo, s0)` and `[s1, hi)`, cut where they would meet its unmasked blocks `[a, b)`; an empty
@@ -637,12 +652,14 @@ def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, rows=N
   last query).
 
   `window` (packed rows): the positions `(u0, u1)` of the keys that may share a document
-  with a query of the program, for the producer; for a consumer also its own `(v0, v1)` and
-  `(r0, r1)`, a run of keys all in the one document of each of its queries (`r0 > r1`:
-  none). Blocks outside `[u0, u1]` are not walked, by the producer and both consumers alike;
-  blocks outside `[v0, v1]` hold no key of the consumer's documents; blocks inside
-  `[r0, r1]` need no document mask; every other block is masked (`walk`'s masked blocks
-  compare ids)."""
+  with a query of the program and `(c0, c1)`, a run of keys all in the one document of every
+  query of the program (`IdTiles.window` of both tiles), for the producer; for a consumer
+  also its own `(v0, v1)` and `(r0, r1)`, a run of keys all in the one document of each of
+  its queries (`r0 > r1`: none). Blocks outside `[u0, u1]` are not walked, by the producer
+  and both consumers alike; blocks outside `[v0, v1]` hold no key of the consumer's
+  documents; blocks inside `[r0, r1]` need no document mask; every other block is masked
+  (`walk`'s masked blocks compare ids). A piece inside `[c0, c1]` is cut by none of them:
+  its blocks are worked out as without ids (`_windowed`)."""
   hi_q = prog.first + L * (jnp.minimum(prog.start + block_rows, prog.nrows) - 1)
 
   def seen(piece, pos):  # keys of the piece at or before position `pos`
@@ -652,26 +669,29 @@ def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, rows=N
                      jnp.minimum(piece.count,
                                  _div_stride(pos - piece.first, piece.stride, L) + 1), 0)
 
-  def ranges(p):
-    piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n, L)
+  def bounds(piece, window):
     blocks = ceil_div(seen(piece, hi_q), bk)
-    lo = 0
+    lo = jnp.int32(0)
     if window is not None:
       at = prog.base + piece.first
       i0, i1 = _window_keys(piece, at, window[0], window[1], L, n)
       lo, blocks = jnp.minimum(lax.div(i0, bk), blocks), jnp.minimum(ceil_div(i1, bk), blocks)
       blocks = jnp.maximum(lo, blocks)
     if rows is None:
-      return piece, lo, blocks
+      return lo, blocks
     a, b = lo, jnp.clip(lax.div(seen(piece, rows[0]), bk), lo, blocks)
     s0, s1 = lo, ceil_div(seen(piece, rows[1]), bk)
     if window is not None:
-      i0, i1 = _window_keys(piece, at, window[4], window[5], L, n)
+      i0, i1 = _window_keys(piece, at, window[6], window[7], L, n)
       a = jnp.clip(ceil_div(i0, bk), lo, blocks)
       b = jnp.clip(jnp.minimum(lax.div(i1, bk), b), a, blocks)
-      i0, i1 = _window_keys(piece, at, window[2], window[3], L, n)
+      i0, i1 = _window_keys(piece, at, window[4], window[5], L, n)
       s0, s1 = lax.div(i0, bk), jnp.minimum(s1, ceil_div(i1, bk))
-    return (piece, *_in_order(lo, s0, a, b, s1, blocks))
+    return _in_order(lo, s0, a, b, s1, blocks)
+
+  def ranges(p):
+    piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n, L)
+    return (piece, *_windowed(piece, prog.base, window, bounds))
 
   return ranges
 
@@ -694,8 +714,7 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, rows=None, windo
                                  _div_stride(pos - piece.first + piece.stride - 1,
                                              piece.stride, L)), 0)
 
-  def ranges(p):
-    piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n, L)
+  def bounds(piece, window):
     lo, hi = lax.div(before(piece, k_first), bq), ceil_div(piece.count, bq)
     if window is not None:
       at = prog.base + piece.first
@@ -703,17 +722,21 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, rows=None, windo
       lo = jnp.maximum(lo, lax.div(i0, bq))
       hi = jnp.maximum(lo, jnp.minimum(hi, ceil_div(i1, bq)))
     if rows is None:
-      return piece, lo, hi
+      return lo, hi
     a = jnp.clip(ceil_div(before(piece, rows[1]), bq), lo, hi)
     b = jnp.clip(lax.div(piece.count, bq), a, hi)
     s0, s1 = lax.div(before(piece, rows[0]), bq), hi
     if window is not None:
-      i0, i1 = _window_keys(piece, at, window[4], window[5], L, n)
+      i0, i1 = _window_keys(piece, at, window[6], window[7], L, n)
       a = jnp.clip(ceil_div(i0, bq), a, hi)
       b = jnp.clip(jnp.minimum(b, lax.div(i1, bq)), a, hi)
-      i0, i1 = _window_keys(piece, at, window[2], window[3], L, n)
+      i0, i1 = _window_keys(piece, at, window[4], window[5], L, n)
       s0, s1 = jnp.maximum(s0, lax.div(i0, bq)), ceil_div(i1, bq)
-    return (piece, *_in_order(lo, s0, a, b, s1, hi))
+    return _in_order(lo, s0, a, b, s1, hi)
+
+  def ranges(p):
+    piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n, L)
+    return (piece, *_windowed(piece, prog.base, window, bounds))
 
   return ranges
 
