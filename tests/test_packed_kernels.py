@@ -164,12 +164,15 @@ def test_mosaic_packed_one_segment_of_any_length():
 
 
 @INTERPRET
-def test_mosaic_packed_items_taken_by_several_programs(monkeypatch):
-  """Dynamic work (`Work.mine`: the packed forward's persistent programs take items from a
-  counter) with three programs, each starting at its own item: interpret mode runs one
-  program after another, so the first takes every item but the others' first ones, and
-  those take theirs and stop. Every item is walked: the causal forward's output and lse
-  against the float64 reference (the backward kernels keep a program per item)."""
+@pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_mosaic_packed_items_taken_by_several_programs(monkeypatch, fused):
+  """Dynamic work (`Work.mine`: the packed forward's and dk/dv kernel's persistent programs
+  take items from a counter) with three programs, each starting at its own item: interpret
+  mode runs one program after another, so the first takes every item but the others' first
+  ones, and those take theirs and stop. Every item is walked, and each dk/dv item loads the
+  next one's rows before its epilogue (fused: after the other consumer's last dq turn): the
+  causal forward, lse and gradients against the float64 reference (the dq kernel keeps its
+  static work)."""
   of = mosaic_plan.Work.of.__func__
 
   def three(cls, sched, batch, config, reverse, ranges, packed=False, claims=False):
@@ -178,19 +181,10 @@ def test_mosaic_packed_items_taken_by_several_programs(monkeypatch):
                                programs=min(3, work.items)) if claims else work
 
   monkeypatch.setattr(mosaic_plan.Work, "of", classmethod(three))
-  case = helpers.Case(256, 2, 1, (256,), (1,), head_dim=64)
-  ids = packed_ids(1, case.n, 60, seed=7)
-  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 0)
-  scale = case.head_dim ** -0.5
-  out, lse = jax.jit(lambda q, k, v: mosaic.forward(
-      q, k, v, case.pattern(True), scale, config=mosaic.Config(interpret=True),
-      out_dtype=jnp.bfloat16, segment_ids=(ids, ids)))(q, k, v)
-  m = reference_np.multiplicity(case.n, case.heads, case.segment_lengths, case.dilation_rates,
-                                True, case.offsets, case.head_groups)
-  ref_out, ref_lse, _ = reference_np.attention(
-      q, k, v, m[None] * reference_np.same_document(ids, ids), scale, dout, dlse)
-  assert helpers.rel_err(out, ref_out) < helpers.TOL[jnp.bfloat16]
-  helpers.check_lse(lse, ref_lse, helpers.TOL[jnp.bfloat16])
+  case = helpers.Case(512, 2, 1, (512,), (1,), head_dim=64)  # 4 items of 128 rows a head
+  ids = jnp.asarray(packed_ids(1, case.n, 60, seed=7))
+  _check_mosaic(case, True, (ids, ids),
+                config=mosaic.Config(interpret=True, fused_backward=fused))
 
 
 @pytest.mark.parametrize("keys,block", [(True, 128), (True, 64), (False, 64)])
@@ -503,12 +497,13 @@ def test_triton_packed_on_a_gpu(name, dtype):
 
 @pytest.mark.gpu
 def test_mosaic_packed_kernels_take_items_as_programs_free_up(monkeypatch):
-  """The packed forward's persistent programs take their items from a counter in global
-  memory (`Work.mine`, dynamic work; the default where full causal attention's items would
-  each be a program): at 1,024 items a launch, over the SMs, the output and lse equal those
-  of a program per item (each item computes the same either way), and so do the gradients
-  that follow from them (dq, added across items in float32, to rounding); causal documents of
-  ~1K tokens, the fused and the split backward."""
+  """The packed forward's and dk/dv kernel's persistent programs take their items from a
+  counter in global memory (`Work.mine`, dynamic work; the default where full causal
+  attention's items would each be a program): at 1,024 items a launch, over the SMs, the
+  output, lse, dk and dv equal those of a program per item (each item computes the same
+  either way; the dk/dv kernel loads each next item's rows before its epilogue), and dq
+  (added across items in float32) does to rounding; causal documents of ~1K tokens, the
+  fused and the split backward."""
   if not mosaic.is_hopper():
     pytest.skip("the mosaic kernels run on Hopper GPUs")
   of, dynamic_launches = mosaic_plan.Work.of.__func__, []

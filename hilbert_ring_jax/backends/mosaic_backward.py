@@ -197,7 +197,7 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
         return step
 
       loop(item, jnp.int32(0))
-      plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     pl.when(wg < 2)(consumer)
     pl.when(wg == 2)(producer)
@@ -272,7 +272,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   fused = dq_accs is not None
   query_ranges = Ranges(False, n, L, causal, block_rows, bq)
   # (not reversed: under a causal mask the first key rows are the heaviest)
-  work = Work.of(sched, batch, config, False, query_ranges, ids is not None)
+  work = Work.of(sched, batch, config, False, query_ranges, ids is not None, claims=True)
   # 16-bit outputs: dk and dv in tiles of their own, in the bytes of the consumer's float32
   # tile (fused: which stages dq between items).
   two_tiles = jnp.dtype(out_dtype).itemsize == 2
@@ -282,7 +282,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
   def kernel(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref,
              do4_ref, do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, id_refs, dq_refs,
-             prior_refs, dk_ref, dv_ref, smem, bars, free):
+             prior_refs, dk_ref, dv_ref, smem, bars, free, claims):
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem, kid_smem, qid_smem = smem[:9]
     o_smem, o16_smem = o_smem if shared_tiles else (o_smem, o_smem)
     row_bars, q_bar, do_bar, lse_bar, delta_bar, prior_bars, kid_bar, qid_bar = bars[:8]
@@ -325,11 +325,12 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
                                       True))),
              (do_free, stream(prog, do4_ref, do5_ref, do_smem, do_bar))], stages, step)
 
-      produce_items(work, origin_ref, rows_ref, item, [q_free, stat_free, do_free], stages)
+      produce_items(work, origin_ref, rows_ref, item, [q_free, stat_free, do_free], stages,
+                    claims)
 
     def consumer():
       plgpu.set_max_registers(REGISTERS[1], action="increase")
-      first, loop = work.mine(origin_ref, rows_ref)
+      first, loop = work.mine(origin_ref, rows_ref, claims)
       k_tile, v_tile, o_tile = k_smem.at[wg], v_smem.at[wg], o_smem.at[wg]
       col_stat = plgpu.Layout.WGMMA.reduce(0)
       cols_iota = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
@@ -388,11 +389,9 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             plgpu.copy_gmem_to_smem(id_refs[0].at[b, id_tiles.head(head), cls, k_rows],
                                     kid_smem.at[wg], kid_bar.at[wg])
 
-      # Split kernel: the next item's rows load during this one's stores. (The fused one's k
-      # tiles are read by the other consumer's dq products until it settles: loaded late.)
-      early = not fused
-      if early:
-        load_rows(first)
+      # The next item's rows load during this one's stores (fused: once the other consumer's
+      # last dq products, which read this one's k tile, have settled).
+      load_rows(first)
 
       def item(i, prog, has_next, next_prog, carry):
         step, owed = carry
@@ -401,10 +400,6 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
         @pl.when(prog.busy)
         def _():
-          if fused:
-            settle(owed)
-          if not early:
-            load_rows(prog)
           plgpu.barrier_wait(row_bars[0].at[wg])
           plgpu.barrier_wait(row_bars[1].at[wg])
           if packed:
@@ -474,10 +469,11 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
         zeros = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
         ranges = query_ranges(prog, pieces_ref, bias_ref, (k_first, k_last),
                               (*window(prog, 0, 1), *window(prog, wg)) if packed else None)
-        owed = jnp.where(prog.busy, 0, owed)  # settled above
         dk, dv, step, owed = walk(prog, ranges, block, (zeros, zeros, step, owed), skip)
-        if early:
-          pl.when(has_next)(lambda: load_rows(next_prog()))
+        if fused:
+          settle(owed)
+          owed = jnp.int32(0)
+        pl.when(has_next)(lambda: load_rows(next_prog()))
 
         @pl.when(prog.busy)
         def _():
@@ -503,16 +499,15 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
 
         return step, owed
 
-      _, owed = loop(item, (jnp.int32(0), jnp.int32(0)))
-      if fused:  # observe the last turn's release (interpret mode checks every phase)
-        settle(owed)
-      plgpu.wait_smem_to_gmem(0)
+      loop(item, (jnp.int32(0), jnp.int32(0)))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     pl.when(wg < 2)(consumer)
     pl.when(wg == 2)(producer)
 
   def entry(origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref, do4_ref,
             do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, *refs):
+    counter_ref, refs = (refs[0], refs[1:]) if work.dynamic else (None, refs)
     id_refs, refs = (refs[:4], refs[4:]) if packed else (None, refs)
     split = len(refs) - 2 - (prior is not None) * 2
     dq_refs, prior_refs, (dk_ref, dv_ref) = refs[:split], refs[split:-2], refs[-2:]
@@ -542,19 +537,22 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
       bars.append((plgpu.Barrier(num_arrivals=2, num_barriers=2),
                    plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)))
     pl.run_scoped(
-        lambda smem, bars, free: kernel(
+        lambda smem, bars, free, claims: kernel(
             origin_ref, rows_ref, pieces_ref, bias_ref, k_ref, v_ref, q4_ref, q5_ref, do4_ref,
             do5_ref, lse4_ref, lse5_ref, delta4_ref, delta5_ref, id_refs, dq_refs, prior_refs,
-            dk_ref, dv_ref, smem, bars, free),
+            dk_ref, dv_ref, smem, bars, free,
+            claims and (counter_ref, *claims, interpret)),
         smem, bars,
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 3,
+        work.claim_buffers(),
         collective_axes="wg")
 
   out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_kv, d), out_dtype),) * 2
   rows, pieces, bias = tables
   view = functools.partial(strided_view, stride=L)
   args = (work.table(rows), pieces.reshape(-1), bias, view(k), view(v), q, view(q), dout,
-          view(dout), *stats, *(id_tiles.inputs(ids, n_pad) if packed else ()),
+          view(dout), *stats, *work.counter(), *(id_tiles.inputs(ids, n_pad) if packed else ()),
           *(dq_accs or ()), *map(view, prior or ()))
-  dk, dv, *accs = run(entry, out_type, work.grid, args, interpret)
+  dk, dv, *zeroed = run(entry, out_type, work.grid, args, interpret)
+  accs = zeroed[len(work.counter()):]  # (the counter first)
   return (*(x.reshape(batch, n_out, num_kv, d) for x in (dk, dv)), *accs)

@@ -246,7 +246,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
         return step
 
       loop(item, jnp.int32(0))
-      plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     pl.when(wg < 2)(consumer)
     pl.when(wg == 2)(producer)
