@@ -10,7 +10,9 @@ slower there:
   their k and v tiles; the producer streams the query pieces of every query head reading that
   head (q, dout, lse, delta: a stride-1 piece from `[B, N, H, ...]`, a strided one from the
   view), s^T = k q^T, dp^T = v dout^T, dv += p^T dout, dk += ds^T q.
-Both load the next item's resident rows when a walk ends, while the item's results store.
+Both load the next item's resident rows when a walk ends, while the item's results store
+(the fused dk/dv kernel once the other consumer's last dq products, which read this one's k
+tile, have settled).
 In launches whose queries read at least 1,024 keys a head on average where rows are unstrided
 (full attention, stride-1 branches), or 1,900 where they are strided (and `setmaxnreg` moves
 the registers; `Config.backward_for`), dq moves into the dk/dv kernel: both consumers put their

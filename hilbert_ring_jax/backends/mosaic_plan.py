@@ -29,11 +29,12 @@ the heads' rows side by side: `Work.of`). The default does so where items walk a
 measured faster and its forward+backward the same, that 8K LongNet's forward+backward
 faster); longer items (full causal attention) have little fixed cost to hide, and an A/B
 measured its list-scheduled backward slower, so each item is a program there. In packed rows
-the ids, on the device, decide those long items' costs: there the forward's persistent
-programs take the next item from a counter in global memory each time they free up (dynamic
-work: the GPU scheduler's order, with the next item's queries loaded early), measured faster
-than a program per item; the backward's, slower, keep a program per item. (The figures
-behind these choices: docs/performance.md.)
+the ids, on the device, decide those long items' costs: there the persistent programs of the
+forward and the dk/dv kernel take the next item from a counter in global memory each time
+they free up (dynamic work: the GPU scheduler's order, with the next item's queries, or keys
+and values, loaded early), measured faster than a program per item; the dq kernel's keep a
+program per item, and so do dense rows' long causal items, where dynamic work measured slower.
+(The figures behind these choices: docs/performance.md.)
 """
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ class Config:
       when a launch first traces, cached per shape; its cost: docs/performance.md). None:
       persistent, but for causal items that walk more than `_SHORT_ITEMS` blocks on
       average (full causal attention), where a program per item measured as fast; the
-      forward's there in packed rows, whose costs the ids decide (on the device), persistent
-      programs that take their items as they free up (`Work.mine`, dynamic work).
+      forward's and dk/dv kernel's there in packed rows, whose costs the ids decide (on the
+      device), persistent programs that take their items as they free up (`Work.mine`,
+      dynamic work).
     interpret: run in Mosaic GPU interpret mode (CPU, JAX >= 0.11; slow: for tests).
   """
 
@@ -384,9 +386,10 @@ class Work:
   (`persistent`: one program per SM; else one per item). Program `p` takes items
   `p, p + programs, ...`, or under a causal mask, where items differ in cost, the items
   `plan` gives it: offsets `[programs + 1]`, then the items grouped by program, appended
-  to the rows table (`table`); or (`dynamic`, the packed forward) item `p`, then each next
-  item not yet taken, from a counter in global memory (`mine`). Items are numbered row by
-  row, or block by block (`interleaved`: packed rows' causal launches; `Program.decode`)."""
+  to the rows table (`table`); or (`dynamic`: packed rows' forward and dk/dv kernels) item
+  `p`, then each next item not yet taken, from a counter in global memory (`mine`). Items
+  are numbered row by row, or block by block (`interleaved`: packed rows' causal launches;
+  `Program.decode`)."""
   sched: schedule.Schedule
   block_rows: int
   n: int
@@ -413,8 +416,8 @@ class Work:
     whole row, whose long documents' items kept some SMs busy after the others ran out of
     work (docs/performance.md, "Packed sequences"; not causal: row-major as before,
     block-major there not measured). `claims` (a kernel that can take its items dynamically: the
-    forward): where a program per item is the default, packed rows' persistent programs take
-    their items dynamically instead."""
+    forward and dk/dv kernels): where a program per item is the default, packed rows'
+    persistent programs take their items dynamically instead (dense rows' measured slower)."""
     strides = np.asarray(sched.pieces)[:, schedule.PIECE_STRIDE]
     assert np.isin(strides, (1, sched.stride)).all(), "strides 1 or L (_div_stride)"
     rows, bps = sched.grid(batch, ranges.block_rows)
