@@ -329,7 +329,8 @@ def test_packed_launches_number_items_block_major(claims):
   strided launch), then block `i + 1` (reversed under `reverse`), each item exactly once,
   with the rows, blocks and pieces that a row-major launch gives the same item otherwise;
   with a program per item (the causal default at 32K) or, where the kernel takes items
-  itself (`claims`, the forward), dynamic persistent programs. Not causal: row-major."""
+  itself (`claims`: the forward and dk/dv kernels), dynamic persistent programs. Not causal:
+  row-major."""
   heads, batch = 4, 2
   longnet = DilatedPattern((256, 512, 1024), (1, 2, 4), causal=True)
   launches = [(Case(32768, heads, heads, (32768,), (1,)).pattern(True), 32768, (0,))] + [

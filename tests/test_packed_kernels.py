@@ -132,7 +132,7 @@ def _check_mosaic(case, causal, ids, **kwargs):
 @INTERPRET
 @pytest.mark.slow  # ~45 s interpreted, CI's largest; a Hopper runs the kernels with ids for
 # real (test_mosaic_packed_on_a_gpu), test_mosaic_packed_lowers_for_the_gpu lowers them here
-# and test_mosaic_packed_items_taken_by_several_programs runs the forward's here
+# and test_mosaic_packed_items_taken_by_several_programs runs dynamic work's here
 def test_mosaic_packed_matches_the_reference():
   """LongNet, causal, GQA, in rows of whole 128-blocks (launches of an unstrided and strided
   branches: the forward, dq and dk/dv kernels, split): documents of ~60 tokens, so the
@@ -366,18 +366,20 @@ def test_mosaic_packed_lowers_for_the_gpu(monkeypatch):
                q, kv, kv, q, lse, lse, *ids)
   assert "stablehlo.while" not in text
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
-  # Full causal attention's long items, which the forward's programs take from a counter
-  # (`Work.mine`, dynamic work: an atomic add inlined through `plgpu.inline_mgpu`; the
-  # counter a `hopper.Zeroed` buffer), through the kernel contract's custom_jvp halves as
-  # `dilated_attention` runs them.
+  # Full causal attention's long items, which the forward's and the dk/dv kernel's programs
+  # take from a counter (`Work.mine`, dynamic work: an atomic add inlined through
+  # `plgpu.inline_mgpu`; the counter a `hopper.Zeroed` buffer, beside dq's accumulator in
+  # dk/dv), through the kernel contract's custom_jvp halves as `dilated_attention` runs them.
   n = 32768
   full = DilatedPattern((n,), (1,), causal=True)
   rows = [jax.ShapeDtypeStruct((1, n, h, 128), jnp.bfloat16) for h in (2, 1, 1)]
   one = jax.ShapeDtypeStruct((1, n), jnp.int32)
   kernel = helpers.Kernels(mosaic, full, 0.1, None)
-  text = lower(lambda q, k, v, ids: backends.attention(q, k, v, kernel, (ids, ids))[0],
-               *rows, one)
-  assert "atomic_rmw" in text
+  attend = lambda q, k, v, ids: backends.attention(q, k, v, kernel, (ids, ids))[0]
+  forward = lower(attend, *rows, one).count("atomic_rmw")
+  both = lower(lambda q, k, v, ids, do: jax.vjp(lambda *x: attend(*x, ids), q, k, v)[1](do),
+               *rows, one, rows[0]).count("atomic_rmw")
+  assert forward > 0 and both > forward
   # The token step of a packed cache (reading each slot from its `first` position).
   from hilbert_ring_jax import decode  # pylint: disable=import-outside-toplevel
   from hilbert_ring_jax.backends import mosaic_decode  # pylint: disable=g-import-not-at-top
@@ -510,7 +512,8 @@ def test_mosaic_packed_kernels_take_items_as_programs_free_up(monkeypatch):
 
   def spy(cls, *args, **kwargs):
     work = of(cls, *args, **kwargs)
-    dynamic_launches.append(work.dynamic)
+    if work.dynamic:
+      dynamic_launches.append("forward" if args[4].keys else "dk/dv")  # (`Ranges.keys`)
     return work
 
   monkeypatch.setattr(mosaic_plan.Work, "of", classmethod(spy))
@@ -533,8 +536,9 @@ def test_mosaic_packed_kernels_take_items_as_programs_free_up(monkeypatch):
                          for p in (None, False))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), dynamic, per_item):
       a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-      if name == "dq":
+      if name == "dq":  # each element within a few bf16 roundings (a tile's race: far off)
         assert helpers.rel_err(a, b) < 1e-2, name
+        np.testing.assert_allclose(a, b, rtol=2 ** -6, atol=2 ** -6 * np.abs(b).max())
       else:
         np.testing.assert_array_equal(a, b, err_msg=name)
-  assert any(dynamic_launches), "the default took no packed launch's items dynamically"
+  assert {"forward", "dk/dv"} <= set(dynamic_launches), dynamic_launches

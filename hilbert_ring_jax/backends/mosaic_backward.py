@@ -391,9 +391,7 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
             plgpu.copy_gmem_to_smem(id_refs[0].at[b, id_tiles.head(head), cls, k_rows],
                                     kid_smem.at[wg], kid_bar.at[wg])
 
-      # The next item's rows load during this one's stores (fused: once the other consumer's
-      # last dq products, which read this one's k tile, have settled).
-      load_rows(first)
+      load_rows(first)  # (each next item's: when a walk ends, before the epilogue)
 
       def item(i, prog, has_next, next_prog, carry):
         step, owed = carry
@@ -552,9 +550,10 @@ def dkdv_launch(q, k, v, dout, stats, tables, sched: schedule.Schedule, n: int,
   out_type = (jax.ShapeDtypeStruct((batch, n_out // L, L, num_kv, d), out_dtype),) * 2
   rows, pieces, bias = tables
   view = functools.partial(strided_view, stride=L)
+  counter = work.counter()
   args = (work.table(rows), pieces.reshape(-1), bias, view(k), view(v), q, view(q), dout,
-          view(dout), *stats, *work.counter(), *(id_tiles.inputs(ids, n_pad) if packed else ()),
+          view(dout), *stats, *counter, *(id_tiles.inputs(ids, n_pad) if packed else ()),
           *(dq_accs or ()), *map(view, prior or ()))
   dk, dv, *zeroed = run(entry, out_type, work.grid, args, interpret)
-  accs = zeroed[len(work.counter()):]  # (the counter first)
+  accs = zeroed[len(counter):]  # (the counter first)
   return (*(x.reshape(batch, n_out, num_kv, d) for x in (dk, dv)), *accs)
