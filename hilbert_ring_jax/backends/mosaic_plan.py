@@ -328,7 +328,8 @@ class Program:
 
   def ends(self, wg, size: int, stride: int):
     """The positions of consumer `wg`'s first and last row (`size` rows of the row's
-    `stride`; the last cut at the row's end): a consumer's `rows` for `Ranges`."""
+    `stride`; the last cut at the row's end): a consumer's `rows` for `Ranges` (`wg` 0 and
+    the item's rows: the item's own ends)."""
     start = self.start + wg * size
     return (self.first + stride * start,
             self.first + stride * (jnp.minimum(start + size, self.nrows) - 1))
@@ -663,7 +664,7 @@ def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, rows=N
   documents; blocks inside `[r0, r1]` need no document mask; every other block is masked
   (`walk`'s masked blocks compare ids). A piece inside `[c0, c1]` is cut by none of them:
   its blocks are worked out as without ids (`_windowed`)."""
-  hi_q = prog.first + L * (jnp.minimum(prog.start + block_rows, prog.nrows) - 1)
+  _, hi_q = prog.ends(0, block_rows, L)  # the item's last query
 
   def seen(piece, pos):  # keys of the piece at or before position `pos`
     if not causal:
@@ -707,7 +708,7 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, rows=None, windo
   and see every key up to its last, and the blocks of `[lo, s0)` and `[s1, hi)` none that
   sees one of its keys (causal: before its first key). `window`: as `_key_ranges`', the
   roles of queries and keys swapped."""
-  k_first = prog.first + L * prog.start
+  k_first, _ = prog.ends(0, bq, L)  # the item's first key
 
   def before(piece, pos):  # queries of the piece before position `pos`
     if not causal:
