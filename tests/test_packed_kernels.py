@@ -199,20 +199,22 @@ def test_consumers_skip_only_blocks_their_rows_cannot_see(name, median, keys, bl
   to the queries', or, strided, a third of the documents' differing: the windows of a ring
   step's ids), and without ids. The blocks of `[lo, s0)` and `[s1, hi)` (which the backward
   kernels skip) hold no pair the consumer's rows see, those it runs unmasked (`[a, b)`) only
-  such pairs, and each such pair lies in `[lo, hi)`. There are some: without ids, where blocks
-  are the rows' size, the second consumer's first query block (dk/dv) and the first's last
-  key block (dq); with short documents' ids also the other documents' blocks of items across
-  two documents. The pieces inside the run common to an item's rows (long documents' some),
-  whose blocks are worked out as without ids, get the blocks the windows give."""
+  such pairs, and each such pair lies in `[lo, hi)` and among the keys or queries `[x0, x1)`
+  (by which the forward halves its masked blocks: the first consumer's diagonal, documents'
+  starts). There are skipped blocks: without ids, where blocks are the rows' size, the second
+  consumer's first query block (dk/dv) and the first's last key block (dq); with short
+  documents' ids also the other documents' blocks of items across two documents. The pieces
+  inside the run common to an item's rows (long documents' some), whose blocks are worked out
+  as without ids, get the blocks the windows give."""
   n, rows, heads = 1024, 64, 2
   pattern = (DilatedPattern((n,), (1,), causal=True) if name == "full" else
              DilatedPattern((256, 512, 1024), (1, 2, 4), causal=True))
   q_ids = np.asarray(packed_ids(1, n, median, seed=7))
   k_ids = q_ids if name == "full" else np.where(q_ids % 3 == 1, q_ids + 1000, q_ids)
   row_ids, block_ids = (q_ids, k_ids) if keys else (k_ids, q_ids)
-  skipped, inside = {}, 0
+  skipped, halved, inside = {}, {}, 0
   for packed in (True, False):
-    skipped[packed] = 0
+    skipped[packed] = halved[packed] = 0
     for fused in schedule.launches(pattern, n, heads, min_row=2 * rows):
       sched = schedule.build(pattern, n, heads, heads, fused, not keys)
       L = sched.stride
@@ -243,9 +245,9 @@ def test_consumers_skip_only_blocks_their_rows_cannot_see(name, median, keys, bl
             at = at + base
             for p in range(int(prog.p0), int(prog.p1)):
               piece, *bounds = walk(p)
-              lo, s0, a, b, s1, hi = (int(x) for x in bounds)
+              lo, s0, a, b, s1, hi, x0, x1 = (int(x) for x in bounds)
               if packed:
-                assert [int(x) for x in windowed(p)[1:]] == [lo, s0, a, b, s1, hi]
+                assert [int(x) for x in windowed(p)[1:]] == [lo, s0, a, b, s1, hi, x0, x1]
                 inside += bool(mosaic_plan._windowed(piece, prog.base, window,
                                                      lambda _, w: w is None))
               assert lo <= s0 <= a <= b <= s1 <= hi
@@ -255,6 +257,13 @@ def test_consumers_skip_only_blocks_their_rows_cannot_see(name, median, keys, bl
                 sees &= row_ids[0][at][:, None] == block_ids[0][other][None]
               seen = [sees[:, j * block:(j + 1) * block] for j in range(-(-len(other) // block))]
               assert not any(seen[j].any() for j in [*range(lo, s0), *range(s1, hi)])
+              assert not sees[:, :max(x0, 0)].any() and not sees[:, x1:].any()
+              for j in [*range(s0, a), *range(b, s1)]:  # masked: the forward's halves
+                meets = [x0 < j * block + c + block // 2 and x1 > j * block + c
+                         for c in (0, block // 2)]
+                for c, meet in zip((0, block // 2), meets):
+                  assert meet or not sees[:, j * block + c:j * block + c + block // 2].any()
+                halved[packed] += meets.count(True) == 1
               assert all(seen[j].all() and seen[j].shape[1] == block for j in range(a, b))
               assert not any(seen[j].any() for j in [*range(min(lo, len(seen))),
                                                      *range(hi, len(seen))])
@@ -263,6 +272,9 @@ def test_consumers_skip_only_blocks_their_rows_cannot_see(name, median, keys, bl
   # documents' ids (long ones' windows may cut the blocks from the walk instead).
   assert skipped[False] >= (block == rows)
   assert skipped[True] > skipped[False] or median == 400
+  if keys and block == 2 * rows:  # the forward's halved blocks: the first consumer's diagonal,
+    assert halved[False] > 0  # and with short documents' ids also their starts
+    assert halved[True] > halved[False] or median == 400
   assert inside > 0 or median == 60 or name == "full"  # (full: pieces of the whole row)
 
 

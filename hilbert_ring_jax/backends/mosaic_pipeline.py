@@ -143,16 +143,19 @@ def produce_kv(work: Work, origin_ref, rows_ref, per_kv: int, k, v, ranges, L: i
   produce_items(work, origin_ref, rows_ref, item, [k[-1], v[-1]], stages, claims)
 
 
-def walk(prog: Program, ranges, block, carry, skip=None):
+def walk(prog: Program, ranges, block, carry, skip=None, seen=False):
   """A consumer's pass over the blocks `produce` loads: `ranges(p) = (piece, lo, s0, a, b,
-  s1, hi)` (`mosaic_plan.Ranges`), blocks `[a, b)` unmasked, the rest of `[lo, hi)` masked,
-  `block(carry, piece, j, masked)`; but with `skip`, the blocks of `[lo, s0)` and `[s1, hi)`,
-  where the consumer's rows see nothing, go to `skip(carry, piece, j)` instead, which keeps
-  the pipeline's turns (waits, releases) without the products."""
+  s1, hi, x0, x1)` (`mosaic_plan.Ranges`), blocks `[a, b)` unmasked, the rest of `[lo, hi)`
+  masked, `block(carry, piece, j, masked)` (with `seen`, the masked ones `block(carry,
+  piece, j, True, (x0, x1))`: the keys or queries of the piece its rows may meet); but with
+  `skip`, the blocks of `[lo, s0)` and `[s1, hi)`, where the consumer's rows see nothing, go
+  to `skip(carry, piece, j)` instead, which keeps the pipeline's turns (waits, releases)
+  without the products."""
 
   def per_piece(p, carry):
-    piece, lo, s0, a, b, s1, hi = ranges(p)
-    masked = lambda j, c: block(c, piece, j, True)
+    piece, lo, s0, a, b, s1, hi, x0, x1 = ranges(p)
+    masked = ((lambda j, c: block(c, piece, j, True, (x0, x1))) if seen else
+              (lambda j, c: block(c, piece, j, True)))
     parts = [(lo, a, masked), (a, b, lambda j, c: block(c, piece, j, False)), (b, hi, masked)]
     if skip is not None:
       passed = lambda j, c: skip(c, piece, j)

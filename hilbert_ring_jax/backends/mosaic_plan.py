@@ -650,10 +650,10 @@ def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, rows=N
                 window=None):
   """Key pieces of a query row (forward, dq): with `rows` None, `(piece, lo, hi)` for the
   producer, where `[lo, hi)` covers the keys any query of the program sees; with `rows`, a
-  consumer's first and last query positions, `(piece, lo, s0, a, b, s1, hi)` for it
-  (`walk`): blocks `[a, b)` hold keys that exist and (causal) precede its first query, and
-  the blocks of `[lo, s0)` and `[s1, hi)` hold none that its queries see (causal: past its
-  last query).
+  consumer's first and last query positions, `(piece, lo, s0, a, b, s1, hi, x0, x1)` for it
+  (`walk`): blocks `[a, b)` hold keys that exist and (causal) precede its first query, the
+  keys `[x0, x1)` of the piece are the only ones its queries may see (causal: none past its
+  last query), and the blocks of `[lo, s0)` and `[s1, hi)` hold none of them.
 
   `window` (packed rows): the positions `(u0, u1)` of the keys that may share a document
   with a query of the program and `(c0, c1)`, a run of keys all in the one document of every
@@ -684,14 +684,14 @@ def _key_ranges(prog, pieces_ref, bias_ref, n, L, causal, block_rows, bk, rows=N
     if rows is None:
       return lo, blocks
     a, b = lo, jnp.clip(lax.div(seen(piece, rows[0]), bk), lo, blocks)
-    s0, s1 = lo, ceil_div(seen(piece, rows[1]), bk)
+    x0, x1 = jnp.int32(0), seen(piece, rows[1])
     if window is not None:
       i0, i1 = _window_keys(piece, at, window[6], window[7], L, n)
       a = jnp.clip(ceil_div(i0, bk), lo, blocks)
       b = jnp.clip(jnp.minimum(lax.div(i1, bk), b), a, blocks)
       i0, i1 = _window_keys(piece, at, window[4], window[5], L, n)
-      s0, s1 = lax.div(i0, bk), jnp.minimum(s1, ceil_div(i1, bk))
-    return _in_order(lo, s0, a, b, s1, blocks)
+      x0, x1 = i0, jnp.minimum(x1, i1)
+    return (*_in_order(lo, lax.div(x0, bk), a, b, ceil_div(x1, bk), blocks), x0, x1)
 
   def ranges(p):
     piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n, L)
@@ -704,10 +704,11 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, rows=None, windo
   """Query pieces of a key row (dk/dv): with `rows` None, `(piece, lo, hi)` for the
   producer, where `[lo, hi)` covers the queries that see any key of the program (causal: at
   or after its first key); with `rows`, a consumer's first and last key positions,
-  `(piece, lo, s0, a, b, s1, hi)` for it (`walk`): blocks `[a, b)` hold queries that exist
-  and see every key up to its last, and the blocks of `[lo, s0)` and `[s1, hi)` none that
-  sees one of its keys (causal: before its first key). `window`: as `_key_ranges`', the
-  roles of queries and keys swapped."""
+  `(piece, lo, s0, a, b, s1, hi, x0, x1)` for it (`walk`): blocks `[a, b)` hold queries that
+  exist and see every key up to its last, the queries `[x0, x1)` of the piece are the only
+  ones that may see one of its keys (causal: none before its first key), and the blocks of
+  `[lo, s0)` and `[s1, hi)` hold none of them. `window`: as `_key_ranges`', the roles of
+  queries and keys swapped."""
   k_first, _ = prog.ends(0, bq, L)  # the item's first key
 
   def before(piece, pos):  # queries of the piece before position `pos`
@@ -729,14 +730,14 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, rows=None, windo
       return lo, hi
     a = jnp.clip(ceil_div(before(piece, rows[1]), bq), lo, hi)
     b = jnp.clip(lax.div(piece.count, bq), a, hi)
-    s0, s1 = lax.div(before(piece, rows[0]), bq), hi
+    x0, x1 = before(piece, rows[0]), piece.count
     if window is not None:
       i0, i1 = _window_keys(piece, at, window[6], window[7], L, n)
       a = jnp.clip(ceil_div(i0, bq), a, hi)
       b = jnp.clip(jnp.minimum(b, lax.div(i1, bq)), a, hi)
       i0, i1 = _window_keys(piece, at, window[4], window[5], L, n)
-      s0, s1 = jnp.maximum(s0, lax.div(i0, bq)), ceil_div(i1, bq)
-    return _in_order(lo, s0, a, b, s1, hi)
+      x0, x1 = jnp.maximum(x0, i0), jnp.minimum(x1, i1)
+    return (*_in_order(lo, lax.div(x0, bq), a, b, ceil_div(x1, bq), hi), x0, x1)
 
   def ranges(p):
     piece = _Piece.decode(pieces_ref, bias_ref, p, prog.base, n, L)
