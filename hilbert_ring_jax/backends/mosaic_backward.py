@@ -69,7 +69,7 @@ def dq_launch(q, k, v, dout, lse2, delta, tables, sched: schedule.Schedule, n: i
   lse2 in base 2, +inf where no key is seen): `[B, No, H, D]` in `out_dtype`, plus `prior`
   (the earlier launches' dq, `[B, No, H, D]` in `out_dtype`), added in the epilogues.
   `ids` (packed rows): as the forward's (`mosaic_forward.launch`), the same skipping and
-  masks."""
+  masks (its blocks of 64 keys whole, not halved)."""
   batch, n_pad, num_heads, d = q.shape
   dtype = q.dtype
   L = sched.stride

@@ -101,7 +101,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
   qk_scale = scale * LOG2E
   # Masked scores lie past every score in the order the row maximum is taken in (the
   # minimum for a negative scale), so that `s c` is -inf either way; a zero scale scores
-  # every visible key 0 (`block`), with c = 1.
+  # every visible key 0 (`part`), with c = 1.
   scale_sign = -1.0 if qk_scale < 0 else 1.0
   scale_c = qk_scale or 1.0
   hidden = -scale_sign * jnp.inf
@@ -181,14 +181,14 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
           pl.when(prog.busy)(lambda: plgpu.barrier_wait(qid_bar.at[tile(i)]))
           q_ids = plgpu.load(qid_smem.at[tile(i)], layout=row_stat)
 
-        def block(carry, piece, j, masked: bool, seen=None):
-          """One key block; a masked one of `HALVED_BLOCK` keys (`seen`: `walk`'s `(x0,
+        def block(carry, piece, j, masked: bool, visible=None):
+          """One key block; a masked one of `HALVED_BLOCK` keys (`visible`: `walk`'s `(x0,
           x1)`, the keys the consumer's queries may see) by its halves that hold such keys:
           both, one (half the products: the causal diagonal of the first consumer, a
           document's start), or none (no products, the turns kept)."""
-          if seen is None:
+          if visible is None:
             return part(carry, piece, j, masked, 0, bk)
-          x0, x1 = seen
+          x0, x1 = visible
           meets = lambda c0, c1: ((x0 < j * bk + c1) & (x1 > j * bk + c0)).astype(jnp.int32)
           return lax.switch(meets(0, half) + 2 * meets(half, bk), [
               functools.partial(passed, j=j),
@@ -265,7 +265,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
         ranges = key_ranges(prog, pieces_ref, bias_ref, (q_first, q_last),
                             (*item_window(prog), *window(prog, wg)) if packed else None)
         acc, m_i, l_i, step = walk(prog, ranges, block, (acc, m_i, l_i, step),
-                                   seen=bk == HALVED_BLOCK)
+                                   visible=bk == HALVED_BLOCK)
 
         @pl.when(prog.busy)
         def _():

@@ -143,10 +143,10 @@ def produce_kv(work: Work, origin_ref, rows_ref, per_kv: int, k, v, ranges, L: i
   produce_items(work, origin_ref, rows_ref, item, [k[-1], v[-1]], stages, claims)
 
 
-def walk(prog: Program, ranges, block, carry, skip=None, seen=False):
+def walk(prog: Program, ranges, block, carry, skip=None, visible=False):
   """A consumer's pass over the blocks `produce` loads: `ranges(p) = (piece, lo, s0, a, b,
   s1, hi, x0, x1)` (`mosaic_plan.Ranges`), blocks `[a, b)` unmasked, the rest of `[lo, hi)`
-  masked, `block(carry, piece, j, masked)` (with `seen`, the masked ones `block(carry,
+  masked, `block(carry, piece, j, masked)` (with `visible`, the masked ones `block(carry,
   piece, j, True, (x0, x1))`: the keys or queries of the piece its rows may meet); but with
   `skip`, the blocks of `[lo, s0)` and `[s1, hi)`, where the consumer's rows see nothing, go
   to `skip(carry, piece, j)` instead, which keeps the pipeline's turns (waits, releases)
@@ -154,7 +154,7 @@ def walk(prog: Program, ranges, block, carry, skip=None, seen=False):
 
   def per_piece(p, carry):
     piece, lo, s0, a, b, s1, hi, x0, x1 = ranges(p)
-    masked = ((lambda j, c: block(c, piece, j, True, (x0, x1))) if seen else
+    masked = ((lambda j, c: block(c, piece, j, True, (x0, x1))) if visible else
               (lambda j, c: block(c, piece, j, True)))
     parts = [(lo, a, masked), (a, b, lambda j, c: block(c, piece, j, False)), (b, hi, masked)]
     if skip is not None:

@@ -707,8 +707,9 @@ def _query_ranges(prog, pieces_ref, bias_ref, n, L, causal, bq, rows=None, windo
   `(piece, lo, s0, a, b, s1, hi, x0, x1)` for it (`walk`): blocks `[a, b)` hold queries that
   exist and see every key up to its last, the queries `[x0, x1)` of the piece are the only
   ones that may see one of its keys (causal: none before its first key), and the blocks of
-  `[lo, s0)` and `[s1, hi)` hold none of them. `window`: as `_key_ranges`', the roles of
-  queries and keys swapped."""
+  `[lo, s0)` and `[s1, hi)` hold none of them (`[x0, x1)` for the host's checks: the dk/dv
+  kernel does not halve its blocks). `window`: as `_key_ranges`', the roles of queries and keys
+  swapped."""
   k_first, _ = prog.ends(0, bq, L)  # the item's first key
 
   def before(piece, pos):  # queries of the piece before position `pos`
