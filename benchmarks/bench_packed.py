@@ -9,11 +9,12 @@ lengths (median `--median`, at most `--max-doc`; the last one cut at the row's e
   would: the padding is not timed);
 - "jax_mha": JAX's Pallas-Triton `mha` with `segment_ids`;
 - "tokamax": tokamax's attention with the documents as a boolean mask (when importable).
-Forward and forward+backward medians (`timing.median_ms`) of each call alone (dispatch and the
-wait included) and, `_b2b`, of 10 calls back to back (as a training loop issues them), TFLOP/s
-(of the calls alone) counted on the pairs the documents leave visible, each peer's output
-checked against ours (relative L2). Then LongNet with every id equal against no ids (what
-packing costs where it changes nothing), alone and (`_b2b`) back to back.
+Forward and forward+backward medians of each call alone (dispatch and the wait included) and,
+`_b2b`, of 10 calls back to back (as a training loop issues them), the implementations' runs
+interleaved (`timing.interleaved_ms`: what drifts weighs on all alike), TFLOP/s (of the calls
+alone) counted on the pairs the documents leave visible, each peer's output checked against
+ours (relative L2). Then LongNet with every id equal against no ids (what packing costs where it
+changes nothing), alone and (`_b2b`) back to back, the two calls' runs interleaved too.
 
   python benchmarks/bench_packed.py --seq-len 32768 --median 2048 --json out/packed.json
 
@@ -35,7 +36,7 @@ import numpy as np
 
 from bench_pallas import _tokamax, rel_l2
 from ring_scaling import pattern_for
-from timing import busy_ns, device_events, median_ms
+from timing import busy_ns, device_events, interleaved_ms
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 
 
@@ -141,9 +142,11 @@ def main():
   print(f"JAX {jax.__version__}, {jax.devices()[0].device_kind}; {len(lengths)} documents, "
         f"median {int(np.median(lengths))}, longest {max(lengths)}", flush=True)
   reference = None
+  calls = {}  # name: its (fwd, fb) calls and their arguments, all timed together below
   for name in args.impl.split(","):
     prepare, fn, unprepare, meta = table[name]
     row = dict(impl=name)
+    result["rows"].append(row)
     try:
       x = prepare(q, k, v, do)
       fwd = jax.jit(fn)
@@ -154,23 +157,33 @@ def main():
         row["rel_l2_vs_ours"] = rel_l2(out, reference)
       fb = jax.jit(lambda q, k, v, do, meta, fn=fn: jax.vjp(
           lambda q, k, v: fn(q, k, v, meta), q, k, v)[1](do))
-      for suffix, calls in (("", 1), ("_b2b", 10)):  # alone; back to back
-        row["fwd_ms" + suffix] = median_ms(fwd, (*x[:3], meta), args.runs, calls=calls)
-        row["fwdbwd_ms" + suffix] = median_ms(fb, (*x, meta), args.runs, calls=calls)
-      # TFLOP/s on the visible pairs (the dense row's own work is larger: n (n + 1) / 2 h).
-      flops = 4 * d * visible
-      row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
-      row["fwdbwd_tflops"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
-      if name == "ours_dense":  # its own TFLOP/s, on the whole causal row
-        dense = 4 * d * n * (n + 1) // 2 * h
-        row["own_fwd_tflops"] = dense / row["fwd_ms"] / 1e9
-        row["own_fwdbwd_tflops"] = 3.5 * dense / row["fwdbwd_ms"] / 1e9
-      if args.trace and name in ("ours", "ours_dense"):
-        row["trace_fwd"] = kernel_table(fwd, (*x[:3], meta))
-        row["trace_fwdbwd"] = kernel_table(fb, (*x, meta))
+      jax.block_until_ready(fb(*x, meta))
+      calls[name] = ((fwd, (*x[:3], meta)), (fb, (*x, meta)))
     except Exception as e:  # a peer that is missing or fails here: reported, not fatal
       row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    result["rows"].append(row)
+      print(json.dumps(row), flush=True)
+  # The implementations' runs interleaved, so that what drifts (the host's share of a call
+  # timed alone, the clocks) weighs on all of them alike.
+  rows = {row["impl"]: row for row in result["rows"]}
+  for key, which in (("fwd_ms", 0), ("fwdbwd_ms", 1)):
+    for suffix, repeat in (("", 1), ("_b2b", 10)):  # alone; back to back
+      for name, ms in interleaved_ms({name: c[which] for name, c in calls.items()}, args.runs,
+                                     calls=repeat).items():
+        rows[name][key + suffix] = ms
+  for name in calls:
+    row = rows[name]
+    # TFLOP/s on the visible pairs (the dense row's own work is larger: n (n + 1) / 2 h).
+    flops = 4 * d * visible
+    row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+    row["fwdbwd_tflops"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
+    if name == "ours_dense":  # its own TFLOP/s, on the whole causal row
+      dense = 4 * d * n * (n + 1) // 2 * h
+      row["own_fwd_tflops"] = dense / row["fwd_ms"] / 1e9
+      row["own_fwdbwd_tflops"] = 3.5 * dense / row["fwdbwd_ms"] / 1e9
+    if args.trace and name in ("ours", "ours_dense"):
+      (fwd, fwd_args), (fb, fb_args) = calls[name]
+      row["trace_fwd"] = kernel_table(fwd, fwd_args)
+      row["trace_fwdbwd"] = kernel_table(fb, fb_args)
     print(json.dumps(row), flush=True)
   rows = {r["impl"]: r for r in result["rows"] if "fwdbwd_ms" in r}
   dense_work = n * (n + 1) / 2 / (visible / h)  # the dense row's pairs over the visible ones
@@ -184,14 +197,17 @@ def main():
   # LongNet with every id equal against no ids.
   longnet = pattern_for("longnet", n, False)  # ring_scaling's: 2048..32768 x 1..16
   zeros = jnp.zeros((1, n), jnp.int32)
-  times = {}
+  calls = {}
   for label, equal in (("no ids", False), ("equal ids", True)):
     fn = lambda q, k, v, ids, equal=equal: dilated_attention(
         q, k, v, longnet, segment_ids=ids if equal else None)
-    fb = jax.jit(lambda q, k, v, do, ids, fn=fn: jax.vjp(
-        lambda q, k, v: fn(q, k, v, ids), q, k, v)[1](do))
-    times[label] = median_ms(fb, (q, k, v, do, zeros), args.runs)
-    times[label + " b2b"] = median_ms(fb, (q, k, v, do, zeros), args.runs, calls=10)
+    calls[label] = (jax.jit(lambda q, k, v, do, ids, fn=fn: jax.vjp(
+        lambda q, k, v: fn(q, k, v, ids), q, k, v)[1](do)), (q, k, v, do, zeros))
+  times = {}  # both calls' runs interleaved: alone, the host's share drifts between runs
+  for suffix, repeat in (("", 1), (" b2b", 10)):
+    times.update({label + suffix: ms for label, ms in
+                  interleaved_ms(calls, args.runs, calls=repeat).items()})
+  result["longnet_fwdbwd_ms"] = times
   result["longnet_equal_ids_over_none_fwdbwd"] = times["equal ids"] / times["no ids"]
   result["longnet_equal_ids_over_none_fwdbwd_b2b"] = times["equal ids b2b"] / times["no ids b2b"]
   print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "documents", "args")}),

@@ -11,16 +11,26 @@ def median_ms(fn, args, runs=5, warmup=2, calls=1):
   compiles). A run is `calls` calls dispatched back to back and waited for once on the device,
   divided by `calls`: 1 times each call alone (dispatch and the wait included), more times
   them as a training loop issues them, the host running ahead of the devices."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
+  return interleaved_ms({None: (fn, args)}, runs, warmup, calls)[None]
+
+
+def interleaved_ms(calls_by_label, runs=5, warmup=2, calls=1):
+  """`median_ms` of each `label: (fn, args)`, their runs interleaved (a round is one run of
+  each, in order), so that what drifts during a measurement (the host, the clocks) weighs on
+  all of them alike: for ratios of calls timed alone, whose host share moves from run to
+  run."""
+  for fn, args in calls_by_label.values():
+    for _ in range(warmup):
+      jax.block_until_ready(fn(*args))
+  times = {label: [] for label in calls_by_label}
   for _ in range(runs):
-    t = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append(1e3 * (time.perf_counter() - t) / calls)
-  return statistics.median(times)
+    for label, (fn, args) in calls_by_label.items():
+      t = time.perf_counter()
+      for _ in range(calls):
+        out = fn(*args)
+      jax.block_until_ready(out)
+      times[label].append(1e3 * (time.perf_counter() - t) / calls)
+  return {label: statistics.median(ts) for label, ts in times.items()}
 
 
 def device_events(path: str) -> list[dict]:
