@@ -164,16 +164,14 @@ def main():
       print(json.dumps(row), flush=True)
   # The implementations' runs interleaved, so that what drifts (the host's share of a call
   # timed alone, the clocks) weighs on all of them alike.
-  rows = {row["impl"]: row for row in result["rows"]}
+  rows = {row["impl"]: row for row in result["rows"] if row["impl"] in calls}  # the timed ones
   for key, which in (("fwd_ms", 0), ("fwdbwd_ms", 1)):
     for suffix, repeat in (("", 1), ("_b2b", 10)):  # alone; back to back
       for name, ms in interleaved_ms({name: c[which] for name, c in calls.items()}, args.runs,
                                      calls=repeat).items():
         rows[name][key + suffix] = ms
-  for name in calls:
-    row = rows[name]
-    # TFLOP/s on the visible pairs (the dense row's own work is larger: n (n + 1) / 2 h).
-    flops = 4 * d * visible
+  flops = 4 * d * visible  # TFLOP/s on the visible pairs (the dense row's own: n (n + 1) / 2 h)
+  for name, row in rows.items():
     row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
     row["fwdbwd_tflops"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
     if name == "ours_dense":  # its own TFLOP/s, on the whole causal row
@@ -185,7 +183,6 @@ def main():
       row["trace_fwd"] = kernel_table(fwd, fwd_args)
       row["trace_fwdbwd"] = kernel_table(fb, fb_args)
     print(json.dumps(row), flush=True)
-  rows = {r["impl"]: r for r in result["rows"] if "fwdbwd_ms" in r}
   dense_work = n * (n + 1) / 2 / (visible / h)  # the dense row's pairs over the visible ones
   for suffix in ("", "_b2b") if "ours" in rows else ():
     ms = lambda name: rows[name]["fwdbwd_ms" + suffix]

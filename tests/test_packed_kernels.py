@@ -257,12 +257,12 @@ def test_consumers_skip_only_blocks_their_rows_cannot_see(name, median, keys, bl
                 sees &= row_ids[0][at][:, None] == block_ids[0][other][None]
               seen = [sees[:, j * block:(j + 1) * block] for j in range(-(-len(other) // block))]
               assert not any(seen[j].any() for j in [*range(lo, s0), *range(s1, hi)])
-              assert not sees[:, :max(x0, 0)].any() and not sees[:, x1:].any()
+              assert not sees[:, :x0].any() and not sees[:, x1:].any()
+              half = block // 2
               for j in [*range(s0, a), *range(b, s1)]:  # masked: the forward's halves
-                meets = [x0 < j * block + c + block // 2 and x1 > j * block + c
-                         for c in (0, block // 2)]
-                for c, meet in zip((0, block // 2), meets):
-                  assert meet or not sees[:, j * block + c:j * block + c + block // 2].any()
+                meets = [x0 < j * block + c + half and x1 > j * block + c for c in (0, half)]
+                for c, meet in zip((0, half), meets):
+                  assert meet or not sees[:, j * block + c:j * block + c + half].any()
                 halved[packed] += meets.count(True) == 1
               assert all(seen[j].all() and seen[j].shape[1] == block for j in range(a, b))
               assert not any(seen[j].any() for j in [*range(min(lo, len(seen))),
