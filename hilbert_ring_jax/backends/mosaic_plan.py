@@ -627,7 +627,7 @@ def _windowed(piece, base, window, bounds):
   document; a long document's segments), which no window then cuts: a branch that skips
   their arithmetic, which a piece's first products wait for (LongNet walks pieces of a block
   or two: with every id equal its kernels took 8-11% longer than without ids before;
-  docs/performance.md, "Pieces inside one document")."""
+  docs/performance.md, "Measurements behind design choices")."""
   if window is None:
     return bounds(piece, None)
   at = base + piece.first
