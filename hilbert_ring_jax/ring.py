@@ -70,8 +70,8 @@ GATHER_LIMIT_BYTES: int | None = None
 SMALL_STEP_ROWS: int = 4096
 
 
-# True: a gathered ring of full attention, non-causal, over every device of one process (the
-# call's only branch), runs as one kernel that gathers its keys itself where the step's
+# True: a gathered ring of plain full attention (non-causal, or causal in zigzag order; no
+# ids), over every device of one process (the call's only branch), runs as one kernel that gathers its keys itself where the step's
 # backend has one ("mosaic": `mosaic_gather`): each device's peers' keys travel while it
 # attends to its own, instead of an all-gather before (docs/performance.md, "Keys gathered
 # inside the kernel"). Its programs claim the blocks they push as they run, so it completes

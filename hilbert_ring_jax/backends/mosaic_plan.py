@@ -101,7 +101,9 @@ class Config:
     block_q: forward: query rows per consumer warpgroup (64 or 128; a program takes twice
       as many).
     block_k: forward: keys per pipeline step (64, 128 or 192). None: 192 in launches of
-      long unmasked rows on JAX < 0.12 (see `resolved`), else 128 (64 at head dim 256).
+      long unmasked rows where `setmaxnreg` moves the registers (`hopper.REGISTERS_MOVE`: JAX
+      < 0.12, or 0.12 with tools/no_nvjitlink.c; see `resolved`), else 128 (64 at head dim
+      256).
     stages: forward: key/value blocks in flight (2..4).
     backward_stages: backward: blocks in flight (2..4; blocks of 64 queries and keys).
     fused_backward: backward: dq inside the dk/dv kernel (TMA reduce-add stores into a

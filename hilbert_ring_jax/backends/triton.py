@@ -13,7 +13,7 @@ document windows (`common.id_windows`, per query head), walks only the blocks th
 and masks those by comparing ids.
 
 Importing this module needs `jax_triton` (and `triton`); without them the dispatcher falls
-back to "pallas", then "xla".
+back to the next default ("pallas" on JAX < 0.12, then "xla": `base.candidates`).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def lowering_problem() -> str | None:
   """
   if jax.__version_info__ >= (0, 12) and jt.__version_info__ < (0, 5):
     return (f"jax-triton {jt.__version__} cannot lower kernels on JAX {jax.__version__} "
-            f"(install with the 'gpu' extra, which keeps JAX below 0.12)")
+            f"(install with the 'triton' extra, which keeps JAX below 0.12)")
   return None
 
 
