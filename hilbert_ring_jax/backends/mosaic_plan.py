@@ -99,7 +99,8 @@ class Config:
 
   Attributes:
     block_q: forward: query rows per consumer warpgroup (64 or 128; a program takes twice
-      as many).
+      as many; 128 measured 2.5-2.7x slower on packed rows at head dim 128:
+      docs/performance.md).
     block_k: forward: keys per pipeline step (64, 128 or 192). None: 192 in launches of
       long unmasked rows where `setmaxnreg` moves the registers (`hopper.REGISTERS_MOVE`: JAX
       < 0.12, or 0.12 with tools/no_nvjitlink.c; see `resolved`), else 128 (64 at head dim
