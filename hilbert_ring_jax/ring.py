@@ -70,18 +70,18 @@ GATHER_LIMIT_BYTES: int | None = None
 SMALL_STEP_ROWS: int = 4096
 
 
-# True: a gathered ring of plain full attention (non-causal, or causal in zigzag order; no
-# ids), over every device of one process (the call's only branch), runs as one kernel that gathers its keys itself where the step's
-# backend has one ("mosaic": `mosaic_gather`): each device's peers' keys travel while it
-# attends to its own, instead of an all-gather before (docs/performance.md, "Keys gathered
-# inside the kernel"). Its programs claim the blocks they push as they run, so it completes
-# however few of them are resident (beside a collective on another stream holding SMs).
+# True: a gathered ring of plain full attention (non-causal, or causal in zigzag order; no ids),
+# over every device of one process (the call's only branch), runs as one kernel that gathers its
+# keys itself where the step's backend has one ("mosaic": `mosaic_gather`): each device's peers'
+# keys travel while it attends to its own, instead of an all-gather before (docs/performance.md,
+# "Keys gathered inside the kernel"). Its programs claim the blocks they push as they run, so it
+# completes however few of them are resident (beside a collective on another stream holding SMs).
 # Off by default. On JAX 0.11 only with custom calls kept out of XLA's command buffers
-# (`_custom_calls_out_of_command_buffers`): captured in one beside fusions, the kernel received
-# a peer's keys wrong in some calls on 2 x H200 (JAX 0.11.2), where the calls' buffers reuse
-# memory; JAX 0.12 places the buffers it stores into on its peers in NCCL's symmetric memory,
-# and its GPU tests pass under XLA's default command buffers. False: the all-gather, then one
-# call. Read when a call is traced.
+# (`_custom_calls_out_of_command_buffers`): captured in one beside fusions, the kernel received a
+# peer's keys wrong in some calls on 2 x H200 (JAX 0.11.2), where the calls' buffers reuse memory;
+# JAX 0.12 places the buffers it stores into on its peers in NCCL's symmetric memory, and its GPU
+# tests pass under XLA's default command buffers. False: the all-gather, then one call. Read when a
+# call is traced.
 KERNEL_GATHER: bool = False
 
 

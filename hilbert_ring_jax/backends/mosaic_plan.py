@@ -116,7 +116,7 @@ class Config:
       without tools/no_nvjitlink.c, where the kernels spill, nor with `backward_stages`
       given); split in the others (`backward_for`). Keys are counted on the pattern: in
       packed rows, documents shorter than the segments cut what a query reads, and `False`
-      may be faster where they are much shorter (a full causal 32K row of 2K documents,
+      may be faster where they are much shorter than 2K (a full causal 32K row of 2K documents,
       whose queries read 1,024 keys, measured 4-5% slower split: docs/performance.md). The
       fused kernel's gradients pass through float32 buffers; where the gradients are final
       (bf16) the split kernels write bf16 directly: `False` halves that memory at extreme
