@@ -363,7 +363,8 @@ class DilatedMultiHeadAttention(nnx.Module):
       rngs: optional `nnx.Rngs` (or stream, or key) for dropout, instead of the stream forked
         at construction (needed with `keep_rngs=False`).
       sow_weights: record the attention probabilities `[batch..., H, N, Nk]` (dense) as the
-        `nnx.Intermediate` "attention_weights", as `nnx.MultiHeadAttention` does.
+        `nnx.Intermediate` "attention_weights", as `nnx.MultiHeadAttention` does (read them
+        with `nnx.capture(layer, nnx.Intermediate)`: docs/layer.md).
       decode: overrides the constructor's flag: attend to the cache of `init_cache` and add
         the tokens to it.
       prefill: with `decode`, `inputs_q` is a prompt at position 0: the regular kernels run on

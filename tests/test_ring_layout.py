@@ -223,11 +223,11 @@ def test_layers_on_zigzag_shards():
   make = lambda **kw: DilatedMultiHeadAttention(2, 16, pattern=pattern, rotary_base=1e4,
                                                 rngs=nnx.Rngs(0), **kw)
   zigzag, plain = make(mesh=m, seq_axis="seq", layout="zigzag"), make()
-  got = zigzag(x[:, perm], sow_weights=True)
-  want = plain(x, sow_weights=True)
+  got, got_sown = nnx.capture(zigzag, nnx.Intermediate)(x[:, perm], sow_weights=True)
+  want, want_sown = nnx.capture(plain, nnx.Intermediate)(x, sow_weights=True)
   np.testing.assert_allclose(got, want[:, perm], rtol=1e-5, atol=1e-5)
-  weights = lambda layer: layer.attention_weights.get_value()[0]
-  np.testing.assert_allclose(weights(zigzag), weights(plain)[..., perm, :][..., perm],
+  weights = lambda sown: sown["attention_weights"][0]
+  np.testing.assert_allclose(weights(got_sown), weights(want_sown)[..., perm, :][..., perm],
                              rtol=1e-5, atol=1e-6)
   module = linen.DilatedMultiHeadAttention(num_heads=2, pattern=pattern, rotary_base=1e4,
                                            mesh=m, seq_axis="seq", layout="zigzag")
