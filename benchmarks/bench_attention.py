@@ -1,7 +1,7 @@
 """Dilated attention benchmark: our implementations next to their peers, in one run.
 
 For each N and implementation: forward and forward+backward, device-synchronized medians
-(warm-up, then `--runs` timed calls), TFLOP/s on visible FLOPs (forward 4*B*D*pairs,
+(warm-up, then `--runs` timed runs of `--calls` calls each), TFLOP/s on visible FLOPs (forward 4*B*D*pairs,
 forward+backward 3.5x), tokens/s, and the compiled program's device memory (XLA's memory
 analysis: arguments + outputs + temporaries). Peers: cuDNN full attention
 (`jax.nn.dot_product_attention`), "folded cuDNN" LongNet (segments folded into the batch, cuDNN
@@ -16,6 +16,7 @@ reference at small N. Writes JSON and a PNG plot of TFLOP/s against N.
   python benchmarks/bench_attention.py --longest --heads 8    # doubling N, forward+backward
   python benchmarks/bench_attention.py --impl mosaic,cudnn --causal \
       --seq-len 1024,2048,4096,32768 --tokens 32768     # the same tokens in rows of N
+  python benchmarks/bench_attention.py ... --calls 10   # 10 calls back to back a run
 """
 
 from __future__ import annotations
@@ -94,13 +95,13 @@ def measure(name, pattern, args, a, backward=True):
   row = dict(impl=name, n=a.n, batch=batch, causal=pattern.causal,
              pattern=str(pattern.branches), heads=a.heads, kv_heads=a.kv_heads,
              head_dim=a.head_dim, dtype=jnp.dtype(a.dtype).name)
-  row["fwd_ms"] = median_ms(fwd, (q, k, v), args.runs)
+  row["fwd_ms"] = median_ms(fwd, (q, k, v), args.runs, calls=args.calls)
   row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
   row["fwd_tokens_per_s"] = batch * a.n / row["fwd_ms"] * 1e3
   row["fwd_bytes"] = device_bytes(lambda q, k, v: f(q, k, v, scale), (q, k, v))
   if backward:
     fb = jax.jit(lambda q, k, v, do: jax.vjp(lambda *x: f(*x, scale), q, k, v)[1](do))
-    row["fwdbwd_ms"] = median_ms(fb, (q, k, v, do), args.runs)
+    row["fwdbwd_ms"] = median_ms(fb, (q, k, v, do), args.runs, calls=args.calls)
     row["fwdbwd_tflops"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
     row["fwdbwd_bytes"] = device_bytes(
         lambda q, k, v, do: jax.vjp(lambda *x: f(*x, scale), q, k, v)[1](do), (q, k, v, do))
@@ -118,6 +119,8 @@ def main():
   ap.add_argument("--kv-heads", type=int, default=None)
   ap.add_argument("--head-dim", type=int, default=128)
   ap.add_argument("--runs", type=int, default=5)
+  ap.add_argument("--calls", type=int, default=1,
+                  help="calls dispatched back to back a run, waited for once (1: each alone)")
   ap.add_argument("--forward-only", action="store_true")
   ap.add_argument("--memory", type=int, default=0, help="LongNet forward at this N: bytes")
   ap.add_argument("--longest", action="store_true", help="double N until fwd+bwd fails")
@@ -160,7 +163,7 @@ def main():
     while True:
       pattern = make_pattern(args.pattern, a.n, args.causal)
       try:
-        row = measure(name, pattern, argparse.Namespace(runs=1), a)
+        row = measure(name, pattern, argparse.Namespace(runs=1, calls=1), a)
       except Exception as e:
         print(f"longest: N={a.n} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
         break
