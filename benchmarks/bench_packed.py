@@ -18,6 +18,7 @@ changes nothing), alone and (`_b2b`) back to back, the two calls' runs interleav
 
   python benchmarks/bench_packed.py --seq-len 32768 --median 2048 --json out/packed.json
 
+`--implementation triton` (or pallas, xla) times our other backends in place of the default.
 `--trace` adds each HLO op's kernel time per call for ours and ours_dense (jax.profiler; run
 with `XLA_FLAGS=--xla_gpu_enable_command_buffer=` so that each kernel is named by its op).
 """
@@ -50,9 +51,10 @@ def documents(n, median, max_doc, seed):
   return lengths
 
 
-def peers(lengths, n, causal_pattern, scale):
+def peers(lengths, n, causal_pattern, scale, implementation=None):
   """`name -> (prepare(q, k, v, do) -> args, fn(q, k, v, meta) -> out, unprepare(out) -> [1, N,
-  ...], meta)`. `meta` (the documents as the peer reads them: our ids, cuDNN's lengths) is an
+  ...], meta)`; ours through `implementation` (None: the library's default). `meta` (the
+  documents as the peer reads them: our ids, cuDNN's lengths) is an
   argument of the jitted calls, as in a training step, where each batch brings its own: a
   constant would let XLA work out what is derived from it once, at compile time."""
   ids = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
@@ -76,9 +78,10 @@ def peers(lengths, n, causal_pattern, scale):
   same = lambda x: x
   table = {
       "ours": (lambda *x: x, lambda q, k, v, ids: dilated_attention(
-          q, k, v, causal_pattern, scale=scale, segment_ids=ids), same, ids),
+          q, k, v, causal_pattern, scale=scale, segment_ids=ids,
+          implementation=implementation), same, ids),
       "ours_dense": (lambda *x: x, lambda q, k, v, _: dilated_attention(
-          q, k, v, causal_pattern, scale=scale), None, ids),
+          q, k, v, causal_pattern, scale=scale, implementation=implementation), None, ids),
       "cudnn_padded": (pad, lambda q, k, v, lens: jax.nn.dot_product_attention(
           q, k, v, scale=scale, is_causal=True, query_seq_lengths=lens,
           key_value_seq_lengths=lens, implementation="cudnn"), unpad, lens),
@@ -125,6 +128,8 @@ def main():
   ap.add_argument("--impl", default="ours,ours_dense,cudnn_padded,jax_mha,tokamax")
   ap.add_argument("--runs", type=int, default=5)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--implementation", default=None,
+                  help="our backend (mosaic, triton, pallas, xla); default: the library's")
   ap.add_argument("--trace", action="store_true",
                   help="also trace ours (and ours_dense): each HLO op's kernel time per call")
   ap.add_argument("--json", default=None)
@@ -134,7 +139,7 @@ def main():
   visible = sum(length * (length + 1) // 2 for length in lengths) * h
   pattern = DilatedPattern((n,), (1,), causal=True)
   scale = d ** -0.5
-  ids, table = peers(lengths, n, pattern, scale)
+  ids, table = peers(lengths, n, pattern, scale, args.implementation)
   keys = jax.random.split(jax.random.PRNGKey(args.seed), 4)
   q, k, v, do = (jax.random.normal(key, (1, n, h, d), jnp.bfloat16) for key in keys)
   result = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, args=vars(args),
@@ -197,7 +202,8 @@ def main():
   calls = {}
   for label, equal in (("no ids", False), ("equal ids", True)):
     fn = lambda q, k, v, ids, equal=equal: dilated_attention(
-        q, k, v, longnet, segment_ids=ids if equal else None)
+        q, k, v, longnet, segment_ids=ids if equal else None,
+        implementation=args.implementation)
     calls[label] = (jax.jit(lambda q, k, v, do, ids, fn=fn: jax.vjp(
         lambda q, k, v: fn(q, k, v, ids), q, k, v)[1](do)), (q, k, v, do, zeros))
   times = {}  # both calls' runs interleaved: alone, the host's share drifts between runs

@@ -15,10 +15,11 @@ Softmax statistics are float32 and kept in base 2 (`exp2`), with the scale folde
 float32 inputs use IEEE products (`PRECISION="ieee"`), not tf32, so they stay exact.
 
 Packed rows (PACKED): `QID [B, N, H]` and `KID [B, N, HKV]` hold each query's and key's
-document id, and `W0`, `W1` (`[B, N, H]`) each row's document window (`common.id_windows`:
-the first and last position of the other side that may share its id, per query head). A
-program cuts every piece to the blocks its rows' windows reach and masks those blocks,
-comparing ids.
+document id, `W0`, `W1` (`[B, N, H]`) each row's document window and `R0`, `R1` its run
+(`common.id_windows`, per query head: the first and last position of the other side that may
+share the row's id, and a run of positions that all do). A program cuts every piece to the
+blocks its rows' windows reach; those inside the run common to all its rows go as without
+ids, the others are masked, comparing ids.
 """
 
 import triton
@@ -115,6 +116,28 @@ def _in_window(lo, hi, base, first, stride, ja, jd, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _common_run(R0, R1, stat, valid):
+  """The run `[r0, r1]` of positions in the documents of every `valid` row of a block (the
+  intersection of their runs at `R0`, `R1`, `stat`); r0 > r1 when there is none."""
+  r0 = tl.max(tl.load(R0 + stat, mask=valid, other=-1))
+  r1 = tl.min(tl.load(R1 + stat, mask=valid, other=EMPTY))
+  return r0, r1
+
+
+@triton.jit
+def _inside(r0, r1, base, first, stride, ja, jb, jc, BLOCK: tl.constexpr):
+  """The unmasked blocks `[jb, jc)` of the piece `(first, stride)` of the period at `base`,
+  cut to those whose positions all lie in `[r0, r1]`; both `ja` when none does (then every
+  block of `[ja, jd)` is masked)."""
+  r0, r1 = (r0 - base - first).to(tl.int32), (r1 - base - first).to(tl.int32)  # in the piece
+  i0 = (tl.maximum(r0, 0) + stride - 1) // stride  # the first index at or after r0
+  i1 = tl.where(r1 >= 0, r1 // stride + 1, 0)  # past the last index at or before r1
+  b = tl.maximum(jb, (i0 + BLOCK - 1) // BLOCK)
+  c = tl.minimum(jc, i1 // BLOCK)
+  return tl.where(c > b, b, ja), tl.where(c > b, c, ja)
+
+
+@triton.jit
 def _program(ROWS, N: tl.constexpr, L: tl.constexpr, PERIOD: tl.constexpr,
              PERIODS: tl.constexpr, ROW_BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
              REVERSE: tl.constexpr):
@@ -193,9 +216,10 @@ def _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, n0,
 @triton.jit
 def _forward_walk(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, ja, jb, jc, jd,
                   HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  QK_SCALE: tl.constexpr,
-                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-  """The blocks of one piece: unmasked `[jb, jc)`, then masked `[ja, jb)` and `[jc, jd)`."""
+                  QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+                  qid, KID, kid0, PACKED: tl.constexpr):
+  """The blocks of one piece: unmasked `[jb, jc)`, then masked `[ja, jb)` and `[jc, jd)`
+  (PACKED: comparing ids too)."""
   for j in range(jb, jc):
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, j * BLOCK_N,
                             HKV, D, BLOCK_N, QK_SCALE, CAUSAL, False,
@@ -204,12 +228,12 @@ def _forward_walk(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, ja, jb, j
     j = tl.where(i < jb, i, i - jb + jc)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, j * BLOCK_N,
                             HKV, D, BLOCK_N, QK_SCALE, CAUSAL, True,
-                            PRECISION, 0, K, 0, False)
+                            PRECISION, qid, KID, kid0, PACKED)
   return acc, l_i, m_i
 
 
 @triton.jit
-def forward_kernel(Q, K, V, ROWS, PIECES, BIAS, QID, KID, W0, W1, OUT, LSE,
+def forward_kernel(Q, K, V, ROWS, PIECES, BIAS, QID, KID, W0, W1, R0, R1, OUT, LSE,
                    N: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                    L: tl.constexpr, PERIOD: tl.constexpr,
                    PERIODS: tl.constexpr, ROW_BLOCKS: tl.constexpr, CAUSAL: tl.constexpr,
@@ -228,9 +252,12 @@ def forward_kernel(Q, K, V, ROWS, PIECES, BIAS, QID, KID, W0, W1, OUT, LSE,
     qhi = first + L * (tl.minimum(start_m + BLOCK_M, rows) - 1)
     kv0 = ((b * N + base) * HKV + h // (H // HKV)) * D
     stat = (tok0 + offs_m.to(tl.int64) * L) * H + h
+    qid = 0
+    kid0 = 0
     if PACKED:
       qid = tl.load(QID + stat, mask=offs_m < rows, other=0)
       lo, hi = _window(W0, W1, stat, offs_m < rows)
+      r0, r1 = _common_run(R0, R1, stat, offs_m < rows)
       kid0 = (b * N + base) * HKV + h // (H // HKV)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -238,16 +265,13 @@ def forward_kernel(Q, K, V, ROWS, PIECES, BIAS, QID, KID, W0, W1, OUT, LSE,
     for p in range(p0, p1):
       _, kf, ks, kc, bias, ja, jb, jc, jd = _piece(PIECES, BIAS, p, base, qlo, qhi, N, BLOCK_N,
                                                    CAUSAL, False)
-      if PACKED:  # the blocks the rows' documents reach, all masked
+      if PACKED:  # the blocks the rows' documents reach; unmasked only inside their run
         ja, jd = _in_window(lo, hi, base, kf, ks, ja, jd, BLOCK_N)
-        for j in range(ja, jd):
-          acc, l_i, m_i = _attend(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias,
-                                  j * BLOCK_N, HKV, D, BLOCK_N, QK_SCALE, CAUSAL, True,
-                                  PRECISION, qid, KID, kid0, True)
-      else:
-        acc, l_i, m_i = _forward_walk(acc, l_i, m_i, q, qpos, K, V, kv0, kf,
-                                      1 if L == 1 else ks, kc, bias, ja, jb, jc, jd, HKV, D,
-                                      BLOCK_N, QK_SCALE, CAUSAL, PRECISION)
+        jb, jc = _inside(r0, r1, base, kf, ks, ja, jb, jc, BLOCK_N)
+      acc, l_i, m_i = _forward_walk(acc, l_i, m_i, q, qpos, K, V, kv0, kf,
+                                    1 if L == 1 else ks, kc, bias, ja, jb, jc, jd, HKV, D,
+                                    BLOCK_N, QK_SCALE, CAUSAL, PRECISION, qid, KID, kid0,
+                                    PACKED)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
@@ -321,20 +345,21 @@ def _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, n0,
 @triton.jit
 def _dq_walk(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, ja, jb, jc, jd,
              HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-             QK_SCALE: tl.constexpr,
-             CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+             QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+             qid, KID, kid0, PACKED: tl.constexpr):
+  """As `_forward_walk`, for dq."""
   for j in range(jb, jc):
     dq = _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, j * BLOCK_N,
                   HKV, D, BLOCK_N, QK_SCALE, CAUSAL, False, PRECISION, 0, K, 0, False)
   for i in tl.range(ja, jb + jd - jc, num_stages=1):  # few: not worth pipeline buffers
     j = tl.where(i < jb, i, i - jb + jc)
     dq = _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, j * BLOCK_N,
-                  HKV, D, BLOCK_N, QK_SCALE, CAUSAL, True, PRECISION, 0, K, 0, False)
+                  HKV, D, BLOCK_N, QK_SCALE, CAUSAL, True, PRECISION, qid, KID, kid0, PACKED)
   return dq
 
 
 @triton.jit
-def dq_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, W0, W1, DQ_IN, DQ,
+def dq_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, W0, W1, R0, R1, DQ_IN, DQ,
               N: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
               L: tl.constexpr, PERIOD: tl.constexpr, PERIODS: tl.constexpr,
               ROW_BLOCKS: tl.constexpr, CAUSAL: tl.constexpr,
@@ -352,25 +377,25 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, W0, W1, DQ_
     qlo = first + L * start_m
     qhi = first + L * (tl.minimum(start_m + BLOCK_M, rows) - 1)
     kv0 = ((b * N + base) * HKV + h // (H // HKV)) * D
+    qid = 0
+    kid0 = 0
     if PACKED:
       stat = (tok0 + offs_m.to(tl.int64) * L) * H + h
       qid = tl.load(QID + stat, mask=offs_m < rows, other=0)
       lo, hi = _window(W0, W1, stat, offs_m < rows)
+      r0, r1 = _common_run(R0, R1, stat, offs_m < rows)
       kid0 = (b * N + base) * HKV + h // (H // HKV)
     QK_SCALE: tl.constexpr = SCALE * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     for p in range(p0, p1):
       _, kf, ks, kc, bias, ja, jb, jc, jd = _piece(PIECES, BIAS, p, base, qlo, qhi, N, BLOCK_N,
                                                    CAUSAL, False)
-      if PACKED:  # the blocks the rows' documents reach, all masked
+      if PACKED:  # the blocks the rows' documents reach; unmasked only inside their run
         ja, jd = _in_window(lo, hi, base, kf, ks, ja, jd, BLOCK_N)
-        for j in range(ja, jd):
-          dq = _dq_step(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, j * BLOCK_N,
-                        HKV, D, BLOCK_N, QK_SCALE, CAUSAL, True, PRECISION, qid, KID, kid0,
-                        True)
-      else:
-        dq = _dq_walk(dq, q, do, lse, delta, qpos, K, V, kv0, kf, 1 if L == 1 else ks, kc,
-                      bias, ja, jb, jc, jd, HKV, D, BLOCK_N, QK_SCALE, CAUSAL, PRECISION)
+        jb, jc = _inside(r0, r1, base, kf, ks, ja, jb, jc, BLOCK_N)
+      dq = _dq_walk(dq, q, do, lse, delta, qpos, K, V, kv0, kf, 1 if L == 1 else ks, kc,
+                    bias, ja, jb, jc, jd, HKV, D, BLOCK_N, QK_SCALE, CAUSAL, PRECISION, qid,
+                    KID, kid0, PACKED)
     dq = dq * SCALE
     ptr = (tok0 * H + h) * D
     if ACCUMULATE:
@@ -406,8 +431,9 @@ def _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias,
 @triton.jit
 def _dkdv_walk(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias, ja, jb, jc,
                jd, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-               QK_SCALE: tl.constexpr,
-               CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+               QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+               kid, QID, PACKED: tl.constexpr):
+  """As `_forward_walk`, for dk and dv over query blocks."""
   for j in range(jb, jc):
     dk, dv = _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias,
                         j * BLOCK_M, H, D, BLOCK_M, QK_SCALE, CAUSAL, False,
@@ -416,13 +442,13 @@ def _dkdv_walk(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias,
     j = tl.where(i < jb, i, i - jb + jc)
     dk, dv = _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias,
                         j * BLOCK_M, H, D, BLOCK_M, QK_SCALE, CAUSAL, True,
-                        PRECISION, 0, Q, False)
+                        PRECISION, kid, QID, PACKED)
   return dk, dv
 
 
 @triton.jit
-def dkdv_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, W0, W1, DK_IN, DV_IN,
-                DK, DV, N: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+def dkdv_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, W0, W1, R0, R1, DK_IN,
+                DV_IN, DK, DV, N: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                 L: tl.constexpr, PERIOD: tl.constexpr,
                 PERIODS: tl.constexpr, ROW_BLOCKS: tl.constexpr, CAUSAL: tl.constexpr,
                 SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -430,7 +456,8 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, W0, W1, D
                 PACKED: tl.constexpr):
   """float32 dk, dv of a block of one key row of key/value head `g`, summed over the query
   pieces (of the query heads reading `g`) the row lists (added to DK_IN, DV_IN when
-  ACCUMULATE). PACKED: `W0`, `W1` are the keys' windows over the queries, per query head."""
+  ACCUMULATE). PACKED: `W0`, `W1`, `R0`, `R1` are the keys' windows and runs over the
+  queries, per query head."""
   b, base, g, first, rows, start_n, p0, p1 = _program(ROWS, N, L, PERIOD, PERIODS, ROW_BLOCKS,
                                                       BLOCK_N, False)
   if start_n < rows:
@@ -443,6 +470,7 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, W0, W1, D
     kpos = first + L * offs_n
     klo = first + L * start_n
     khi = first + L * (tl.minimum(start_n + BLOCK_N, rows) - 1)
+    kid = 0
     if PACKED:
       ktok = b * N + base + kpos.to(tl.int64)
       kid = tl.load(KID + ktok * HKV + g, mask=offs_n < rows, other=0)
@@ -453,17 +481,15 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, W0, W1, D
       h, qf, qs, qc, bias, ja, jb, jc, jd = _piece(PIECES, BIAS, p, base, klo, khi, N, BLOCK_M,
                                                    CAUSAL, True)
       qtok = b * N + base + qf
-      if PACKED:  # the query blocks the keys' documents reach (for head h), all masked
+      if PACKED:  # the query blocks the keys' documents reach (for head h); unmasked only
+        # inside the run common to the keys' documents
         lo, hi = _window(W0, W1, ktok * H + h, offs_n < rows)
+        r0, r1 = _common_run(R0, R1, ktok * H + h, offs_n < rows)
         ja, jd = _in_window(lo, hi, base, qf, qs, ja, jd, BLOCK_M)
-        for j in range(ja, jd):
-          dk, dv = _dkdv_step(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias,
-                              j * BLOCK_M, H, D, BLOCK_M, QK_SCALE, CAUSAL, True, PRECISION,
-                              kid, QID, True)
-      else:
-        dk, dv = _dkdv_walk(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf,
-                            1 if L == 1 else qs, qc, bias, ja, jb, jc, jd, H, D, BLOCK_M,
-                            QK_SCALE, CAUSAL, PRECISION)
+        jb, jc = _inside(r0, r1, base, qf, qs, ja, jb, jc, BLOCK_M)
+      dk, dv = _dkdv_walk(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf,
+                          1 if L == 1 else qs, qc, bias, ja, jb, jc, jd, H, D, BLOCK_M,
+                          QK_SCALE, CAUSAL, PRECISION, kid, QID, PACKED)
     dk = dk * SCALE
     k_out = _rows_ptr(DK + kv_base, rows, L * HKV * D, start_n, BLOCK_N, D)
     v_out = _rows_ptr(DV + kv_base, rows, L * HKV * D, start_n, BLOCK_N, D)

@@ -9,8 +9,9 @@ runs of tokens, so no input is padded, gathered or copied. Backward: a dq kernel
 rows and a dk/dv kernel over key rows, in float32. Block sizes, warps and stages come from
 `Config` when the caller gives them, else from the read-only table `TUNED`, per pass, head
 dim and row length (`_choose`). Packed rows (`segment_ids`): each kernel also reads its rows'
-document windows (`common.id_windows`, per query head), walks only the blocks they reach,
-and masks those by comparing ids.
+document windows and runs (`common.id_windows`, per query head), walks only the blocks the
+windows reach, runs those inside the run common to its rows as without ids, and masks the
+others by comparing ids.
 
 Importing this module needs `jax_triton` (and `triton`); without them the dispatcher falls
 back to the next default ("pallas" on JAX < 0.12, then "xla": `base.candidates`).
@@ -202,23 +203,24 @@ def _launch(kind, q, k, fused, pattern, config):
 def _ids(segment_ids, heads: int, kv_heads: int, keys: bool = False):
   """The contract's `(q_ids, kv_ids)` (`[B, N]`, or per head `[B, N, H]` and `[B, N, Hkv]`)
   as the kernels read them, int32 `[B, N, X]` each: the queries' ids (X = H), the keys' (X =
-  Hkv), the queries' windows over the keys and (`keys`: the backward) the keys' over the
-  queries (`u0`, `u1` of `common.id_windows`, X = H: a key's for each query head reading it)."""
+  Hkv), the queries' windows and runs over the keys and (`keys`: the backward) the keys' over
+  the queries (`u0`, `u1`, `r0`, `r1` of `common.id_windows`, X = H: a key's for each query
+  head reading it)."""
   q_ids, k_ids = ((x[:, :, None] if x.ndim == 2 else x).astype(jnp.int32) for x in segment_ids)
   q_ids = jnp.broadcast_to(q_ids, q_ids.shape[:2] + (heads,))
   k_ids = jnp.broadcast_to(k_ids, k_ids.shape[:2] + (kv_heads,))
   heads_first = lambda x: x.transpose(0, 2, 1)
   q_t, k_t = heads_first(q_ids), heads_first(jnp.repeat(k_ids, heads // kv_heads, axis=2))
   windows = [id_windows(q_t, k_t)] + ([id_windows(k_t, q_t)] if keys else [])  # [4, B, H, N]
-  return (q_ids, k_ids, *(heads_first(w[i]) for w in windows for i in (0, 1)))
+  return (q_ids, k_ids, *(heads_first(w[i]) for w in windows for i in range(4)))
 
 
 def _packed(ids, keys=False) -> tuple:
-  """The kernels' `(QID, KID, W0, W1)` and PACKED: the rows' windows (`keys`: the dk/dv
-  kernel's) or, unpacked, placeholders no kernel reads."""
+  """The kernels' `(QID, KID, W0, W1, R0, R1)` and PACKED: the rows' windows and runs
+  (`keys`: the dk/dv kernel's) or, unpacked, placeholders no kernel reads."""
   if ids is None:
-    return (jnp.zeros((1,), jnp.int32),) * 4, dict(PACKED=False)
-  return (*ids[:2], *(ids[4:] if keys else ids[2:4])), dict(PACKED=True)
+    return (jnp.zeros((1,), jnp.int32),) * 6, dict(PACKED=False)
+  return (*ids[:2], *(ids[6:] if keys else ids[2:6])), dict(PACKED=True)
 
 
 def _call(kernel, args, out, tiles, grid, config, **consts):
