@@ -71,6 +71,37 @@ def test_pallas_per_head_ids_match_xla():
 
 
 @pytest.mark.pallas
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_pallas_row_windows_hold_each_document_of_a_dilated_row(contiguous):
+  """`pallas._row_windows` (the rows a program's loop may reach): for every token of a
+  branch's dilated rows (rate 3, segments of 48 over 100 tokens: a short last segment, a
+  padded view), the window holds every row of its segment and residue in its document; with
+  each document in one piece it is exactly the first and last such row."""
+  from hilbert_ring_jax.backends import pallas  # pylint: disable=import-outside-toplevel
+  n, w, r = 100, 48, 3
+  rng = np.random.default_rng(3)
+  ids = np.repeat(np.arange(12), rng.integers(1, 20, 12))[:n] if contiguous else \
+      rng.integers(0, 4, n)
+  ids = np.pad(ids, (0, n - len(ids)), mode="edge")[None]
+  (br,) = pallas._branches(DilatedPattern((w,), (r,), offsets="all"), n, 1,
+                           pallas.Config().resolved(16, jnp.float32))
+  assert br.padded
+  first, last = (np.asarray(x)[0, ..., 0] for x in pallas._row_windows(
+      br, pallas._windows((jnp.asarray(ids, jnp.int32),) * 2)))  # [S, M_pad, R]
+  checked = 0
+  for s in range(br.geo.segments):
+    for c in range(r):
+      positions = np.arange(s * w + c, min(n, s * w + w), r)  # the dilated row's tokens
+      for m, p in enumerate(positions):
+        same = np.flatnonzero(ids[0, positions] == ids[0, p])
+        assert first[s, m, c] <= same[0] and last[s, m, c] >= same[-1]
+        if contiguous:
+          assert (first[s, m, c], last[s, m, c]) == (same[0], same[-1])
+        checked += 1
+  assert checked == n
+
+
+@pytest.mark.pallas
 def test_pallas_takes_packed_problems():
   """pallas's `supports` takes packed problems; dispatch picks it where it comes first."""
   problem = backends.Problem((1, 256, 4, 64), (1, 256, 4, 64), jnp.dtype(jnp.bfloat16),

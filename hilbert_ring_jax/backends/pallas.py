@@ -14,9 +14,11 @@ In dilated coordinates causality is `key row <= query row`, so the kernels loop 
 blocks up to the diagonal only; the upper triangle is never loaded.
 
 Packed rows (`segment_ids`): each program also reads its queries' document ids and the key
-row's, split like the tokens. A key block whose ids' range `[min, max]` misses the query
-block's is skipped; one whose ids and the queries' are all one document runs without the id
-comparison; any other block compares ids per score.
+row's, split like the tokens, and its rows' document windows (`common.id_windows`, worked out
+once over the row, then as rows of each branch's dilated row), and loops only over the blocks
+those reach. A key block whose ids' range
+`[min, max]` misses the query block's is skipped; one whose ids and the queries' are all one
+document runs without the id comparison; any other block compares ids per score.
 
 Branches combine through the project's one `merge`, inside the forward kernel: each branch
 takes the running float32 `(out, lse)` aliased to its outputs and merges its partial into the
@@ -39,7 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 from ..merge import merge
 from ..pattern import Branch, DilatedPattern, heads_per_kv
 from .base import YES, Problem, Support, no
-from .common import ds_operands
+from .common import FAR, ds_operands, id_windows
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -370,15 +372,19 @@ def _query_ranges(br, k_block, bq, bk, n_valid):
 
 def _fori(ranges, body, carry, ids=None):
   """Runs `body(masked, j, carry, pair)` over the blocks `j` of `ranges` (`[(lo, hi,
-  masked)]`). `ids`: None, or `(mine [rows], theirs(j) -> [block])`: the program's own
-  block's document ids and a function loading those of block `j`. Then a block whose ids'
-  range misses this block's is skipped, one where both are a single same document runs as
-  the range says (`pair` None), and any other compares ids per score (masked, `pair` the two
-  id vectors)."""
+  masked)]`). `ids`: None, or `(mine [rows], theirs(j) -> [block], (u0, u1) [rows], size)`:
+  the program's own block's document ids, a function loading those of block `j`, its rows'
+  windows (`_row_windows`) and the size of a visited block. Then only the blocks the windows
+  reach are visited, a block whose ids' range misses this block's is skipped, one where both
+  are a single same document runs as the range says (`pair` None), and any other compares ids
+  per score (masked, `pair` the two id vectors)."""
   if ids is None:
     step = lambda masked, j, carry: body(masked, j, carry, None)
   else:
-    mine, theirs = ids
+    mine, theirs, (u0, u1), size = ids
+    first, stop = lax.div(jnp.min(u0), size), lax.div(jnp.max(u1), size) + 1
+    ranges = [(jnp.maximum(lo, first), jnp.minimum(hi, stop), masked)
+              for lo, hi, masked in ranges]
     lo_m, hi_m = jnp.min(mine), jnp.max(mine)
 
     def step(masked, j, carry):
@@ -404,6 +410,32 @@ def _split_ids(br, ids):
   return br.split((ids if ids.ndim == 3 else ids[:, :, None]).astype(jnp.int32))
 
 
+def _windows(segment_ids, keys=False):
+  """`(u0, u1)` of `common.id_windows` over the whole row, `[B, N, X]` (X = 1, or every query
+  head where the ids are per head): the first and last key that may share each query's
+  document or (`keys`) the first and last query, of each query head, for each key."""
+  q_ids, k_ids = ((x if x.ndim == 3 else x[:, :, None]).astype(jnp.int32) for x in segment_ids)
+  k_ids = jnp.repeat(k_ids, q_ids.shape[-1] // k_ids.shape[-1], axis=-1)
+  a, b = (k_ids, q_ids) if keys else (q_ids, k_ids)
+  heads_first = lambda x: jnp.swapaxes(x, 1, 2)
+  w = id_windows(heads_first(a), heads_first(b))
+  return heads_first(w[0]), heads_first(w[1])
+
+
+def _row_windows(br, windows):
+  """`_windows` as rows of the branch's dilated rows, in `_split_ids`' view `[B, S, M_pad, R,
+  X]`: the first and last row of each token's own segment and residue that may share its
+  document (first > last where none may)."""
+  g = br.geo
+  u0, u1 = (br.split(w, fill=fill) for w, fill in zip(windows, (FAR, -1)))
+  # Against the views' [B, S, M_pad, R, X]: each segment's first position, and row 0's of
+  # each residue.
+  seg = (jnp.arange(g.segments) * g.w)[:, None, None, None]
+  start = seg + jnp.arange(g.r)[:, None]
+  first = (jnp.maximum(u0, seg) - start + g.r - 1) // g.r
+  return [first, (jnp.minimum(u1, seg + g.w - 1) - start) // g.r]
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward.
 
@@ -415,8 +447,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode, packed):
   # ("first": aliased, but nothing to merge with yet)
   ids = None
   if packed:
-    q_ids_ref, kv_ids_ref = refs[-4:-2]
-    ids = (q_ids_ref[...], lambda j: kv_ids_ref[pl.ds(j * br.bk, br.bk)])
+    q_ids_ref, kv_ids_ref, u0_ref, u1_ref = refs[-6:-2]
+    ids = (q_ids_ref[...], lambda j: kv_ids_ref[pl.ds(j * br.bk, br.bk)],
+           (u0_ref[...], u1_ref[...]), br.bk)
   bq, bk, dp = br.bq, br.bk, q_ref.shape[-1]
   i, _, _, s, c = _coords(br, _program_ids(4 + br.all_residues), br.m_pad // bq)
   n_valid = br.n_valid(s, c)
@@ -462,7 +495,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode, packed):
   lse_ref[...] = lse
 
 
-def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, cfg, segment_ids=None):
+def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, cfg, segment_ids=None,
+                    windows=None):
   """Runs one branch; returns the running `(out, lse)` in `[B, N, H, D]`, `[B, N, H]`."""
   bsz, _, h, d = q.shape
   per_kv = heads_per_kv(h, k.shape[2])
@@ -479,8 +513,9 @@ def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, cfg, segment_ids=N
     in_specs += [q_spec, lse_spec]
     aliases = {3: 0, 4: 1}
   if segment_ids is not None:
-    args += [_split_ids(br, x) for x in segment_ids]
-    in_specs += list(ids_specs)
+    views = [_split_ids(br, x) for x in segment_ids]
+    args += views + _row_windows(br, windows)
+    in_specs += [*ids_specs, ids_specs[0], ids_specs[0]]
   out, lse = pl.pallas_call(
       functools.partial(_forward_kernel, br=br, d=d, scale=scale, mode=mode,
                         packed=segment_ids is not None),
@@ -506,6 +541,7 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
   cfg = (config or Config()).resolved(q.shape[-1], q.dtype)
   b, n, h, _ = q.shape
   branches = list(_branches(pattern, n, h, cfg, branches))
+  windows = None if segment_ids is None else _windows(segment_ids)
   # One branch writes the result directly; several merge into float32 accumulators.
   acc_dtype = (out_dtype or jnp.float32) if len(branches) == 1 else jnp.float32
   acc = None
@@ -517,7 +553,8 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
     else:  # rows the first branch does not cover must read as out = 0, lse = -inf
       mode = "first"
       acc = (jnp.zeros(q.shape, acc_dtype), jnp.full((b, n, h), -jnp.inf, jnp.float32))
-    acc = _forward_branch(br, q, k, v, acc, scale, mode, acc_dtype, cfg, segment_ids)
+    acc = _forward_branch(br, q, k, v, acc, scale, mode, acc_dtype, cfg, segment_ids,
+                          windows)
   return acc[0].astype(out_dtype or jnp.float32), acc[1]
 
 
@@ -545,8 +582,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, sc
   bq, bk, dp = br.blocks[2], br.blocks[3], q_ref.shape[-1]
   ids = None
   if packed:
-    q_ids_ref, kv_ids_ref = refs[-3:-1]
-    ids = (q_ids_ref[...], lambda j: kv_ids_ref[pl.ds(j * bk, bk)])
+    q_ids_ref, kv_ids_ref, u0_ref, u1_ref = refs[-5:-1]
+    ids = (q_ids_ref[...], lambda j: kv_ids_ref[pl.ds(j * bk, bk)],
+           (u0_ref[...], u1_ref[...]), bk)
   i, _, _, s, c = _coords(br, _program_ids(4 + br.all_residues), br.m_pad // bq)
   n_valid = br.n_valid(s, c)
   dmask = _head_mask(d, dp)
@@ -571,8 +609,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, sc
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, scale, per_kv,
                 g0, accumulate, packed):
   dk_ref, dv_ref = refs[-2:]
-  if packed:  # the query row's ids `[M_pad, X]` (X: 1 or every head), this key block's `[bk]`
-    q_ids_ref, kv_ids_ref = refs[-4:-2]
+  if packed:  # the query row's ids `[M_pad, X]` (X: 1 or every head), this key block's `[bk]`,
+    # and its keys' windows over the queries `[bk, X]`
+    q_ids_ref, kv_ids_ref, w0_ref, w1_ref = refs[-6:-2]
   bq, bk, dp = br.blocks[4], br.blocks[5], q_ref.shape[-1]
   j, _, g, s, c = _kv_coords(br, g0, _program_ids(4 + (br.geo.r > 1)))
   n_valid = br.n_valid(s, c)
@@ -606,7 +645,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, s
     ids = None
     if packed:  # here the program's own block is the key block, the visited ones queries
       column = h if q_ids_ref.shape[-1] > 1 else 0
-      ids = (kv_ids_ref[...], lambda i: q_ids_ref[pl.ds(i * bq, bq), column])
+      ids = (kv_ids_ref[...], lambda i: q_ids_ref[pl.ds(i * bq, bq), column],
+             (w0_ref[:, column], w1_ref[:, column]), bq)
     return _fori(_query_ranges(br, j, bq, bk, n_valid), body, carry, ids)
 
   zeros = jnp.zeros((bk, dp), jnp.float32)
@@ -619,7 +659,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, s
   _store(dv_ref, dv.astype(dv_ref.dtype), dmask)
 
 
-def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg, segment_ids=None):
+def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg, segment_ids=None,
+                     windows=None):
   """Adds one branch's `(dq, dk, dv)` to `grads` (or creates them: mode "fresh")."""
   bsz, _, h, d = q.shape
   per_kv = heads_per_kv(h, k.shape[2])
@@ -644,8 +685,8 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg, se
     args.append(br.split(dq))
     in_specs.append(q_spec)
   if packed:
-    args += id_views
-    in_specs += list(ids_specs)
+    args += id_views + _row_windows(br, windows[0])
+    in_specs += [*ids_specs, ids_specs[0], ids_specs[0]]
   dq = br.unsplit(pl.pallas_call(
       functools.partial(_dq_kernel, br=br, d=d, scale=scale, accumulate=accumulate,
                         packed=packed),
@@ -679,12 +720,15 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg, se
     args += [br.split(dk), br.split(dv)]
     in_specs += [k_spec, k_spec]
   if packed:
-    args += id_views
+    windows_spec = pl.BlockSpec((None, None, bk_dkv, None, h if per_head else 1),
+                                lambda *ids: k_map(*ids)[:4] + (0,))
+    args += id_views + _row_windows(br, windows[1])
     in_specs += [
         pl.BlockSpec((None, None, br.m_pad, None, h if per_head else 1),
                      lambda *ids: q_all_map(*ids)[:5]),
         pl.BlockSpec((None, None, bk_dkv, None, None),
-                     lambda *ids: k_map(*ids)[:4] + ((k_map(*ids)[4] if per_head else 0),))]
+                     lambda *ids: k_map(*ids)[:4] + ((k_map(*ids)[4] if per_head else 0),)),
+        windows_spec, windows_spec]
   residues = (br.geo.r,) if br.geo.r > 1 else ()  # every residue is a grid axis here
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, br=br, d=d, scale=scale, per_kv=per_kv, g0=g0,
@@ -710,6 +754,8 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
   n, h, hkv = q.shape[1], q.shape[2], k.shape[2]
   per_kv = heads_per_kv(h, hkv)
   lse, delta = lse.astype(jnp.float32), delta.astype(jnp.float32)
+  windows = None if segment_ids is None else (_windows(segment_ids),
+                                              _windows(segment_ids, keys=True))
   grads = (None, None, None)
   for idx, br in enumerate(_branches(pattern, n, h, cfg, branches)):
     if idx > 0:
@@ -722,5 +768,5 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
       grads = tuple(jnp.zeros(x.shape, jnp.float32) if mode == "first" else None
                     for x, mode in zip((q, k, v), (modes[0], modes[1], modes[1])))
     grads = _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg,
-                             segment_ids)
+                             segment_ids, windows)
   return grads
