@@ -86,8 +86,8 @@ def test_pallas_row_windows_hold_each_document_of_a_dilated_row(contiguous):
   (br,) = pallas._branches(DilatedPattern((w,), (r,), offsets="all"), n, 1,
                            pallas.Config().resolved(16, jnp.float32))
   assert br.padded
-  first, last = (np.asarray(x)[0, ..., 0] for x in pallas._row_windows(
-      br, pallas._windows((jnp.asarray(ids, jnp.int32),) * 2)))  # [S, M_pad, R]
+  windows = common.contract_windows((jnp.asarray(ids, jnp.int32),) * 2)[:2]
+  first, last = (np.asarray(x)[0, ..., 0] for x in pallas._row_windows(br, windows))
   checked = 0
   for s in range(br.geo.segments):
     for c in range(r):

@@ -139,3 +139,15 @@ def id_windows(q_ids, k_ids):
 
   flat = jax.vmap(one)(q_ids.reshape(-1, n), k_ids.reshape(-1, n))  # [M, 4, N]
   return flat.transpose(1, 0, 2).reshape(4, *lead, n)
+
+
+def contract_windows(segment_ids, keys: bool = False):
+  """`id_windows` of the backend contract's ids `(q_ids, kv_ids)` (`[B, N]`, or per head `[B,
+  N, H]` and `[B, N, Hkv]`), laid out `[4, B, N, X]`: X = 1 where every head shares the ids,
+  else a column per query head. `keys`: the keys' windows over the queries (a key's, per query
+  head reading it), as the dk/dv side walks them."""
+  q_ids, k_ids = ((x if x.ndim == 3 else x[:, :, None]).astype(jnp.int32) for x in segment_ids)
+  k_ids = jnp.repeat(k_ids, q_ids.shape[-1] // k_ids.shape[-1], axis=-1)
+  a, b = (k_ids, q_ids) if keys else (q_ids, k_ids)
+  return jnp.swapaxes(id_windows(jnp.swapaxes(a, 1, 2), jnp.swapaxes(b, 1, 2)), 2, 3)
+

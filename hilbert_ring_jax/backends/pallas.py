@@ -14,11 +14,11 @@ In dilated coordinates causality is `key row <= query row`, so the kernels loop 
 blocks up to the diagonal only; the upper triangle is never loaded.
 
 Packed rows (`segment_ids`): each program also reads its queries' document ids and the key
-row's, split like the tokens, and its rows' document windows (`common.id_windows`, worked out
-once over the row, then as rows of each branch's dilated row), and loops only over the blocks
-those reach. A key block whose ids' range
-`[min, max]` misses the query block's is skipped; one whose ids and the queries' are all one
-document runs without the id comparison; any other block compares ids per score.
+row's, split like the tokens, and its rows' document windows (`common.contract_windows`, worked
+out once over the row, then as rows of each branch's dilated row), and loops only over the
+blocks those reach. A key block whose ids' range `[min, max]` misses the query block's is
+skipped; one whose ids and the queries' are all one document runs without the id comparison;
+any other block compares ids per score.
 
 Branches combine through the project's one `merge`, inside the forward kernel: each branch
 takes the running float32 `(out, lse)` aliased to its outputs and merges its partial into the
@@ -41,7 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 from ..merge import merge
 from ..pattern import Branch, DilatedPattern, heads_per_kv
 from .base import YES, Problem, Support, no
-from .common import FAR, ds_operands, id_windows
+from .common import FAR, contract_windows, ds_operands
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -410,22 +410,11 @@ def _split_ids(br, ids):
   return br.split((ids if ids.ndim == 3 else ids[:, :, None]).astype(jnp.int32))
 
 
-def _windows(segment_ids, keys=False):
-  """`(u0, u1)` of `common.id_windows` over the whole row, `[B, N, X]` (X = 1, or every query
-  head where the ids are per head): the first and last key that may share each query's
-  document or (`keys`) the first and last query, of each query head, for each key."""
-  q_ids, k_ids = ((x if x.ndim == 3 else x[:, :, None]).astype(jnp.int32) for x in segment_ids)
-  k_ids = jnp.repeat(k_ids, q_ids.shape[-1] // k_ids.shape[-1], axis=-1)
-  a, b = (k_ids, q_ids) if keys else (q_ids, k_ids)
-  heads_first = lambda x: jnp.swapaxes(x, 1, 2)
-  w = id_windows(heads_first(a), heads_first(b))
-  return heads_first(w[0]), heads_first(w[1])
-
-
 def _row_windows(br, windows):
-  """`_windows` as rows of the branch's dilated rows, in `_split_ids`' view `[B, S, M_pad, R,
-  X]`: the first and last row of each token's own segment and residue that may share its
-  document (first > last where none may)."""
+  """The windows `(u0, u1)` of `common.contract_windows` (`[B, N, X]` each) as rows of the
+  branch's dilated rows, in `_split_ids`' view `[B, S, M_pad, R, X]`: the first and last row
+  of each token's own segment and residue that may share its document (first > last where
+  none may)."""
   g = br.geo
   u0, u1 = (br.split(w, fill=fill) for w, fill in zip(windows, (FAR, -1)))
   # Against the views' [B, S, M_pad, R, X]: each segment's first position, and row 0's of
@@ -541,7 +530,7 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
   cfg = (config or Config()).resolved(q.shape[-1], q.dtype)
   b, n, h, _ = q.shape
   branches = list(_branches(pattern, n, h, cfg, branches))
-  windows = None if segment_ids is None else _windows(segment_ids)
+  windows = None if segment_ids is None else contract_windows(segment_ids)[:2]
   # One branch writes the result directly; several merge into float32 accumulators.
   acc_dtype = (out_dtype or jnp.float32) if len(branches) == 1 else jnp.float32
   acc = None
@@ -754,8 +743,8 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
   n, h, hkv = q.shape[1], q.shape[2], k.shape[2]
   per_kv = heads_per_kv(h, hkv)
   lse, delta = lse.astype(jnp.float32), delta.astype(jnp.float32)
-  windows = None if segment_ids is None else (_windows(segment_ids),
-                                              _windows(segment_ids, keys=True))
+  windows = None if segment_ids is None else (contract_windows(segment_ids)[:2],
+                                              contract_windows(segment_ids, keys=True)[:2])
   grads = (None, None, None)
   for idx, br in enumerate(_branches(pattern, n, h, cfg, branches)):
     if idx > 0:

@@ -33,7 +33,7 @@ from ..pattern import DilatedPattern
 from . import _triton_kernels as kernels
 from . import schedule
 from .base import YES, Problem, Support, no
-from .common import batched, id_windows
+from .common import batched, contract_windows
 
 # jax-triton 0.4 renamed `out_shape=` to `out_type=` (the old name warns); 0.3 knows only the
 # former. Aliasing is avoided altogether: the two versions disagree on whether an aliased
@@ -204,15 +204,15 @@ def _ids(segment_ids, heads: int, kv_heads: int, keys: bool = False):
   """The contract's `(q_ids, kv_ids)` (`[B, N]`, or per head `[B, N, H]` and `[B, N, Hkv]`)
   as the kernels read them, int32 `[B, N, X]` each: the queries' ids (X = H), the keys' (X =
   Hkv), the queries' windows and runs over the keys and (`keys`: the backward) the keys' over
-  the queries (`u0`, `u1`, `r0`, `r1` of `common.id_windows`, X = H: a key's for each query
-  head reading it)."""
+  the queries (`u0`, `u1`, `r0`, `r1` of `common.contract_windows`, X = H: a key's for each
+  query head reading it)."""
   q_ids, k_ids = ((x[:, :, None] if x.ndim == 2 else x).astype(jnp.int32) for x in segment_ids)
-  q_ids = jnp.broadcast_to(q_ids, q_ids.shape[:2] + (heads,))
-  k_ids = jnp.broadcast_to(k_ids, k_ids.shape[:2] + (kv_heads,))
-  heads_first = lambda x: x.transpose(0, 2, 1)
-  q_t, k_t = heads_first(q_ids), heads_first(jnp.repeat(k_ids, heads // kv_heads, axis=2))
-  windows = [id_windows(q_t, k_t)] + ([id_windows(k_t, q_t)] if keys else [])  # [4, B, H, N]
-  return (q_ids, k_ids, *(heads_first(w[i]) for w in windows for i in range(4)))
+  per_head = lambda x, count=heads: jnp.broadcast_to(x, x.shape[:2] + (count,))
+  windows = [contract_windows(segment_ids)]  # [4, B, N, X]
+  if keys:
+    windows.append(contract_windows(segment_ids, keys=True))
+  return (per_head(q_ids), per_head(k_ids, kv_heads),
+          *(per_head(w[i]) for w in windows for i in range(4)))
 
 
 def _packed(ids, keys=False) -> tuple:
