@@ -173,12 +173,12 @@ def _ids(q_ids, k_ids, per_kv, keys=False):
   query rows (the forward, dq); `keys`: `(k_ids, q_ids, windows [4, B, X', N])` for the
   dk/dv kernel's key rows, each key's windows over the queries of every query head reading
   its key/value head (their union; the run all of them share)."""
+  w = jnp.swapaxes(common.contract_windows((q_ids, k_ids), keys), 2, 3)  # [4, B, X, N]
   heads = lambda x: (x[:, None] if x.ndim == 2 else x.transpose(0, 2, 1)).astype(jnp.int32)
   q_ids, k_ids = heads(q_ids), heads(k_ids)
-  group = q_ids.shape[1] // k_ids.shape[1]  # query heads reading each key/value id head
   if not keys:
-    return q_ids, k_ids, common.id_windows(q_ids, jnp.repeat(k_ids, group, axis=1))
-  w = common.id_windows(jnp.repeat(k_ids, group, axis=1), q_ids)  # [4, B, X, N]
+    return q_ids, k_ids, w
+  group = q_ids.shape[1] // k_ids.shape[1]  # query heads reading each key/value id head
   w = w.reshape(4, w.shape[1], k_ids.shape[1], group, w.shape[-1])
   return k_ids, q_ids, jnp.stack([w[0].min(2), w[1].max(2), w[2].max(2), w[3].min(2)])
 
