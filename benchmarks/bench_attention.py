@@ -1,9 +1,9 @@
 """Dilated attention benchmark: our implementations next to their peers, in one run.
 
 For each N and implementation: forward and forward+backward, device-synchronized medians
-(warm-up, then `--runs` timed runs of `--calls` calls each), TFLOP/s on visible FLOPs (forward 4*B*D*pairs,
-forward+backward 3.5x), tokens/s, and the compiled program's device memory (XLA's memory
-analysis: arguments + outputs + temporaries). Peers: cuDNN full attention
+(warm-up, then `--runs` timed runs of `--calls` calls each), TFLOP/s on visible FLOPs
+(forward 4*B*D*pairs, forward+backward 3.5x), tokens/s, and the compiled program's device
+memory (XLA's memory analysis: arguments + outputs + temporaries). Peers: cuDNN full attention
 (`jax.nn.dot_product_attention`), "folded cuDNN" LongNet (segments folded into the batch, cuDNN
 per branch and residue, merged by LSE: SPEC's function), tokamax's Pallas Mosaic GPU
 attention ("tokamax", when importable), JAX's Pallas-Triton `mha`, and the dense masked XLA

@@ -54,9 +54,9 @@ def documents(n, median, max_doc, seed):
 def peers(lengths, n, causal_pattern, scale, implementation=None):
   """`name -> (prepare(q, k, v, do) -> args, fn(q, k, v, meta) -> out, unprepare(out) -> [1, N,
   ...], meta)`; ours through `implementation` (None: the library's default). `meta` (the
-  documents as the peer reads them: our ids, cuDNN's lengths) is an
-  argument of the jitted calls, as in a training step, where each batch brings its own: a
-  constant would let XLA work out what is derived from it once, at compile time."""
+  documents as the peer reads them: our ids, cuDNN's lengths) is an argument of the jitted
+  calls, as in a training step, where each batch brings its own: a constant would let XLA
+  work out what is derived from it once, at compile time."""
   ids = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
   starts = np.cumsum([0] + lengths[:-1])
   longest = -(-max(lengths) // 128) * 128
