@@ -150,4 +150,3 @@ def contract_windows(segment_ids, keys: bool = False):
   k_ids = jnp.repeat(k_ids, q_ids.shape[-1] // k_ids.shape[-1], axis=-1)
   a, b = (k_ids, q_ids) if keys else (q_ids, k_ids)
   return jnp.swapaxes(id_windows(jnp.swapaxes(a, 1, 2), jnp.swapaxes(b, 1, 2)), 2, 3)
-
