@@ -73,10 +73,11 @@ def test_pallas_per_head_ids_match_xla():
 @pytest.mark.pallas
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_pallas_row_windows_hold_each_document_of_a_dilated_row(contiguous):
-  """`pallas._row_windows` (the rows a program's loop may reach): for every token of a
-  branch's dilated rows (rate 3, segments of 48 over 100 tokens: a short last segment, a
-  padded view), the window holds every row of its segment and residue in its document; with
-  each document in one piece it is exactly the first and last such row."""
+  """`pallas._row_windows` (the rows a program's loop may reach, and those it runs without a
+  look at the ids): for every token of a branch's dilated rows (rate 3, segments of 48 over
+  100 tokens: a short last segment, a padded view), the window holds every row of its segment
+  and residue in its document, and the run holds the token's own row and only rows of its
+  document; with each document in one piece both are exactly the first and last such row."""
   from hilbert_ring_jax.backends import pallas  # pylint: disable=import-outside-toplevel
   n, w, r = 100, 48, 3
   rng = np.random.default_rng(3)
@@ -86,17 +87,20 @@ def test_pallas_row_windows_hold_each_document_of_a_dilated_row(contiguous):
   (br,) = pallas._branches(DilatedPattern((w,), (r,), offsets="all"), n, 1,
                            pallas.Config().resolved(16, jnp.float32))
   assert br.padded
-  windows = common.contract_windows((jnp.asarray(ids, jnp.int32),) * 2)[:2]
-  first, last = (np.asarray(x)[0, ..., 0] for x in pallas._row_windows(br, windows))
+  windows = common.contract_windows((jnp.asarray(ids, jnp.int32),) * 2)
+  first, last, run0, run1 = (np.asarray(x)[0, ..., 0] for x in pallas._row_windows(br, windows))
   checked = 0
   for s in range(br.geo.segments):
     for c in range(r):
       positions = np.arange(s * w + c, min(n, s * w + w), r)  # the dilated row's tokens
       for m, p in enumerate(positions):
         same = np.flatnonzero(ids[0, positions] == ids[0, p])
-        assert first[s, m, c] <= same[0] and last[s, m, c] >= same[-1]
+        window, run = (first[s, m, c], last[s, m, c]), (run0[s, m, c], run1[s, m, c])
+        assert window[0] <= same[0] and window[1] >= same[-1]
+        assert run[0] <= m <= run[1]
+        assert (ids[0, positions[run[0]:run[1] + 1]] == ids[0, p]).all()
         if contiguous:
-          assert (first[s, m, c], last[s, m, c]) == (same[0], same[-1])
+          assert window == run == (same[0], same[-1])
         checked += 1
   assert checked == n
 

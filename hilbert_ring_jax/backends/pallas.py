@@ -14,9 +14,10 @@ In dilated coordinates causality is `key row <= query row`, so the kernels loop 
 blocks up to the diagonal only; the upper triangle is never loaded.
 
 Packed rows (`segment_ids`): each program also reads its queries' document ids and the key
-row's, split like the tokens, and its rows' document windows (`common.contract_windows`, worked
-out once over the row, then as rows of each branch's dilated row), and loops only over the
-blocks those reach. A key block whose ids' range `[min, max]` misses the query block's is
+row's, split like the tokens, and its rows' document windows and runs (`common.contract_windows`,
+worked out once over the row, then as rows of each branch's dilated row), and loops only over
+the blocks the windows reach. Blocks inside the run common to the program's rows run as without
+ids. Of the others, a key block whose ids' range `[min, max]` misses the query block's is
 skipped; one whose ids and the queries' are all one document runs without the id comparison;
 any other block compares ids per score.
 
@@ -372,31 +373,38 @@ def _query_ranges(br, k_block, bq, bk, n_valid):
 
 def _fori(ranges, body, carry, ids=None):
   """Runs `body(masked, j, carry, pair)` over the blocks `j` of `ranges` (`[(lo, hi,
-  masked)]`). `ids`: None, or `(mine [rows], theirs(j) -> [block], (u0, u1) [rows], size)`:
-  the program's own block's document ids, a function loading those of block `j`, its rows'
-  windows (`_row_windows`) and the size of a visited block. Then only the blocks the windows
-  reach are visited, a block whose ids' range misses this block's is skipped, one where both
-  are a single same document runs as the range says (`pair` None), and any other compares ids
-  per score (masked, `pair` the two id vectors)."""
+  masked)]`). `ids`: None, or `(mine [rows], theirs(j) -> [block], (u0, u1, r0, r1) [rows],
+  size)`: the program's own block's document ids, a function loading those of block `j`, its
+  rows' windows and runs (`_row_windows`) and the size of a visited block. Then only the
+  blocks the windows reach are visited; those inside the run common to every row run as the
+  range says (`pair` None), without a look at their ids; of the others, a block whose ids'
+  range misses this block's is skipped, one where both are a single same document runs as the
+  range says, and any other compares ids per score (masked, `pair` the two id vectors)."""
   if ids is None:
-    step = lambda masked, j, carry: body(masked, j, carry, None)
-  else:
-    mine, theirs, (u0, u1), size = ids
-    first, stop = lax.div(jnp.min(u0), size), lax.div(jnp.max(u1), size) + 1
-    ranges = [(jnp.maximum(lo, first), jnp.minimum(hi, stop), masked)
-              for lo, hi, masked in ranges]
-    lo_m, hi_m = jnp.min(mine), jnp.max(mine)
+    for lo, hi, masked in ranges:
+      carry = lax.fori_loop(lo, hi, lambda j, c, m=masked: body(m, j, c, None), carry)
+    return carry
+  mine, theirs, (u0, u1, r0, r1), size = ids
+  first, stop = lax.div(jnp.min(u0), size), lax.div(jnp.max(u1), size) + 1
+  # The blocks every key of which lies in every row's run (none where a row has no run).
+  inside = (lax.div(jnp.max(r0) + size - 1, size), lax.div(jnp.min(r1) + 1, size))
+  lo_m, hi_m = jnp.min(mine), jnp.max(mine)
 
-    def step(masked, j, carry):
-      other = theirs(j)
-      lo_o, hi_o = jnp.min(other), jnp.max(other)
-      one = (lo_m == hi_m) & (lo_o == hi_o) & (lo_m == lo_o)
-      visit = lambda c: lax.cond(one, lambda c: body(masked, j, c, None),
-                                 lambda c: body(True, j, c, (mine, other)), c)
-      return lax.cond((lo_o <= hi_m) & (hi_o >= lo_m), visit, lambda c: c, carry)
+  def checked(masked, j, carry):
+    other = theirs(j)
+    lo_o, hi_o = jnp.min(other), jnp.max(other)
+    one = (lo_m == hi_m) & (lo_o == hi_o) & (lo_m == lo_o)
+    visit = lambda c: lax.cond(one, lambda c: body(masked, j, c, None),
+                               lambda c: body(True, j, c, (mine, other)), c)
+    return lax.cond((lo_o <= hi_m) & (hi_o >= lo_m), visit, lambda c: c, carry)
 
   for lo, hi, masked in ranges:
-    carry = lax.fori_loop(lo, hi, functools.partial(step, masked), carry)
+    lo, hi = jnp.maximum(lo, first), jnp.minimum(hi, stop)
+    a = jnp.clip(inside[0], lo, hi)
+    b = jnp.clip(inside[1], a, hi)
+    carry = lax.fori_loop(lo, a, functools.partial(checked, masked), carry)
+    carry = lax.fori_loop(a, b, lambda j, c, m=masked: body(m, j, c, None), carry)
+    carry = lax.fori_loop(b, hi, functools.partial(checked, masked), carry)
   return carry
 
 
@@ -411,18 +419,21 @@ def _split_ids(br, ids):
 
 
 def _row_windows(br, windows):
-  """The windows `(u0, u1)` of `common.contract_windows` (`[B, N, X]` each) as rows of the
-  branch's dilated rows, in `_split_ids`' view `[B, S, M_pad, R, X]`: the first and last row
-  of each token's own segment and residue that may share its document (first > last where
-  none may)."""
+  """The windows and runs `(u0, u1, r0, r1)` of `common.contract_windows` (`[B, N, X]` each)
+  as rows of the branch's dilated rows, in `_split_ids`' view `[B, S, M_pad, R, X]`: the first
+  and last row of each token's own segment and residue that may share its document, and those
+  that surely do (first > last where none)."""
   g = br.geo
-  u0, u1 = (br.split(w, fill=fill) for w, fill in zip(windows, (FAR, -1)))
   # Against the views' [B, S, M_pad, R, X]: each segment's first position, and row 0's of
   # each residue.
   seg = (jnp.arange(g.segments) * g.w)[:, None, None, None]
   start = seg + jnp.arange(g.r)[:, None]
-  first = (jnp.maximum(u0, seg) - start + g.r - 1) // g.r
-  return [first, (jnp.minimum(u1, seg + g.w - 1) - start) // g.r]
+  rows = []
+  for lo, hi in zip(windows[::2], windows[1::2]):
+    lo, hi = br.split(lo, fill=FAR), br.split(hi, fill=-1)
+    rows += [(jnp.maximum(lo, seg) - start + g.r - 1) // g.r,
+             (jnp.minimum(hi, seg + g.w - 1) - start) // g.r]
+  return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,9 +447,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode, packed):
   # ("first": aliased, but nothing to merge with yet)
   ids = None
   if packed:
-    q_ids_ref, kv_ids_ref, u0_ref, u1_ref = refs[-6:-2]
+    q_ids_ref, kv_ids_ref, *rows_refs = refs[-8:-2]
     ids = (q_ids_ref[...], lambda j: kv_ids_ref[pl.ds(j * br.bk, br.bk)],
-           (u0_ref[...], u1_ref[...]), br.bk)
+           tuple(r[...] for r in rows_refs), br.bk)
   bq, bk, dp = br.bq, br.bk, q_ref.shape[-1]
   i, _, _, s, c = _coords(br, _program_ids(4 + br.all_residues), br.m_pad // bq)
   n_valid = br.n_valid(s, c)
@@ -504,7 +515,7 @@ def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, cfg, segment_ids=N
   if segment_ids is not None:
     views = [_split_ids(br, x) for x in segment_ids]
     args += views + _row_windows(br, windows)
-    in_specs += [*ids_specs, ids_specs[0], ids_specs[0]]
+    in_specs += [*ids_specs] + [ids_specs[0]] * 4
   out, lse = pl.pallas_call(
       functools.partial(_forward_kernel, br=br, d=d, scale=scale, mode=mode,
                         packed=segment_ids is not None),
@@ -530,7 +541,7 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
   cfg = (config or Config()).resolved(q.shape[-1], q.dtype)
   b, n, h, _ = q.shape
   branches = list(_branches(pattern, n, h, cfg, branches))
-  windows = None if segment_ids is None else contract_windows(segment_ids)[:2]
+  windows = None if segment_ids is None else contract_windows(segment_ids)
   # One branch writes the result directly; several merge into float32 accumulators.
   acc_dtype = (out_dtype or jnp.float32) if len(branches) == 1 else jnp.float32
   acc = None
@@ -571,9 +582,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, sc
   bq, bk, dp = br.blocks[2], br.blocks[3], q_ref.shape[-1]
   ids = None
   if packed:
-    q_ids_ref, kv_ids_ref, u0_ref, u1_ref = refs[-5:-1]
+    q_ids_ref, kv_ids_ref, *rows_refs = refs[-7:-1]
     ids = (q_ids_ref[...], lambda j: kv_ids_ref[pl.ds(j * bk, bk)],
-           (u0_ref[...], u1_ref[...]), bk)
+           tuple(r[...] for r in rows_refs), bk)
   i, _, _, s, c = _coords(br, _program_ids(4 + br.all_residues), br.m_pad // bq)
   n_valid = br.n_valid(s, c)
   dmask = _head_mask(d, dp)
@@ -599,8 +610,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, s
                 g0, accumulate, packed):
   dk_ref, dv_ref = refs[-2:]
   if packed:  # the query row's ids `[M_pad, X]` (X: 1 or every head), this key block's `[bk]`,
-    # and its keys' windows over the queries `[bk, X]`
-    q_ids_ref, kv_ids_ref, w0_ref, w1_ref = refs[-6:-2]
+    # and its keys' windows and runs over the queries `[bk, X]` each
+    q_ids_ref, kv_ids_ref, *rows_refs = refs[-8:-2]
   bq, bk, dp = br.blocks[4], br.blocks[5], q_ref.shape[-1]
   j, _, g, s, c = _kv_coords(br, g0, _program_ids(4 + (br.geo.r > 1)))
   n_valid = br.n_valid(s, c)
@@ -635,7 +646,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, s
     if packed:  # here the program's own block is the key block, the visited ones queries
       column = h if q_ids_ref.shape[-1] > 1 else 0
       ids = (kv_ids_ref[...], lambda i: q_ids_ref[pl.ds(i * bq, bq), column],
-             (w0_ref[:, column], w1_ref[:, column]), bq)
+             tuple(r[:, column] for r in rows_refs), bq)
     return _fori(_query_ranges(br, j, bq, bk, n_valid), body, carry, ids)
 
   zeros = jnp.zeros((bk, dp), jnp.float32)
@@ -675,7 +686,7 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg, se
     in_specs.append(q_spec)
   if packed:
     args += id_views + _row_windows(br, windows[0])
-    in_specs += [*ids_specs, ids_specs[0], ids_specs[0]]
+    in_specs += [*ids_specs] + [ids_specs[0]] * 4
   dq = br.unsplit(pl.pallas_call(
       functools.partial(_dq_kernel, br=br, d=d, scale=scale, accumulate=accumulate,
                         packed=packed),
@@ -717,7 +728,7 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg, se
                      lambda *ids: q_all_map(*ids)[:5]),
         pl.BlockSpec((None, None, bk_dkv, None, None),
                      lambda *ids: k_map(*ids)[:4] + ((k_map(*ids)[4] if per_head else 0),)),
-        windows_spec, windows_spec]
+        *[windows_spec] * 4]
   residues = (br.geo.r,) if br.geo.r > 1 else ()  # every residue is a grid axis here
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, br=br, d=d, scale=scale, per_kv=per_kv, g0=g0,
@@ -743,8 +754,8 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
   n, h, hkv = q.shape[1], q.shape[2], k.shape[2]
   per_kv = heads_per_kv(h, hkv)
   lse, delta = lse.astype(jnp.float32), delta.astype(jnp.float32)
-  windows = None if segment_ids is None else (contract_windows(segment_ids)[:2],
-                                              contract_windows(segment_ids, keys=True)[:2])
+  windows = None if segment_ids is None else (contract_windows(segment_ids),
+                                              contract_windows(segment_ids, keys=True))
   grads = (None, None, None)
   for idx, br in enumerate(_branches(pattern, n, h, cfg, branches)):
     if idx > 0:
