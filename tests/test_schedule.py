@@ -159,3 +159,41 @@ def test_longnet_scores_each_pair_once():
        (2050, 4, 512, 1), (4096, 4, 1024, 1)])
   full = schedule.build(DilatedPattern((8192,), (1,)), 8192, 4, 4, (0,), False)
   np.testing.assert_array_equal(full.pieces[:, 1:], [[0, 1, 8192]] * 4)  # one per row
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[5], CASES[9]])
+def test_block_windows_reduce_each_programs_rows(case, transposed, per_head):
+  """`Schedule.block_windows` (the triton kernels' per-program document windows and runs)
+  against each program's rows replayed on the host: the union of their windows and the
+  intersection of their runs, in the column of the row's head (a key row's: of each query
+  head reading it) where the ids are per head; blocks past a row's end hold no window."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from hilbert_ring_jax.backends import common  # pylint: disable=import-outside-toplevel
+  n, h, hkv, segs, rates, offsets, groups = case
+  pattern = DilatedPattern(segs, rates, offsets=offsets, head_groups=groups)
+  rng = np.random.default_rng(n + h)
+  b, block = 2, 8
+  # Documents in pieces (some scattered: ids that come back later in the row).
+  kv = rng.integers(0, 3, (b, n, hkv) if per_head else (b, n)).cumsum(1) % 5
+  q = np.repeat(kv, h // hkv, axis=2) if per_head else kv
+  windows = np.asarray(common.contract_windows((jnp.asarray(q), jnp.asarray(kv)),
+                                               keys=transposed))  # [4, B, N, X]
+  g = h // hkv if transposed and per_head else 1
+  for fused in schedule.launches(pattern, n, h, None):
+    s = schedule.build(pattern, n, h, hkv, fused, transposed)
+    got = np.asarray(s.block_windows(jnp.asarray(windows), n, block, g)).reshape(
+        b, s.periods, len(s.rows), s.row_blocks(block), g, 4)
+    for p in range(s.periods):
+      base = p * s.period
+      for r, (head, first, count, _, _) in enumerate(s.rows):
+        count = min(count, max(0, -(-(n - base - first) // s.stride)))
+        for blk in range(s.row_blocks(block)):
+          pos = base + first + s.stride * np.arange(blk * block, min(blk * block + block, count))
+          for j in range(g):
+            column = (head * g + j) if per_head else 0
+            w = windows[:, :, pos, column]  # [4, B, rows]
+            want = np.stack([w[0].min(1), w[1].max(1), w[2].max(1), w[3].min(1)], -1) if len(
+                pos) else np.broadcast_to([common.FAR, -1, -1, common.FAR], (b, 4))
+            np.testing.assert_array_equal(got[:, p, r, blk, j], want)

@@ -15,11 +15,12 @@ Softmax statistics are float32 and kept in base 2 (`exp2`), with the scale folde
 float32 inputs use IEEE products (`PRECISION="ieee"`), not tf32, so they stay exact.
 
 Packed rows (PACKED): `QID [B, N, H]` and `KID [B, N, HKV]` hold each query's and key's
-document id, `W0`, `W1` (`[B, N, H]`) each row's document window and `R0`, `R1` its run
-(`common.id_windows`, per query head: the first and last position of the other side that may
-share the row's id, and a run of positions that all do). A program cuts every piece to the
-blocks its rows' windows reach; those inside the run common to all its rows go as without
-ids, the others are masked, comparing ids.
+document id, and `WIN` each program's block of rows' document window and run (the union of
+its rows' windows and the intersection of their runs, `common.id_windows` reduced on the
+device before the launch: `triton._windows_by_block`; per query head of the piece in the dk/dv
+kernel): the positions of the other side that may share the rows' ids, and a run of positions
+that surely do. A program cuts every piece to the blocks the window reaches; those inside the
+run go as without ids, the others are masked, comparing ids.
 """
 
 import triton
@@ -28,7 +29,6 @@ import triton.language as tl
 from . import schedule
 
 LOG2E = 1.4426950408889634
-EMPTY = tl.constexpr(2 ** 30)  # a window start past any position: no window
 # The schedule's table columns (see schedule.py), as compile-time constants.
 ROW_HEAD = tl.constexpr(schedule.ROW_HEAD)
 ROW_FIRST = tl.constexpr(schedule.ROW_FIRST)
@@ -97,12 +97,11 @@ def _cut(first, count, stride, base, N: tl.constexpr):
 
 
 @triton.jit
-def _window(W0, W1, stat, valid):
-  """The document window `[lo, hi]` of a block of rows: the union of its `valid` rows'
-  windows (`W0`, `W1` at `stat`); lo > hi when none has one."""
-  lo = tl.min(tl.load(W0 + stat, mask=valid, other=EMPTY))
-  hi = tl.max(tl.load(W1 + stat, mask=valid, other=-1))
-  return lo, hi
+def _block_window(WIN, at):
+  """The document window `[lo, hi]` (lo > hi when there is none) and the run `[r0, r1]` (r0 >
+  r1 when there is none) of a block of rows, entry `at` of `WIN`."""
+  at = at.to(tl.int64) * 4
+  return tl.load(WIN + at), tl.load(WIN + at + 1), tl.load(WIN + at + 2), tl.load(WIN + at + 3)
 
 
 @triton.jit
@@ -113,15 +112,6 @@ def _in_window(lo, hi, base, first, stride, ja, jd, BLOCK: tl.constexpr):
   i0 = (tl.maximum(lo, 0) + stride - 1) // stride
   i1 = tl.where(hi >= 0, hi // stride + 1, 0)
   return tl.maximum(ja, i0 // BLOCK), tl.minimum(jd, (i1 + BLOCK - 1) // BLOCK)
-
-
-@triton.jit
-def _common_run(R0, R1, stat, valid):
-  """The run `[r0, r1]` of positions in the documents of every `valid` row of a block (the
-  intersection of their runs at `R0`, `R1`, `stat`); r0 > r1 when there is none."""
-  r0 = tl.max(tl.load(R0 + stat, mask=valid, other=-1))
-  r1 = tl.min(tl.load(R1 + stat, mask=valid, other=EMPTY))
-  return r0, r1
 
 
 @triton.jit
@@ -142,8 +132,9 @@ def _program(ROWS, N: tl.constexpr, L: tl.constexpr, PERIOD: tl.constexpr,
              PERIODS: tl.constexpr, ROW_BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
              REVERSE: tl.constexpr):
   """This program's block of a row: (batch, period start, head, first, rows (cut at N),
-  first row of the block, pieces `[p0, p1)`). REVERSE runs a row's blocks last-first.
-  Decodes the grid of `schedule.Schedule.grid`."""
+  first row of the block, pieces `[p0, p1)`, the block's index in the grid's order with the
+  blocks as `schedule.Schedule.block_positions` lays them out). REVERSE runs a row's blocks
+  last-first. Decodes the grid of `schedule.Schedule.grid`."""
   pid = tl.program_id(0)
   r = pid // ROW_BLOCKS
   blk = pid % ROW_BLOCKS
@@ -154,8 +145,9 @@ def _program(ROWS, N: tl.constexpr, L: tl.constexpr, PERIOD: tl.constexpr,
   row = ROWS + r * ROW_COLUMNS
   first = tl.load(row + ROW_FIRST)
   rows = _cut(first, tl.load(row + ROW_LENGTH), L, base, N)
+  slot = tl.program_id(1) * tl.num_programs(0) + r * ROW_BLOCKS + blk
   return (b, base, tl.load(row + ROW_HEAD), first, rows, blk * BLOCK, tl.load(row + ROW_PIECE0),
-          tl.load(row + ROW_PIECE1))
+          tl.load(row + ROW_PIECE1), slot)
 
 
 @triton.jit
@@ -233,15 +225,15 @@ def _forward_walk(acc, l_i, m_i, q, qpos, K, V, kv0, kf, ks, kc, bias, ja, jb, j
 
 
 @triton.jit
-def forward_kernel(Q, K, V, ROWS, PIECES, BIAS, QID, KID, W0, W1, R0, R1, OUT, LSE,
+def forward_kernel(Q, K, V, ROWS, PIECES, BIAS, QID, KID, WIN, OUT, LSE,
                    N: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                    L: tl.constexpr, PERIOD: tl.constexpr,
                    PERIODS: tl.constexpr, ROW_BLOCKS: tl.constexpr, CAUSAL: tl.constexpr,
                    QK_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr):
   """`out` (input dtype) and float32 `lse` of a block of one query row."""
-  b, base, h, first, rows, start_m, p0, p1 = _program(ROWS, N, L, PERIOD, PERIODS, ROW_BLOCKS,
-                                                      BLOCK_M, CAUSAL)
+  b, base, h, first, rows, start_m, p0, p1, slot = _program(
+      ROWS, N, L, PERIOD, PERIODS, ROW_BLOCKS, BLOCK_M, CAUSAL)
   if start_m < rows:
     tok0 = b * N + base + first  # the row's first token, batch included
     q_ptr = _rows_ptr(Q + (tok0 * H + h) * D, rows, L * H * D, start_m, BLOCK_M, D)
@@ -256,8 +248,7 @@ def forward_kernel(Q, K, V, ROWS, PIECES, BIAS, QID, KID, W0, W1, R0, R1, OUT, L
     kid0 = 0
     if PACKED:
       qid = tl.load(QID + stat, mask=offs_m < rows, other=0)
-      lo, hi = _window(W0, W1, stat, offs_m < rows)
-      r0, r1 = _common_run(R0, R1, stat, offs_m < rows)
+      lo, hi, r0, r1 = _block_window(WIN, slot)
       kid0 = (b * N + base) * HKV + h // (H // HKV)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -359,15 +350,15 @@ def _dq_walk(dq, q, do, lse, delta, qpos, K, V, kv0, kf, ks, kc, bias, ja, jb, j
 
 
 @triton.jit
-def dq_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, W0, W1, R0, R1, DQ_IN, DQ,
+def dq_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, WIN, DQ_IN, DQ,
               N: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
               L: tl.constexpr, PERIOD: tl.constexpr, PERIODS: tl.constexpr,
               ROW_BLOCKS: tl.constexpr, CAUSAL: tl.constexpr,
               SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr):
   """float32 dq of a block of one query row (added to DQ_IN when ACCUMULATE)."""
-  b, base, h, first, rows, start_m, p0, p1 = _program(ROWS, N, L, PERIOD, PERIODS, ROW_BLOCKS,
-                                                      BLOCK_M, CAUSAL)
+  b, base, h, first, rows, start_m, p0, p1, slot = _program(
+      ROWS, N, L, PERIOD, PERIODS, ROW_BLOCKS, BLOCK_M, CAUSAL)
   if start_m < rows:
     tok0 = b * N + base + first
     q, do, lse, delta = _query_rows(Q, DO, LSE, DELTA, tok0, h, L, rows, start_m, H, D,
@@ -382,8 +373,7 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, W0, W1, R0,
     if PACKED:
       stat = (tok0 + offs_m.to(tl.int64) * L) * H + h
       qid = tl.load(QID + stat, mask=offs_m < rows, other=0)
-      lo, hi = _window(W0, W1, stat, offs_m < rows)
-      r0, r1 = _common_run(R0, R1, stat, offs_m < rows)
+      lo, hi, r0, r1 = _block_window(WIN, slot)
       kid0 = (b * N + base) * HKV + h // (H // HKV)
     QK_SCALE: tl.constexpr = SCALE * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
@@ -447,19 +437,19 @@ def _dkdv_walk(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf, qs, qc, bias,
 
 
 @triton.jit
-def dkdv_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, W0, W1, R0, R1, DK_IN,
+def dkdv_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, WIN, DK_IN,
                 DV_IN, DK, DV, N: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                 L: tl.constexpr, PERIOD: tl.constexpr,
                 PERIODS: tl.constexpr, ROW_BLOCKS: tl.constexpr, CAUSAL: tl.constexpr,
                 SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                PACKED: tl.constexpr):
+                PACKED: tl.constexpr, GROUPS: tl.constexpr = 1):
   """float32 dk, dv of a block of one key row of key/value head `g`, summed over the query
   pieces (of the query heads reading `g`) the row lists (added to DK_IN, DV_IN when
-  ACCUMULATE). PACKED: `W0`, `W1`, `R0`, `R1` are the keys' windows and runs over the
-  queries, per query head."""
-  b, base, g, first, rows, start_n, p0, p1 = _program(ROWS, N, L, PERIOD, PERIODS, ROW_BLOCKS,
-                                                      BLOCK_N, False)
+  ACCUMULATE). PACKED: `WIN` holds the keys' windows and runs over the queries, GROUPS to a
+  block (each query head reading `g` where the ids are per head, else 1)."""
+  b, base, g, first, rows, start_n, p0, p1, slot = _program(
+      ROWS, N, L, PERIOD, PERIODS, ROW_BLOCKS, BLOCK_N, False)
   if start_n < rows:
     kv_base = ((b * N + base + first) * HKV + g) * D
     k = tl.load(_rows_ptr(K + kv_base, rows, L * HKV * D, start_n, BLOCK_N, D),
@@ -483,8 +473,7 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, W0, W1, R
       qtok = b * N + base + qf
       if PACKED:  # the query blocks the keys' documents reach (for head h); unmasked only
         # inside the run common to the keys' documents
-        lo, hi = _window(W0, W1, ktok * H + h, offs_n < rows)
-        r0, r1 = _common_run(R0, R1, ktok * H + h, offs_n < rows)
+        lo, hi, r0, r1 = _block_window(WIN, slot * GROUPS + h % GROUPS)
         ja, jd = _in_window(lo, hi, base, qf, qs, ja, jd, BLOCK_M)
         jb, jc = _inside(r0, r1, base, qf, qs, ja, jb, jc, BLOCK_M)
       dk, dv = _dkdv_walk(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf,

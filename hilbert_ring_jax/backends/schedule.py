@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..pattern import DilatedPattern, heads_per_kv
+from .common import FAR
 
 _MIN_UNION_ROW = 16  # shortest strided row for which branches are scheduled together
 _MAX_INTERVALS = 64  # most shortest-segments per period (the host tables grow with its square)
@@ -76,6 +77,33 @@ class Schedule:
 
   def grid(self, batch: int, block: int) -> tuple[int, int]:
     return len(self.rows) * self.row_blocks(block), self.periods * batch
+
+  def block_windows(self, windows, n: int, block: int, groups: int = 1):
+    """The document windows and runs `(u0, u1, r0, r1)` of `common.contract_windows`
+    (`[4, B, N, X]`) over each program's block of `block` positions of its row (the rows cut
+    at `n`): the union of the block's windows and the intersection of its runs, int32 `[B,
+    periods, R, row_blocks, groups, 4]` (flat; lo > hi where no window, r0 > r1 where no
+    run), in the grid's order, as `_triton_kernels._block_window` reads them. The column of
+    the row's head where X > 1 (per query head; a key row's: each of the `groups` query heads
+    reading its key/value head), else X's only one.
+
+    Reduced on the device before a launch rather than by each program: gathering its rows'
+    windows made a program's start wait (design table of docs/performance.md)."""
+    rows, blocks, stride = len(self.rows), self.row_blocks(block), self.stride
+    base = jnp.arange(self.periods, dtype=jnp.int32)[:, None, None] * self.period
+    first = jnp.asarray(self.rows[:, ROW_FIRST])[None, :, None]
+    count = jnp.minimum(jnp.asarray(self.rows[:, ROW_LENGTH])[None, :, None],
+                        jnp.maximum(n - base - first + stride - 1, 0) // stride)
+    i = jnp.arange(blocks * block, dtype=jnp.int32)
+    shape = (self.periods, rows, blocks, block, 1)
+    positions = jnp.minimum(base + first + stride * i, n - 1).reshape(shape)
+    valid = (i < count).reshape(shape)
+    heads = self.rows[:, ROW_HEAD, None]
+    columns = heads * groups + np.arange(groups) if windows.shape[-1] > 1 else heads * 0
+    w = windows[:, :, positions, jnp.asarray(columns)[None, :, None, None, :]]
+    lo, hi, r0, r1 = (jnp.where(valid, x, fill) for x, fill in zip(w, (FAR, -1, -1, FAR)))
+    reduced = [lo.min(axis=-2), hi.max(axis=-2), r0.max(axis=-2), r1.min(axis=-2)]
+    return jnp.stack(reduced, axis=-1).reshape(-1)  # [B, P, R, RB, G, 4]
 
   def arrays(self):
     """(rows, pieces, bias) as device arrays (one never-read piece when there are none)."""

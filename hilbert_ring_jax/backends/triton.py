@@ -8,10 +8,10 @@ qualify together or a single branch: `schedule.launches`, merged). Rows and entr
 runs of tokens, so no input is padded, gathered or copied. Backward: a dq kernel over query
 rows and a dk/dv kernel over key rows, in float32. Block sizes, warps and stages come from
 `Config` when the caller gives them, else from the read-only table `TUNED`, per pass, head
-dim and row length (`_choose`). Packed rows (`segment_ids`): each kernel also reads its rows'
-document windows and runs (`common.id_windows`, per query head), walks only the blocks the
-windows reach, runs those inside the run common to its rows as without ids, and masks the
-others by comparing ids.
+dim and row length (`_choose`). Packed rows (`segment_ids`): each program also reads its
+block of rows' document window and run (`common.id_windows`, reduced per block on the device
+before the launch: `schedule.Schedule.block_windows`), walks only the blocks the window
+reaches, runs those inside the run as without ids, and masks the others by comparing ids.
 
 Importing this module needs `jax_triton` (and `triton`); without them the dispatcher falls
 back to the next default ("pallas" on JAX < 0.12, then "xla": `base.candidates`).
@@ -187,8 +187,9 @@ def _precision(q):
   return "ieee" if q.dtype == jnp.float32 else "tf32"  # the latter is unused for 16-bit inputs
 
 
-def _launch(kind, q, k, fused, pattern, config):
-  """(tiles, schedule tables as arrays, grid, constants) of one launch of branches `fused`."""
+def _launch(kind, q, k, fused, pattern, config, ids=None):
+  """(tiles, the kernel's schedule tables and ids as arrays, grid, constants) of one launch of
+  branches `fused`. `ids`: None, or `_ids`' for packed rows."""
   b, n, h, d = q.shape
   transposed = kind == "dkdv"
   s = schedule.build(pattern, n, h, k.shape[2], fused, transposed)
@@ -196,31 +197,29 @@ def _launch(kind, q, k, fused, pattern, config):
   row_block = tiles.block_n if transposed else tiles.block_m
   consts = dict(N=n, H=h, HKV=k.shape[2], D=d, L=s.stride, PERIOD=s.period,
                 PERIODS=s.periods, ROW_BLOCKS=s.row_blocks(row_block), CAUSAL=pattern.causal,
-                BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=_precision(q))
-  return tiles, s.arrays(), s.grid(b, row_block), consts
+                BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=_precision(q),
+                PACKED=ids is not None)
+  if ids is None:  # placeholders no kernel reads
+    return tiles, (*s.arrays(), *(jnp.zeros((1,), jnp.int32),) * 3), s.grid(b, row_block), consts
+  q_ids, k_ids, windows = ids[0], ids[1], ids[3 if transposed else 2]
+  groups = h // k.shape[2] if transposed and windows.shape[-1] > 1 else 1
+  if transposed:
+    consts["GROUPS"] = groups
+  return (tiles, (*s.arrays(), q_ids, k_ids, s.block_windows(windows, n, row_block, groups)),
+          s.grid(b, row_block), consts)
 
 
 def _ids(segment_ids, heads: int, kv_heads: int, keys: bool = False):
   """The contract's `(q_ids, kv_ids)` (`[B, N]`, or per head `[B, N, H]` and `[B, N, Hkv]`)
-  as the kernels read them, int32 `[B, N, X]` each: the queries' ids (X = H), the keys' (X =
-  Hkv), the queries' windows and runs over the keys and (`keys`: the backward) the keys' over
-  the queries (`u0`, `u1`, `r0`, `r1` of `common.contract_windows`, X = H: a key's for each
-  query head reading it)."""
+  as the kernels read them: the queries' ids `[B, N, H]`, the keys' `[B, N, Hkv]` (int32),
+  then `common.contract_windows`' of the queries over the keys and (`keys`: the backward) of
+  the keys over the queries, `[4, B, N, X]` each."""
   q_ids, k_ids = ((x[:, :, None] if x.ndim == 2 else x).astype(jnp.int32) for x in segment_ids)
-  per_head = lambda x, count=heads: jnp.broadcast_to(x, x.shape[:2] + (count,))
-  windows = [contract_windows(segment_ids)]  # [4, B, N, X]
+  per_head = lambda x, count: jnp.broadcast_to(x, x.shape[:2] + (count,))
+  windows = [contract_windows(segment_ids)]
   if keys:
     windows.append(contract_windows(segment_ids, keys=True))
-  return (per_head(q_ids), per_head(k_ids, kv_heads),
-          *(per_head(w[i]) for w in windows for i in range(4)))
-
-
-def _packed(ids, keys=False) -> tuple:
-  """The kernels' `(QID, KID, W0, W1, R0, R1)` and PACKED: the rows' windows and runs
-  (`keys`: the dk/dv kernel's) or, unpacked, placeholders no kernel reads."""
-  if ids is None:
-    return (jnp.zeros((1,), jnp.int32),) * 6, dict(PACKED=False)
-  return (*ids[:2], *(ids[6:] if keys else ids[2:6])), dict(PACKED=True)
+  return (per_head(q_ids, heads), per_head(k_ids, kv_heads), *windows)
 
 
 def _call(kernel, args, out, tiles, grid, config, **consts):
@@ -248,14 +247,13 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype, ids=None):
   launches = schedule.launches(pattern, q.shape[1], q.shape[2], branches)
   # One launch writes the output directly; several give float32 partials to merge.
   dtype = (out_dtype or jnp.float32) if len(launches) == 1 else jnp.float32
-  id_args, packed = _packed(ids)
   parts = []
   for fused in launches:
-    tiles, tables, grid, consts = _launch("fwd", q, k, fused, pattern, config)
+    tiles, tables, grid, consts = _launch("fwd", q, k, fused, pattern, config, ids)
     parts.append(_call(
-        kernels.forward_kernel, (q, k, v, *tables, *id_args),
+        kernels.forward_kernel, (q, k, v, *tables),
         (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)),
-        tiles, grid, config, QK_SCALE=scale * kernels.LOG2E, **packed, **consts))
+        tiles, grid, config, QK_SCALE=scale * kernels.LOG2E, **consts))
   out, lse = merge([o for o, _ in parts], [lse for _, lse in parts])
   return out.astype(out_dtype or jnp.float32), lse
 
@@ -278,13 +276,12 @@ def _backward(q, k, v, dout, lse, delta, pattern, scale, branches, config, ids=N
   delta = delta.astype(jnp.float32)
   f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
   dq = dk = dv = jnp.zeros((1,), jnp.float32)
-  (rows, packed), (keys, _) = _packed(ids), _packed(ids, keys=True)
   for t, fused in enumerate(schedule.launches(pattern, q.shape[1], q.shape[2], branches)):
-    acc = dict(ACCUMULATE=t > 0, SCALE=scale, **packed)  # later launches add to the first's
-    tiles, tables, grid, consts = _launch("dq", q, k, fused, pattern, config)
-    dq = _call(kernels.dq_kernel, (q, k, v, dout, lse, delta, *tables, *rows, dq), f32(q),
+    acc = dict(ACCUMULATE=t > 0, SCALE=scale)  # later launches add to the first's
+    tiles, tables, grid, consts = _launch("dq", q, k, fused, pattern, config, ids)
+    dq = _call(kernels.dq_kernel, (q, k, v, dout, lse, delta, *tables, dq), f32(q),
                tiles, grid, config, **acc, **consts)
-    tiles, tables, grid, consts = _launch("dkdv", q, k, fused, pattern, config)
-    dk, dv = _call(kernels.dkdv_kernel, (q, k, v, dout, lse, delta, *tables, *keys, dk, dv),
+    tiles, tables, grid, consts = _launch("dkdv", q, k, fused, pattern, config, ids)
+    dk, dv = _call(kernels.dkdv_kernel, (q, k, v, dout, lse, delta, *tables, dk, dv),
                    (f32(k), f32(k)), tiles, grid, config, **acc, **consts)
   return dq, dk, dv
