@@ -89,20 +89,25 @@ class Schedule:
 
     Reduced on the device before a launch rather than by each program: gathering its rows'
     windows made a program's start wait (design table of docs/performance.md)."""
-    rows, blocks, stride = len(self.rows), self.row_blocks(block), self.stride
+    blocks, stride = self.row_blocks(block), self.stride
+    # Rows of one first position, length and column (every head's, where X is 1) share their
+    # blocks' windows: each is reduced once.
+    heads = self.rows[:, ROW_HEAD] if windows.shape[-1] > 1 else 0 * self.rows[:, ROW_HEAD]
+    rows, which = np.unique(np.stack([self.rows[:, ROW_FIRST], self.rows[:, ROW_LENGTH], heads],
+                                     axis=1), axis=0, return_inverse=True)
     base = jnp.arange(self.periods, dtype=jnp.int32)[:, None, None] * self.period
-    first = jnp.asarray(self.rows[:, ROW_FIRST])[None, :, None]
-    count = jnp.minimum(jnp.asarray(self.rows[:, ROW_LENGTH])[None, :, None],
+    first = jnp.asarray(rows[:, 0])[None, :, None]
+    count = jnp.minimum(jnp.asarray(rows[:, 1])[None, :, None],
                         jnp.maximum(n - base - first + stride - 1, 0) // stride)
     i = jnp.arange(blocks * block, dtype=jnp.int32)
-    shape = (self.periods, rows, blocks, block, 1)
+    shape = (self.periods, len(rows), blocks, block, 1)
     positions = jnp.minimum(base + first + stride * i, n - 1).reshape(shape)
     valid = (i < count).reshape(shape)
-    heads = self.rows[:, ROW_HEAD, None]
-    columns = heads * groups + np.arange(groups) if windows.shape[-1] > 1 else heads * 0
+    columns = rows[:, 2:] * groups + np.arange(groups) if windows.shape[-1] > 1 else rows[:, 2:]
     w = windows[:, :, positions, jnp.asarray(columns)[None, :, None, None, :]]
     lo, hi, r0, r1 = (jnp.where(valid, x, fill) for x, fill in zip(w, (FAR, -1, -1, FAR)))
     reduced = [lo.min(axis=-2), hi.max(axis=-2), r0.max(axis=-2), r1.min(axis=-2)]
+    reduced = [x[:, :, which.reshape(-1)] for x in reduced]
     return jnp.stack(reduced, axis=-1).reshape(-1)  # [B, P, R, RB, G, 4]
 
   def arrays(self):
