@@ -17,9 +17,9 @@ float32 inputs use IEEE products (`PRECISION="ieee"`), not tf32, so they stay ex
 Packed rows (PACKED): `QID [B, N, H]` and `KID [B, N, HKV]` hold each query's and key's
 document id, and `WIN` each program's block of rows' document window and run (the union of
 its rows' windows and the intersection of their runs, `common.id_windows` reduced on the
-device before the launch: `triton._windows_by_block`; per query head of the piece in the dk/dv
-kernel): the positions of the other side that may share the rows' ids, and a run of positions
-that surely do. A program cuts every piece to the blocks the window reaches; those inside the
+device before the launch: `schedule.Schedule.block_windows`; per query head of the piece in
+the dk/dv kernel): the positions of the other side that may share the rows' ids, and a run of
+positions that surely do. A program cuts every piece to the blocks the window reaches; those inside the
 run go as without ids, the others are masked, comparing ids.
 """
 
@@ -132,8 +132,8 @@ def _program(ROWS, N: tl.constexpr, L: tl.constexpr, PERIOD: tl.constexpr,
              PERIODS: tl.constexpr, ROW_BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
              REVERSE: tl.constexpr):
   """This program's block of a row: (batch, period start, head, first, rows (cut at N),
-  first row of the block, pieces `[p0, p1)`, the block's index in the grid's order with the
-  blocks as `schedule.Schedule.block_positions` lays them out). REVERSE runs a row's blocks
+  first row of the block, pieces `[p0, p1)`, the block's index in the grid's order, as
+  `schedule.Schedule.block_windows` lays the blocks out). REVERSE runs a row's blocks
   last-first. Decodes the grid of `schedule.Schedule.grid`."""
   pid = tl.program_id(0)
   r = pid // ROW_BLOCKS
