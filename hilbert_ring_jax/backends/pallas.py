@@ -14,12 +14,12 @@ In dilated coordinates causality is `key row <= query row`, so the kernels loop 
 blocks up to the diagonal only; the upper triangle is never loaded.
 
 Packed rows (`segment_ids`): each program also reads its queries' document ids and the key
-row's, split like the tokens, and its rows' document windows and runs (`common.contract_windows`,
-worked out once over the row, then as rows of each branch's dilated row), and loops only over
-the blocks the windows reach. Blocks inside the run common to the program's rows run as without
-ids. Of the others, a key block whose ids' range `[min, max]` misses the query block's is
-skipped; one whose ids and the queries' are all one document runs without the id comparison;
-any other block compares ids per score.
+row's, split like the tokens, and its block's document window, run and id range (`_block_table`:
+`common.contract_windows` worked out once over the row, as rows of each branch's dilated row,
+reduced per block before the launch), and loops only over the blocks the window reaches. Blocks
+inside the run go as without ids. Of the others, a key block whose ids' range `[min, max]`
+misses the query block's is skipped; one whose ids and the queries' are all one document runs
+without the id comparison; any other block compares ids per score.
 
 Branches combine through the project's one `merge`, inside the forward kernel: each branch
 takes the running float32 `(out, lse)` aliased to its outputs and merges its partial into the
@@ -48,6 +48,7 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _MIN_BLOCK = 16      # Triton's smallest matrix-multiplied block
 _MAX_HEAD_DIM = 256  # beyond this the [block, D] float32 tiles no longer fit in registers
+_TABLE = 8  # entries of a block's `_block_table` row (6 used: blocks are powers of two)
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -289,7 +290,8 @@ def _coords(br: _Branch, ids, n_blocks: int):
 def _query_specs(br: _Branch, n_blocks: int, block_q: int, dp: int, per_kv: int,
                  per_head_ids: bool = False):
   """BlockSpecs of a grid over query blocks: a query block, its key/value row, its stats,
-  and the document ids of the query block and of the key row (`_split_ids`' views).
+  and the document ids of the query block and of the key row (`_split_ids`' views) and the
+  query block's entry of `_block_table`.
 
   Dilation is the index map: the residue `c` of the view `[B, S, M, R, H, D]`. A key/value
   head is shared by `per_kv` query heads and read in place.
@@ -312,7 +314,8 @@ def _query_specs(br: _Branch, n_blocks: int, block_q: int, dp: int, per_kv: int,
           pl.BlockSpec((None, None, br.m_pad, None, None, dp), kv_map),
           pl.BlockSpec((None, None, block_q, None, None), lambda *ids: q_map(*ids)[:5]),
           (pl.BlockSpec((None, None, block_q, None, None), ids_map(q_map)),
-           pl.BlockSpec((None, None, br.m_pad, None, None), ids_map(kv_map))))
+           pl.BlockSpec((None, None, br.m_pad, None, None), ids_map(kv_map)),
+           pl.BlockSpec((None,) * 5 + (_TABLE,), lambda *ids: ids_map(q_map)(*ids) + (0,))))
 
 
 def _kv_coords(br: _Branch, g0: int, ids):
@@ -373,29 +376,28 @@ def _query_ranges(br, k_block, bq, bk, n_valid):
 
 def _fori(ranges, body, carry, ids=None):
   """Runs `body(masked, j, carry, pair)` over the blocks `j` of `ranges` (`[(lo, hi,
-  masked)]`). `ids`: None, or `(mine [rows], theirs(j) -> [block], (u0, u1, r0, r1) [rows],
-  size)`: the program's own block's document ids, a function loading those of block `j`, its
-  rows' windows and runs (`_row_windows`) and the size of a visited block. Then only the
-  blocks the windows reach are visited; those inside the run common to every row run as the
-  range says (`pair` None), without a look at their ids; of the others, a block whose ids'
-  range misses this block's is skipped, one where both are a single same document runs as the
-  range says, and any other compares ids per score (masked, `pair` the two id vectors)."""
+  masked)]`). `ids`: None, or `(mine() -> [rows], theirs(j) -> [block], table, size)`:
+  functions loading the program's own block's document ids and those of block `j`, the own
+  block's `_block_table` entry (6 scalars) and the size of a visited block. Then only the
+  blocks the window reaches are visited; the blocks inside the run go as the range says
+  (`pair` None), without a look at their ids; of the others, a block whose ids' range misses this
+  block's is skipped, one where both are a single same document runs as the range says, and
+  any other compares ids per score (masked, `pair` the two id vectors)."""
   if ids is None:
     for lo, hi, masked in ranges:
       carry = lax.fori_loop(lo, hi, lambda j, c, m=masked: body(m, j, c, None), carry)
     return carry
-  mine, theirs, (u0, u1, r0, r1), size = ids
-  first, stop = lax.div(jnp.min(u0), size), lax.div(jnp.max(u1), size) + 1
-  # The blocks every key of which lies in every row's run (none where a row has no run).
-  inside = (lax.div(jnp.max(r0) + size - 1, size), lax.div(jnp.min(r1) + 1, size))
-  lo_m, hi_m = jnp.min(mine), jnp.max(mine)
+  mine, theirs, (u0, u1, r0, r1, lo_m, hi_m), size = ids
+  first, stop = lax.div(u0, size), lax.div(u1, size) + 1
+  # The blocks every key of which lies in the run (none where there is no run).
+  inside = (lax.div(r0 + size - 1, size), lax.div(r1 + 1, size))
 
   def checked(masked, j, carry):
     other = theirs(j)
     lo_o, hi_o = jnp.min(other), jnp.max(other)
     one = (lo_m == hi_m) & (lo_o == hi_o) & (lo_m == lo_o)
     visit = lambda c: lax.cond(one, lambda c: body(masked, j, c, None),
-                               lambda c: body(True, j, c, (mine, other)), c)
+                               lambda c: body(True, j, c, (mine(), other)), c)
     return lax.cond((lo_o <= hi_m) & (hi_o >= lo_m), visit, lambda c: c, carry)
 
   for lo, hi, masked in ranges:
@@ -436,6 +438,24 @@ def _row_windows(br, windows):
   return rows
 
 
+def _block_table(br, block, ids, rows, per_kv=1):
+  """Per block of `block` rows of the views `[B, S, M_pad, R, X]`: the union of the rows'
+  windows, the intersection of their runs (`rows`: `_row_windows`') and the range of their
+  document ids (`ids`: `_split_ids`' view; a key/value head's column for each of its `per_kv`
+  query heads where the windows are per head), int32 `[B, S, M_pad / block, R, X, _TABLE]`:
+  `(first, last, run first, run last, lowest id, highest id, 0, 0)`, what each program's
+  loop bounds need, worked out before the launch (reduced in the kernels, they held the
+  kernels' start up: design table of docs/performance.md)."""
+  if ids.shape[-1] < rows[0].shape[-1]:
+    ids = jnp.repeat(ids, per_kv, axis=-1)
+  bsz, segments, m, r, _ = rows[0].shape
+  blocks = lambda v: v.reshape(bsz, segments, m // block, block, r, v.shape[-1])
+  u0, u1, r0, r1 = (blocks(v) for v in rows)
+  ids = blocks(ids)
+  table = [u0.min(3), u1.max(3), r0.max(3), r1.min(3), ids.min(3), ids.max(3)]
+  return jnp.stack(table + [jnp.zeros_like(table[0])] * (_TABLE - 6), axis=-1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward.
 
@@ -447,9 +467,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode, packed):
   # ("first": aliased, but nothing to merge with yet)
   ids = None
   if packed:
-    q_ids_ref, kv_ids_ref, *rows_refs = refs[-8:-2]
-    ids = (q_ids_ref[...], lambda j: kv_ids_ref[pl.ds(j * br.bk, br.bk)],
-           tuple(r[...] for r in rows_refs), br.bk)
+    q_ids_ref, kv_ids_ref, table_ref = refs[-5:-2]
+    ids = (lambda: q_ids_ref[...], lambda j: kv_ids_ref[pl.ds(j * br.bk, br.bk)],
+           tuple(table_ref[t] for t in range(6)), br.bk)
   bq, bk, dp = br.bq, br.bk, q_ref.shape[-1]
   i, _, _, s, c = _coords(br, _program_ids(4 + br.all_residues), br.m_pad // bq)
   n_valid = br.n_valid(s, c)
@@ -514,8 +534,8 @@ def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, cfg, segment_ids=N
     aliases = {3: 0, 4: 1}
   if segment_ids is not None:
     views = [_split_ids(br, x) for x in segment_ids]
-    args += views + _row_windows(br, windows)
-    in_specs += [*ids_specs] + [ids_specs[0]] * 4
+    args += views + [_block_table(br, br.bq, views[0], _row_windows(br, windows))]
+    in_specs += ids_specs
   out, lse = pl.pallas_call(
       functools.partial(_forward_kernel, br=br, d=d, scale=scale, mode=mode,
                         packed=segment_ids is not None),
@@ -582,9 +602,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, sc
   bq, bk, dp = br.blocks[2], br.blocks[3], q_ref.shape[-1]
   ids = None
   if packed:
-    q_ids_ref, kv_ids_ref, *rows_refs = refs[-7:-1]
-    ids = (q_ids_ref[...], lambda j: kv_ids_ref[pl.ds(j * bk, bk)],
-           tuple(r[...] for r in rows_refs), bk)
+    q_ids_ref, kv_ids_ref, table_ref = refs[-4:-1]
+    ids = (lambda: q_ids_ref[...], lambda j: kv_ids_ref[pl.ds(j * bk, bk)],
+           tuple(table_ref[t] for t in range(6)), bk)
   i, _, _, s, c = _coords(br, _program_ids(4 + br.all_residues), br.m_pad // bq)
   n_valid = br.n_valid(s, c)
   dmask = _head_mask(d, dp)
@@ -610,8 +630,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, s
                 g0, accumulate, packed):
   dk_ref, dv_ref = refs[-2:]
   if packed:  # the query row's ids `[M_pad, X]` (X: 1 or every head), this key block's `[bk]`,
-    # and its keys' windows and runs over the queries `[bk, X]` each
-    q_ids_ref, kv_ids_ref, *rows_refs = refs[-8:-2]
+    # and its `_block_table` entries `[X, _TABLE]` (its keys' windows over the queries)
+    q_ids_ref, kv_ids_ref, table_ref = refs[-5:-2]
   bq, bk, dp = br.blocks[4], br.blocks[5], q_ref.shape[-1]
   j, _, g, s, c = _kv_coords(br, g0, _program_ids(4 + (br.geo.r > 1)))
   n_valid = br.n_valid(s, c)
@@ -645,8 +665,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, br, d, s
     ids = None
     if packed:  # here the program's own block is the key block, the visited ones queries
       column = h if q_ids_ref.shape[-1] > 1 else 0
-      ids = (kv_ids_ref[...], lambda i: q_ids_ref[pl.ds(i * bq, bq), column],
-             tuple(r[:, column] for r in rows_refs), bq)
+      ids = (lambda: kv_ids_ref[...], lambda i: q_ids_ref[pl.ds(i * bq, bq), column],
+             tuple(table_ref[column, t] for t in range(6)), bq)
     return _fori(_query_ranges(br, j, bq, bk, n_valid), body, carry, ids)
 
   zeros = jnp.zeros((bk, dp), jnp.float32)
@@ -685,8 +705,8 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg, se
     args.append(br.split(dq))
     in_specs.append(q_spec)
   if packed:
-    args += id_views + _row_windows(br, windows[0])
-    in_specs += [*ids_specs] + [ids_specs[0]] * 4
+    args += id_views + [_block_table(br, bq_dq, id_views[0], _row_windows(br, windows[0]))]
+    in_specs += ids_specs
   dq = br.unsplit(pl.pallas_call(
       functools.partial(_dq_kernel, br=br, d=d, scale=scale, accumulate=accumulate,
                         packed=packed),
@@ -720,15 +740,15 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg, se
     args += [br.split(dk), br.split(dv)]
     in_specs += [k_spec, k_spec]
   if packed:
-    windows_spec = pl.BlockSpec((None, None, bk_dkv, None, h if per_head else 1),
-                                lambda *ids: k_map(*ids)[:4] + (0,))
-    args += id_views + _row_windows(br, windows[1])
+    args += id_views + [_block_table(br, bk_dkv, id_views[1], _row_windows(br, windows[1]),
+                                     per_kv)]
     in_specs += [
         pl.BlockSpec((None, None, br.m_pad, None, h if per_head else 1),
                      lambda *ids: q_all_map(*ids)[:5]),
         pl.BlockSpec((None, None, bk_dkv, None, None),
                      lambda *ids: k_map(*ids)[:4] + ((k_map(*ids)[4] if per_head else 0),)),
-        *[windows_spec] * 4]
+        pl.BlockSpec((None, None, None, None, h if per_head else 1, _TABLE),
+                     lambda *ids: k_map(*ids)[:4] + (0, 0))]
   residues = (br.geo.r,) if br.geo.r > 1 else ()  # every residue is a grid axis here
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, br=br, d=d, scale=scale, per_kv=per_kv, g0=g0,
