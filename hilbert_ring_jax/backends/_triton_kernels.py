@@ -14,13 +14,13 @@ blocks and the causal diagonal are masked. Query head `h` reads key/value head
 Softmax statistics are float32 and kept in base 2 (`exp2`), with the scale folded in.
 float32 inputs use IEEE products (`PRECISION="ieee"`), not tf32, so they stay exact.
 
-Packed rows (PACKED): `QID [B, N, H]` and `KID [B, N, HKV]` hold each query's and key's
-document id, and `WIN` each program's block of rows' document window and run (the union of
-its rows' windows and the intersection of their runs, `common.id_windows` reduced on the
-device before the launch: `schedule.Schedule.block_windows`; per query head of the piece in
-the dk/dv kernel): the positions of the other side that may share the rows' ids, and a run of
-positions that surely do. A program cuts every piece to the blocks the window reaches; those inside the
-run go as without ids, the others are masked, comparing ids.
+Packed rows (PACKED): `QID [B, N, H]` and `KID [B, N, HKV]` hold each query's and key's document
+id, and `WIN` each program's block of rows' document window and run (the union of its rows'
+windows and the intersection of their runs, `common.id_windows` reduced on the device before the
+launch: `schedule.Schedule.block_windows`; per query head of the piece in the dk/dv kernel): the
+positions of the other side that may share the rows' ids, and a run of positions that surely do.
+A program cuts every piece to the blocks the window reaches; those inside the run go as without
+ids, the others are masked, comparing ids.
 """
 
 import triton

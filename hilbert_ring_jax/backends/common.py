@@ -141,6 +141,14 @@ def id_windows(q_ids, k_ids):
   return flat.transpose(1, 0, 2).reshape(4, *lead, n)
 
 
+def reduce_windows(windows, axis: int) -> list:
+  """`id_windows`' `(u0, u1, r0, r1)` (four arrays) over `axis` of each: the union of the
+  windows `[min u0, max u1]` and the intersection of the runs `[max r0, min r1]`, what a tile
+  of rows may reach and what all of it surely shares (the caller fills rows to leave out)."""
+  u0, u1, r0, r1 = windows
+  return [u0.min(axis), u1.max(axis), r0.max(axis), r1.min(axis)]
+
+
 def contract_windows(segment_ids, keys: bool = False):
   """`id_windows` of the backend contract's ids `(q_ids, kv_ids)` (`[B, N]`, or per head `[B,
   N, H]` and `[B, N, Hkv]`), laid out `[4, B, N, X]`: X = 1 where every head shares the ids,

@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .common import FAR
+from .common import FAR, reduce_windows
 from .hopper import REGISTERS, aligned
 from .mosaic_plan import Program, Work
 
@@ -202,12 +202,10 @@ class IdTiles:
     pad = lambda x, length, value=0: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, length - n)],
                                              constant_values=value)
     view_t = lambda x: x.reshape(*x.shape[:-1], -1, L).swapaxes(-1, -2)  # [..., L, N / L]
-    stats = [reduce(view_t(pad(w, self.tiles * self.size * L, fill)).reshape(
-        *w.shape[:2], L, self.tiles, self.size), axis=-1)
-             for w, fill, reduce in zip(windows, (FAR, -1, FAR, -1),
-                                        (jnp.min, jnp.max, jnp.max, jnp.min))]
-    return (view_t(pad(row_ids, n_pad)), pad(stream_ids, n_pad),
-            view_t(pad(stream_ids, n_pad)), jnp.stack(stats, axis=-1).reshape(-1))
+    tiles = [view_t(pad(w, self.tiles * self.size * L, fill)).reshape(
+        *w.shape[:2], L, self.tiles, self.size) for w, fill in zip(windows, (FAR, -1, FAR, -1))]
+    return (view_t(pad(row_ids, n_pad)), pad(stream_ids, n_pad), view_t(pad(stream_ids, n_pad)),
+            jnp.stack(reduce_windows(tiles, axis=-1), axis=-1).reshape(-1))
 
   def copy_block(self, ids, ids_view, prog, piece, head, j: int, size: int, dst, bar):
     """Copies the ids of block `j` (of `size` rows) of a streamed `piece` of head `head`'s

@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 from ..merge import merge
 from ..pattern import Branch, DilatedPattern, heads_per_kv
 from .base import YES, Problem, Support, no
-from .common import FAR, contract_windows, ds_operands
+from .common import FAR, contract_windows, ds_operands, reduce_windows
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -450,9 +450,8 @@ def _block_table(br, block, ids, rows, per_kv=1):
     ids = jnp.repeat(ids, per_kv, axis=-1)
   bsz, segments, m, r, _ = rows[0].shape
   blocks = lambda v: v.reshape(bsz, segments, m // block, block, r, v.shape[-1])
-  u0, u1, r0, r1 = (blocks(v) for v in rows)
   ids = blocks(ids)
-  table = [u0.min(3), u1.max(3), r0.max(3), r1.min(3), ids.min(3), ids.max(3)]
+  table = reduce_windows([blocks(v) for v in rows], axis=3) + [ids.min(3), ids.max(3)]
   return jnp.stack(table + [jnp.zeros_like(table[0])] * (_TABLE - 6), axis=-1)
 
 

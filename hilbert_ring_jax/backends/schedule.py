@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..pattern import DilatedPattern, heads_per_kv
-from .common import FAR
+from .common import FAR, reduce_windows
 
 _MIN_UNION_ROW = 16  # shortest strided row for which branches are scheduled together
 _MAX_INTERVALS = 64  # most shortest-segments per period (the host tables grow with its square)
@@ -105,9 +105,8 @@ class Schedule:
     valid = (i < count).reshape(shape)
     columns = rows[:, 2:] * groups + np.arange(groups) if windows.shape[-1] > 1 else rows[:, 2:]
     w = windows[:, :, positions, jnp.asarray(columns)[None, :, None, None, :]]
-    lo, hi, r0, r1 = (jnp.where(valid, x, fill) for x, fill in zip(w, (FAR, -1, -1, FAR)))
-    reduced = [lo.min(axis=-2), hi.max(axis=-2), r0.max(axis=-2), r1.min(axis=-2)]
-    reduced = [x[:, :, which.reshape(-1)] for x in reduced]
+    w = [jnp.where(valid, x, fill) for x, fill in zip(w, (FAR, -1, -1, FAR))]
+    reduced = [x[:, :, which.reshape(-1)] for x in reduce_windows(w, axis=-2)]
     return jnp.stack(reduced, axis=-1).reshape(-1)  # [B, P, R, RB, G, 4]
 
   def arrays(self):
