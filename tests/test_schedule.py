@@ -1,12 +1,14 @@
 """The triton backend's block schedule, replayed on the host the way its kernels walk it,
-must reproduce SPEC's multiplicities m(i, j, h) exactly (CPU: no Triton needed)."""
+must reproduce SPEC's multiplicities m(i, j, h) exactly, and each program's packed-row window
+its rows' (CPU: no Triton needed)."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference_np
 
 from hilbert_ring_jax import DilatedPattern
-from hilbert_ring_jax.backends import schedule
+from hilbert_ring_jax.backends import common, schedule
 
 CASES = [  # n, H, Hkv, segments, rates, offsets, head_groups
     (64, 2, 2, (64,), (1,), "head", False),
@@ -169,8 +171,6 @@ def test_block_windows_reduce_each_programs_rows(case, transposed, per_head):
   against each program's rows replayed on the host: the union of their windows and the
   intersection of their runs, in the column of the row's head (a key row's: of each query
   head reading it) where the ids are per head; blocks past a row's end hold no window."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from hilbert_ring_jax.backends import common  # pylint: disable=import-outside-toplevel
   n, h, hkv, segs, rates, offsets, groups = case
   pattern = DilatedPattern(segs, rates, offsets=offsets, head_groups=groups)
   rng = np.random.default_rng(n + h)

@@ -444,8 +444,8 @@ def _block_table(br, block, ids, rows, per_kv=1):
   document ids (`ids`: `_split_ids`' view; a key/value head's column for each of its `per_kv`
   query heads where the windows are per head), int32 `[B, S, M_pad / block, R, X, _TABLE]`:
   `(first, last, run first, run last, lowest id, highest id, 0, 0)`, what each program's
-  loop bounds need, worked out before the launch (reduced in the kernels, they held the
-  kernels' start up: design table of docs/performance.md)."""
+  loop bounds need, worked out before the launch rather than by each program (design table
+  of docs/performance.md)."""
   if ids.shape[-1] < rows[0].shape[-1]:
     ids = jnp.repeat(ids, per_kv, axis=-1)
   bsz, segments, m, r, _ = rows[0].shape
