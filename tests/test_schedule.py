@@ -2,6 +2,7 @@
 must reproduce SPEC's multiplicities m(i, j, h) exactly, and each program's packed-row window
 its rows' (CPU: no Triton needed)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -178,13 +179,14 @@ def test_block_windows_reduce_each_programs_rows(case, transposed, per_head):
   # Documents in pieces (some scattered: ids that come back later in the row).
   kv = rng.integers(0, 3, (b, n, hkv) if per_head else (b, n)).cumsum(1) % 5
   q = np.repeat(kv, h // hkv, axis=2) if per_head else kv
-  windows = np.asarray(common.contract_windows((jnp.asarray(q), jnp.asarray(kv)),
-                                               keys=transposed))  # [4, B, N, X]
+  windows = np.asarray(jax.jit(common.contract_windows, static_argnums=1)(
+      (jnp.asarray(q), jnp.asarray(kv)), transposed))  # [4, B, N, X]
   g = h // hkv if transposed and per_head else 1
   for fused in schedule.launches(pattern, n, h, None):
     s = schedule.build(pattern, n, h, hkv, fused, transposed)
-    got = np.asarray(s.block_windows(jnp.asarray(windows), n, block, g)).reshape(
-        b, s.periods, len(s.rows), s.row_blocks(block), g, 4)
+    got = np.asarray(jax.jit(s.block_windows, static_argnums=(1, 2, 3))(
+        jnp.asarray(windows), n, block, g)).reshape(b, s.periods, len(s.rows),
+                                                    s.row_blocks(block), g, 4)
     for p in range(s.periods):
       base = p * s.period
       for r, (head, first, count, _, _) in enumerate(s.rows):
