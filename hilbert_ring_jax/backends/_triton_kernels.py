@@ -105,26 +105,27 @@ def _block_window(WIN, at):
 
 
 @triton.jit
-def _in_window(lo, hi, base, first, stride, ja, jd, BLOCK: tl.constexpr):
-  """Blocks `[ja, jd)` of the piece `(first, stride)` of the period at `base`, cut to those
-  holding a position of `[lo, hi]`."""
+def _indices(lo, hi, base, first, stride):
+  """`[i0, i1)`: the indices of the piece `(first, stride)` of the period at `base` whose
+  positions lie in `[lo, hi]`."""
   lo, hi = (lo - base - first).to(tl.int32), (hi - base - first).to(tl.int32)  # in the piece
-  i0 = (tl.maximum(lo, 0) + stride - 1) // stride
-  i1 = tl.where(hi >= 0, hi // stride + 1, 0)
-  return tl.maximum(ja, i0 // BLOCK), tl.minimum(jd, (i1 + BLOCK - 1) // BLOCK)
+  i0 = (tl.maximum(lo, 0) + stride - 1) // stride  # the first index at or after lo
+  i1 = tl.where(hi >= 0, hi // stride + 1, 0)  # past the last index at or before hi
+  return i0, i1
 
 
 @triton.jit
-def _inside(r0, r1, base, first, stride, ja, jb, jc, BLOCK: tl.constexpr):
-  """The unmasked blocks `[jb, jc)` of the piece `(first, stride)` of the period at `base`,
-  cut to those whose positions all lie in `[r0, r1]`; both `ja` when none does (then every
-  block of `[ja, jd)` is masked)."""
-  r0, r1 = (r0 - base - first).to(tl.int32), (r1 - base - first).to(tl.int32)  # in the piece
-  i0 = (tl.maximum(r0, 0) + stride - 1) // stride  # the first index at or after r0
-  i1 = tl.where(r1 >= 0, r1 // stride + 1, 0)  # past the last index at or before r1
+def _documents(lo, hi, r0, r1, base, first, stride, ja, jb, jc, jd, BLOCK: tl.constexpr):
+  """A piece's blocks (masked `[ja, jb)`, `[jc, jd)`, unmasked `[jb, jc)`) cut to the rows'
+  documents: `[ja, jd)` to the blocks holding a position of the window `[lo, hi]`, `[jb, jc)`
+  to those whose positions all lie in the run `[r0, r1]` (both `ja` when none does: then
+  every block of `[ja, jd)` is masked)."""
+  i0, i1 = _indices(lo, hi, base, first, stride)
+  ja, jd = tl.maximum(ja, i0 // BLOCK), tl.minimum(jd, (i1 + BLOCK - 1) // BLOCK)
+  i0, i1 = _indices(r0, r1, base, first, stride)
   b = tl.maximum(jb, (i0 + BLOCK - 1) // BLOCK)
   c = tl.minimum(jc, i1 // BLOCK)
-  return tl.where(c > b, b, ja), tl.where(c > b, c, ja)
+  return ja, tl.where(c > b, b, ja), tl.where(c > b, c, ja), jd
 
 
 @triton.jit
@@ -257,8 +258,7 @@ def forward_kernel(Q, K, V, ROWS, PIECES, BIAS, QID, KID, WIN, OUT, LSE,
       _, kf, ks, kc, bias, ja, jb, jc, jd = _piece(PIECES, BIAS, p, base, qlo, qhi, N, BLOCK_N,
                                                    CAUSAL, False)
       if PACKED:  # the blocks the rows' documents reach; unmasked only inside their run
-        ja, jd = _in_window(lo, hi, base, kf, ks, ja, jd, BLOCK_N)
-        jb, jc = _inside(r0, r1, base, kf, ks, ja, jb, jc, BLOCK_N)
+        ja, jb, jc, jd = _documents(lo, hi, r0, r1, base, kf, ks, ja, jb, jc, jd, BLOCK_N)
       acc, l_i, m_i = _forward_walk(acc, l_i, m_i, q, qpos, K, V, kv0, kf,
                                     1 if L == 1 else ks, kc, bias, ja, jb, jc, jd, HKV, D,
                                     BLOCK_N, QK_SCALE, CAUSAL, PRECISION, qid, KID, kid0,
@@ -381,8 +381,7 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, WIN, DQ_IN,
       _, kf, ks, kc, bias, ja, jb, jc, jd = _piece(PIECES, BIAS, p, base, qlo, qhi, N, BLOCK_N,
                                                    CAUSAL, False)
       if PACKED:  # the blocks the rows' documents reach; unmasked only inside their run
-        ja, jd = _in_window(lo, hi, base, kf, ks, ja, jd, BLOCK_N)
-        jb, jc = _inside(r0, r1, base, kf, ks, ja, jb, jc, BLOCK_N)
+        ja, jb, jc, jd = _documents(lo, hi, r0, r1, base, kf, ks, ja, jb, jc, jd, BLOCK_N)
       dq = _dq_walk(dq, q, do, lse, delta, qpos, K, V, kv0, kf, 1 if L == 1 else ks, kc,
                     bias, ja, jb, jc, jd, HKV, D, BLOCK_N, QK_SCALE, CAUSAL, PRECISION, qid,
                     KID, kid0, PACKED)
@@ -474,8 +473,7 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, ROWS, PIECES, BIAS, QID, KID, WIN, DK_I
       if PACKED:  # the query blocks the keys' documents reach (for head h); unmasked only
         # inside the run common to the keys' documents
         lo, hi, r0, r1 = _block_window(WIN, slot * GROUPS + h % GROUPS)
-        ja, jd = _in_window(lo, hi, base, qf, qs, ja, jd, BLOCK_M)
-        jb, jc = _inside(r0, r1, base, qf, qs, ja, jb, jc, BLOCK_M)
+        ja, jb, jc, jd = _documents(lo, hi, r0, r1, base, qf, qs, ja, jb, jc, jd, BLOCK_M)
       dk, dv = _dkdv_walk(dk, dv, k, v, kpos, Q, DO, LSE, DELTA, qtok, h, qf,
                           1 if L == 1 else qs, qc, bias, ja, jb, jc, jd, H, D, BLOCK_M,
                           QK_SCALE, CAUSAL, PRECISION, kid, QID, PACKED)

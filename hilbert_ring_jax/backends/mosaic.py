@@ -180,7 +180,7 @@ def _ids(q_ids, k_ids, per_kv, keys=False):
     return q_ids, k_ids, w
   group = q_ids.shape[1] // k_ids.shape[1]  # query heads reading each key/value id head
   w = w.reshape(4, w.shape[1], k_ids.shape[1], group, w.shape[-1])
-  return k_ids, q_ids, jnp.stack([w[0].min(2), w[1].max(2), w[2].max(2), w[3].min(2)])
+  return k_ids, q_ids, jnp.stack(common.reduce_windows(w, axis=2))
 
 
 def _itemsize(out_dtype) -> int:
