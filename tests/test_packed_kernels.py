@@ -335,6 +335,69 @@ def test_pieces_inside_the_common_run_skip_the_windows(stride):
         assert bool(taken) == (c0 <= at and last <= c1), (count, c0 - at, c1 - last)
 
 
+
+def _wide(ids):
+  """64-bit ids (JAX's 64-bit mode keeps them) apart only beyond their low 32 bits: document
+  `d`'s id is `d * 2**32 - 5`, so that narrowed to their low bits every document is one."""
+  return np.asarray(ids, np.int64) * 2 ** 32 - 5
+
+
+def test_int32_ids_keep_ids_apart():
+  """`common.int32_ids`: int32 ids equal exactly where the given ones are, the queries' with
+  the keys' (any pair of the call's): 64-bit ids (64-bit mode) apart only beyond 32 bits or
+  in their sign bit, uint64's past int64's range, uint32's past int32's; narrower ids as
+  they are."""
+  rng = np.random.default_rng(3)
+  values = {np.int64: [-2 ** 63, -5, 2 ** 32 - 5, 2 ** 33 - 5, 2 ** 63 - 5, 7],
+            np.uint64: [0, 2 ** 32, 2 ** 63, 2 ** 64 - 1, 2 ** 63 - 1],
+            np.uint32: [0, 2 ** 31, 2 ** 32 - 1, 2 ** 31 - 1], np.int8: [-128, 0, 127]}
+  with jax.enable_x64():
+    for dtype, vals in values.items():
+      vals = np.array(vals, dtype)
+      given = (vals[rng.integers(0, len(vals), (2, 48, 2))],  # per head, as ring steps pass
+               vals[rng.integers(0, len(vals), (2, 48))])
+      got = [np.asarray(x) for x in common.int32_ids(tuple(jnp.asarray(x) for x in given))]
+      assert all(x.dtype == np.int32 for x in got), dtype
+      equal = lambda a, b: a.ravel()[:, None] == b.ravel()[None]
+      for i, j in ((0, 1), (0, 0), (1, 1)):
+        assert np.array_equal(equal(got[i], got[j]), equal(given[i], given[j])), dtype
+      if dtype is np.int8:
+        assert all(np.array_equal(a, b) for a, b in zip(got, given))
+
+
+@pytest.fixture
+def x64():
+  """JAX's 64-bit mode switched on for the test, as a program does (`jax.config.update`: the
+  interpreted mosaic kernels run in a callback, on a thread `jax.enable_x64()` leaves alone)."""
+  jax.config.update("jax_enable_x64", True)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_x64", False)
+
+
+@pytest.mark.pallas
+@pytest.mark.usefixtures("x64")
+def test_pallas_in_64_bit_mode():
+  """JAX's 64-bit mode: the kernels traced as without it (`common.in_32_bits`; Python ints
+  would be int64 there, which their index arithmetic does not mix with), and 64-bit ids apart
+  only beyond 32 bits kept apart (`common.int32_ids`): forward, lse and gradients against the
+  float64 reference."""
+  case, causal, median = CASES["longnet_causal_gqa"]
+  ids = jnp.asarray(_wide(packed_ids(case.batch, case.n, median, 3)))
+  assert ids.dtype == jnp.int64
+  check_packed(case, causal, jnp.float32, ids, implementation="pallas")
+
+
+@INTERPRET
+@pytest.mark.usefixtures("x64")
+def test_mosaic_in_64_bit_mode():
+  """As `test_pallas_in_64_bit_mode`, the mosaic kernels interpreted: full causal
+  attention, documents of ~60 tokens whose ids differ only beyond 32 bits."""
+  case = helpers.Case(256, 2, 1, (256,), (1,), head_dim=64)
+  ids = jnp.asarray(_wide(packed_ids(1, case.n, 60, seed=7)))
+  _check_mosaic(case, True, (ids, ids))
+
 def test_id_windows():
   """`common.id_windows` against a direct count: each query's first and last key of its id
   (none: u0 > u1) and the run of equal keys around its own position (where that key has the
@@ -543,6 +606,42 @@ def test_triton_packed_on_a_gpu(name, dtype):
     ids = packed_ids(case.batch, case.n, median, seed=len(name))
   check_packed(case, causal, dtype, ids, implementation="triton")
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["mosaic", "triton", "pallas"])
+@pytest.mark.usefixtures("x64")
+def test_kernels_in_64_bit_mode_on_a_gpu(implementation):
+  """On a GPU in JAX's 64-bit mode, each kernel backend itself runs packed rows whose 64-bit
+  ids differ only beyond 32 bits: causal LongNet at 4096 tokens, bf16, D = 128, forward, lse
+  and gradients against the float64 reference; mosaic's token-step kernel too, after a
+  packed prefill (its new tokens continue the last document)."""
+  if implementation == "mosaic" and not mosaic.is_hopper():
+    pytest.skip("the mosaic kernels run on Hopper GPUs")
+  if implementation == "triton":
+    pytest.importorskip("jax_triton")
+  from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
+      dilated_attention_prefill, dilated_attention_step)
+  case = helpers.Case(4096, 4, 2, (512, 1024, 2048, 4096), (1, 2, 4, 8), head_dim=128)
+  ids = _wide(packed_ids(1, case.n, 400, seed=15))
+  check_packed(case, True, jnp.bfloat16, jnp.asarray(ids), implementation=implementation)
+  if implementation != "mosaic":
+    return
+  pattern, prompt = case.pattern(True), case.n - 4
+  ids[:, prompt:] = ids[:, prompt - 1]
+  q, k, v, _, _ = helpers.random_inputs(case, jnp.bfloat16, 4)
+  _, cache = dilated_attention_prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], pattern,
+                                       segment_ids=jnp.asarray(ids[:, :prompt]))
+  outs = []
+  for t in range(prompt, case.n):
+    out, cache = dilated_attention_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache,
+                                        pattern, implementation="mosaic")
+    outs.append(out)
+  m = reference_np.multiplicity(case.n, case.heads, case.segment_lengths, case.dilation_rates,
+                                True)
+  ref = reference_np.attention(q, k, v, m[None] * reference_np.same_document(ids),
+                               case.head_dim ** -0.5)[0]
+  assert helpers.rel_err(jnp.concatenate(outs, axis=1), ref[:, prompt:]) < \
+      helpers.TOL[jnp.bfloat16]
 
 @pytest.mark.gpu
 def test_mosaic_packed_kernels_take_items_as_programs_free_up(monkeypatch):

@@ -1,9 +1,12 @@
 """Array plumbing the backends and the ring share: float32 products in full (`einsum`), the
 float16-safe operands of the `ds` products, transposes of linear layout maps, mesh-axes typing
-inside `shard_map`, `vmap` of kernel calls by folding into the batch, and packed rows' document
-windows. Neutral: no backend's choices live here."""
+inside `shard_map`, `vmap` of kernel calls by folding into the batch, kernels' entry points
+under JAX's 64-bit mode, and packed rows' document ids and windows. Neutral: no backend's
+choices live here."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +107,39 @@ def batched(fn):
   return wrapped
 
 
+def in_32_bits(entry):
+  """A kernel backend's entry point (`forward`, `backward`, ...) traced as without JAX's
+  64-bit mode, also where `jax_enable_x64` is on: there Python ints and `jnp.arange` would be
+  64-bit, which the kernels' 32-bit index arithmetic (`lax.div`, int32 tables) does not mix
+  with. Its `segment_ids`, when given, arrive as int32 (`int32_ids`); its other inputs are
+  the contract's (16- and 32-bit floats, int32 positions) and its results float32 or the
+  inputs' dtype, the same in either mode."""
+
+  @functools.wraps(entry)
+  def wrapped(*args, segment_ids=None, **kwargs):
+    if segment_ids is not None:  # passed only when set, as the contract says
+      kwargs["segment_ids"] = int32_ids(segment_ids)
+    if not jax.config.jax_enable_x64:
+      return entry(*args, **kwargs)
+    with jax.enable_x64(False):
+      return entry(*args, **kwargs)
+
+  return wrapped
+
+
+def int32_ids(segment_ids):
+  """The contract's document ids `(q_ids, kv_ids)` (any integer dtype, the same for both) as
+  int32, equal exactly where they are equal, as the kernels compare them. Ids of at most 32
+  bits are converted (uint32's wrap around: one to one); 64-bit ids, which only JAX's 64-bit
+  mode keeps, are numbered by their rank among the call's queries' and keys' ids together (a
+  sort of them), so that ids apart beyond 32 bits stay apart."""
+  if all(jnp.dtype(x.dtype).itemsize <= 4 for x in segment_ids):
+    return tuple(x.astype(jnp.int32) for x in segment_ids)
+  wide = [x.astype(jnp.int64) for x in segment_ids]  # uint64's wrap around: one to one
+  order = jnp.sort(jnp.concatenate([x.ravel() for x in wide]))
+  return tuple(jnp.searchsorted(order, x).astype(jnp.int32) for x in wide)
+
+
 def id_windows(q_ids, k_ids):
   """Per query, from the document ids of the queries and the keys (int32 `[..., N]` each,
   the same leading axes): `(u0, u1)`, the first and last key position whose id equals the
@@ -150,11 +186,11 @@ def reduce_windows(windows, axis: int) -> list:
 
 
 def contract_windows(segment_ids, keys: bool = False):
-  """`id_windows` of the backend contract's ids `(q_ids, kv_ids)` (`[B, N]`, or per head `[B,
-  N, H]` and `[B, N, Hkv]`), laid out `[4, B, N, X]`: X = 1 where every head shares the ids,
-  else a column per query head. `keys`: the keys' windows over the queries (a key's, per query
-  head reading it), as the dk/dv side walks them."""
-  q_ids, k_ids = ((x if x.ndim == 3 else x[:, :, None]).astype(jnp.int32) for x in segment_ids)
+  """`id_windows` of the backend contract's ids `(q_ids, kv_ids)` (int32, `int32_ids`: `[B,
+  N]`, or per head `[B, N, H]` and `[B, N, Hkv]`), laid out `[4, B, N, X]`: X = 1 where every
+  head shares the ids, else a column per query head. `keys`: the keys' windows over the
+  queries (a key's, per query head reading it), as the dk/dv side walks them."""
+  q_ids, k_ids = ((x if x.ndim == 3 else x[:, :, None]) for x in segment_ids)
   k_ids = jnp.repeat(k_ids, q_ids.shape[-1] // k_ids.shape[-1], axis=-1)
   a, b = (k_ids, q_ids) if keys else (q_ids, k_ids)
   return jnp.swapaxes(id_windows(jnp.swapaxes(a, 1, 2), jnp.swapaxes(b, 1, 2)), 2, 3)

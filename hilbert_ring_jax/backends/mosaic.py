@@ -124,6 +124,7 @@ def gathers(q_shape, kv_shape, dtype, shards: int, scale: float, causal: bool = 
   return YES
 
 
+@common.in_32_bits
 def gathered_forward(q, k, v, scale: float, *, axis_name, shards: int, causal: bool = False,
                      config=None):
   """`(out [B, n, H, D] in q's dtype, lse [B, n, H], (k, v) gathered [B, P n, Hkv, D])`:
@@ -148,6 +149,7 @@ def ring_step_config(config: Config | None) -> Config:
   return dataclasses.replace(config, persistent=False)
 
 
+@common.in_32_bits
 def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
             out_dtype=None, segment_ids=None):
   """`(out, lse)` of `branches` (all if None): `out` in float32, or in `out_dtype` when
@@ -174,7 +176,7 @@ def _ids(q_ids, k_ids, per_kv, keys=False):
   dk/dv kernel's key rows, each key's windows over the queries of every query head reading
   its key/value head (their union; the run all of them share)."""
   w = jnp.swapaxes(common.contract_windows((q_ids, k_ids), keys), 2, 3)  # [4, B, X, N]
-  heads = lambda x: (x[:, None] if x.ndim == 2 else x.transpose(0, 2, 1)).astype(jnp.int32)
+  heads = lambda x: x[:, None] if x.ndim == 2 else x.transpose(0, 2, 1)
   q_ids, k_ids = heads(q_ids), heads(k_ids)
   if not keys:
     return q_ids, k_ids, w
@@ -231,6 +233,7 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype, ids=None):
   return result[0][:, :n], result[1][:, :n]
 
 
+@common.in_32_bits
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
              branches=None, config=None, grad_dtype=None, segment_ids=None):
   """float32 `(dq, dk, dv)` of `branches` from the global `lse` and `delta`: a dk/dv kernel
@@ -327,6 +330,7 @@ def _fused_backward(x, stats, transposed: schedule.Schedule, n, causal, scale, c
   return dq if prior is None else dq + prior[0], dk, dv
 
 
+@common.in_32_bits
 def step(q, k, v, ks, vs, length, tables, scale: float, *, config=None, first=None):
   """A decoding token step (the contract of `base.py`, one token): one launch of
   `mosaic_decode.step` over every branch's slot, which reads the token's own row from the

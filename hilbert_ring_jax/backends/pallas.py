@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 from ..merge import merge
 from ..pattern import Branch, DilatedPattern, heads_per_kv
 from .base import YES, Problem, Support, no
-from .common import FAR, contract_windows, ds_operands, reduce_windows
+from .common import FAR, contract_windows, ds_operands, in_32_bits, reduce_windows
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -417,7 +417,7 @@ def _per_head(segment_ids) -> bool:
 def _split_ids(br, ids):
   """`[B, N]` or per-head `[B, N, X]` document ids -> the view `[B, S, M_pad, R, X']` of the
   tokens (X' = 1 where every head shares them)."""
-  return br.split((ids if ids.ndim == 3 else ids[:, :, None]).astype(jnp.int32))
+  return br.split(ids if ids.ndim == 3 else ids[:, :, None])
 
 
 def _row_windows(br, windows):
@@ -552,6 +552,7 @@ def _forward_branch(br, q, k, v, acc, scale, mode, out_dtype, cfg, segment_ids=N
   return br.unsplit(out), br.unsplit(lse)
 
 
+@in_32_bits
 def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
             out_dtype=None, segment_ids=None):
   """`(out [B, N, H, D], lse [B, N, H])` of `branches`, merged in-kernel: float32 partials,
@@ -765,6 +766,7 @@ def _backward_branch(br, q, k, v, dout, lse, delta, grads, scale, modes, cfg, se
   return dq, br.unsplit(dk), br.unsplit(dv)
 
 
+@in_32_bits
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
              branches=None, config=None, grad_dtype=None, segment_ids=None):
   """float32 `(dq, dk, dv)` from the global `lse` and `delta = rowsum(dout * out) - dlse`

@@ -33,7 +33,7 @@ from ..pattern import DilatedPattern
 from . import _triton_kernels as kernels
 from . import schedule
 from .base import YES, Problem, Support, no
-from .common import batched, contract_windows
+from .common import batched, contract_windows, in_32_bits
 
 # jax-triton 0.4 renamed `out_shape=` to `out_type=` (the old name warns); 0.3 knows only the
 # former. Aliasing is avoided altogether: the two versions disagree on whether an aliased
@@ -214,7 +214,7 @@ def _ids(segment_ids, heads: int, kv_heads: int, keys: bool = False):
   as the kernels read them: the queries' ids `[B, N, H]`, the keys' `[B, N, Hkv]` (int32),
   then `common.contract_windows`' of the queries over the keys and (`keys`: the backward) of
   the keys over the queries, `[4, B, N, X]` each."""
-  q_ids, k_ids = ((x[:, :, None] if x.ndim == 2 else x).astype(jnp.int32) for x in segment_ids)
+  q_ids, k_ids = ((x[:, :, None] if x.ndim == 2 else x) for x in segment_ids)
   per_head = lambda x, count: jnp.broadcast_to(x, x.shape[:2] + (count,))
   windows = [contract_windows(segment_ids)]
   if keys:
@@ -229,6 +229,7 @@ def _call(kernel, args, out, tiles, grid, config, **consts):
                         compute_capability=config.compute_capability, **consts)
 
 
+@in_32_bits
 def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
             out_dtype=None, segment_ids=None):
   """`(out, lse)` of `branches` (all if None): float32 partials, or `out` in `out_dtype` when
@@ -258,6 +259,7 @@ def _forward(q, k, v, pattern, scale, branches, config, out_dtype, ids=None):
   return out.astype(out_dtype or jnp.float32), lse
 
 
+@in_32_bits
 def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *,
              branches=None, config=None, grad_dtype=None, segment_ids=None):
   """float32 `(dq, dk, dv)` of `branches` from the global `lse` and `delta` (whatever
