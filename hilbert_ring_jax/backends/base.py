@@ -33,6 +33,9 @@ A backend is a module of `hilbert_ring_jax.backends` that provides (see `Backend
   `step` also takes `first=` (one int32 `[B, r]` array a branch: each residue's cached rows
   before that position are of other documents and not read).
 
+A kernel backend's entry points are wrapped in `common.in_32_bits`: traced as without JAX's
+64-bit mode where it is on, their ids int32 (equal where the given ids are).
+
 A backend may also provide `ring_step_config(config) -> Config`: the config its ring steps
 run with (`config`: the caller's, or None), where other work (the next step's transfers)
 shares the device with them; and a kernel that gathers a ring's keys itself (the ring's
