@@ -460,7 +460,10 @@ def dilated_attention_fn(pattern: DilatedPattern, *, scale: float | None = None,
   `deterministic`) is applied to the attention output, not to the attention probabilities,
   which are never materialized but for `sow_weights` (a `module` argument: the dense
   probabilities `[batch..., H, N, Nk]` are sown as "attention_weights"); `precision` is
-  ignored.
+  ignored. `segment_ids` (`[batch..., N]`): packed rows, as in `dilated_attention`
+  (`nnx.MultiHeadAttention` passes none: a call of its own, or `DilatedMultiHeadAttention`,
+  takes them). Any other argument raises `ValueError` unless it is None (nnx's
+  `input_positions` among them: no rotary embedding is applied here).
 
   Example:
     >>> import jax.numpy as jnp
@@ -480,8 +483,19 @@ def dilated_attention_fn(pattern: DilatedPattern, *, scale: float | None = None,
 
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                    dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
-                   precision=None, module=None, is_causal=False, segment_ids=None, **unused):
-    del precision, unused
+                   precision=None, module=None, is_causal=False, segment_ids=None, **others):
+    del precision
+    # Flax passes what its own attention functions take (Linen only what this signature
+    # names); another argument raises where it asks for something: a misspelt one, or nnx's
+    # `input_positions` (rotary embeddings are the layers' `positions`, not applied here).
+    asked = sorted(name for name, x in others.items() if x is not None)
+    if asked:
+      raise ValueError(
+          f"dilated_attention_fn's attention_fn takes no {', '.join(asked)} (it takes query, "
+          f"key, value, mask, bias=None, is_causal, segment_ids, and dropout, dtype, "
+          f"precision and module as Flax passes them)" + (
+              "; rotary embeddings restarting with `positions` are DilatedMultiHeadAttention's "
+              "(rotary_base=)" if "input_positions" in asked else ""))
     if bias is not None:
       raise ValueError("dilated attention takes no bias: the pattern defines which keys are "
                        "visible (a mask may hide keys), got a bias")

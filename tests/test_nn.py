@@ -1,6 +1,7 @@
 """Flax layers: the NNX module, `dilated_attention_fn` and the Linen twin."""
 
 import contextlib
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -293,6 +294,14 @@ def test_attention_fn_in_nnx_multi_head_attention():
     fn(q, k, v, bias=jnp.zeros((B, H, N, N)))
   with pytest.raises(ValueError, match="is_causal"):
     dilated_attention_fn(PATTERN)(q, k, v, is_causal=True)
+  # An argument it does not take raises where it asks for something (a misspelt one is not
+  # dropped); None asks for nothing (an argument a newer Flax may pass).
+  with pytest.raises(ValueError, match="takes no segment_id "):
+    fn(q, k, v, segment_id=jnp.zeros((B, N), jnp.int32))
+  np.testing.assert_array_equal(fn(q, k, v, newer_flag=None), fn(q, k, v))
+  if "input_positions" in inspect.signature(nnx.MultiHeadAttention.__call__).parameters:
+    with pytest.raises(ValueError, match="input_positions.*rotary"):
+      mha(x, input_positions=jnp.arange(N))
   # Several batch dims, and dropout applied to the output when asked for.
   y5 = fn(*(x.reshape((1,) + x.shape) for x in (q, k, v)))
   np.testing.assert_allclose(y5[0], dilated_attention(q, k, v, CAUSAL), rtol=1e-6, atol=1e-6)
