@@ -335,7 +335,6 @@ def test_pieces_inside_the_common_run_skip_the_windows(stride):
         assert bool(taken) == (c0 <= at and last <= c1), (count, c0 - at, c1 - last)
 
 
-
 def _wide(ids):
   """64-bit ids (JAX's 64-bit mode keeps them) apart only beyond their low 32 bits: document
   `d`'s id is `d * 2**32 - 5`, so that narrowed to their low bits every document is one."""
@@ -369,11 +368,12 @@ def test_int32_ids_keep_ids_apart():
 def x64():
   """JAX's 64-bit mode switched on for the test, as a program does (`jax.config.update`: the
   interpreted mosaic kernels run in a callback, on a thread `jax.enable_x64()` leaves alone)."""
+  before = jax.config.jax_enable_x64
   jax.config.update("jax_enable_x64", True)
   try:
     yield
   finally:
-    jax.config.update("jax_enable_x64", False)
+    jax.config.update("jax_enable_x64", before)
 
 
 @pytest.mark.pallas
@@ -397,6 +397,7 @@ def test_mosaic_in_64_bit_mode():
   case = helpers.Case(256, 2, 1, (256,), (1,), head_dim=64)
   ids = jnp.asarray(_wide(packed_ids(1, case.n, 60, seed=7)))
   _check_mosaic(case, True, (ids, ids))
+
 
 def test_id_windows():
   """`common.id_windows` against a direct count: each query's first and last key of its id
@@ -642,6 +643,7 @@ def test_kernels_in_64_bit_mode_on_a_gpu(implementation):
                                case.head_dim ** -0.5)[0]
   assert helpers.rel_err(jnp.concatenate(outs, axis=1), ref[:, prompt:]) < \
       helpers.TOL[jnp.bfloat16]
+
 
 @pytest.mark.gpu
 def test_mosaic_packed_kernels_take_items_as_programs_free_up(monkeypatch):
