@@ -241,8 +241,9 @@ def inverse_permutation(perm, *, validate: bool = True) -> np.ndarray | jax.Arra
 
 
 def _take(x, idx):
-  """`x[:, idx]`; `idx` is a permutation, so every index is in bounds (no clamping or fill)."""
-  return x.at[:, idx].get(mode="promise_in_bounds")
+  """`x[:, idx]`; `idx` is a permutation, so every index is in bounds (no clamping or fill).
+  (`jnp.asarray`: under `jax.grad` a NumPy `x` reaches `_permute_fwd` as NumPy data.)"""
+  return jnp.asarray(x).at[:, idx].get(mode="promise_in_bounds")
 
 
 @jax.custom_vjp

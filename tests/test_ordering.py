@@ -131,7 +131,8 @@ def test_validate_false_under_jit():
 
 def test_gradients_are_inverse_gathers():
   """The backward of a permutation is the inverse permutation, as a gather: no scatter-add
-  (atomics on GPUs) in the compiled gradient, for host and traced permutations, under vmap."""
+  (atomics on GPUs) in the compiled gradient, for host and traced permutations, under vmap,
+  and of NumPy inputs (eager `jax.grad` hands the rule NumPy data)."""
   perm = hilbert_permutation((6, 10))
   rng = np.random.default_rng(2)
   x, ct = (jnp.asarray(rng.standard_normal((2, 60, 3)), jnp.float32) for _ in range(2))
@@ -141,6 +142,8 @@ def test_gradients_are_inverse_gathers():
     grad = jax.jit(jax.grad(lambda x: jnp.sum(fn(x, perm) * ct)))
     np.testing.assert_array_equal(grad(x), back(ct, perm))
     assert "scatter" not in grad.lower(x).as_text()
+    eager = jax.grad(lambda x: jnp.sum(fn(x, perm) * ct))(np.asarray(x))
+    np.testing.assert_array_equal(eager, back(ct, perm))
     traced = jax.jit(jax.grad(lambda x, p: jnp.sum(fn(x, p, validate=False) * ct)))
     np.testing.assert_array_equal(traced(x, jnp.asarray(perm)), back(ct, perm))
     batched = jax.vmap(jax.grad(lambda x, c: jnp.sum(fn(x, perm) * c)))(x[None], ct[None])
