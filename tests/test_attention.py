@@ -175,3 +175,57 @@ def test_a_gradient_of_a_gradient_on_the_ring():
   _check_second_order(lambda q, k, v, pattern: sharded_dilated_attention(
       q, k, v, pattern, mesh=mesh, axis_name="seq", return_lse=True,
       implementation=("pallas", "xla")))
+
+
+def _non_finite_rows(implementation, n, head_dim, dtype, pattern):
+  """A NaN or an inf in q, k or v (one entry): exactly the rows that read it come out
+  non-finite (the query's own row; the rows that see the key), out and lse alike where it
+  is in q or k (lse NaN or +inf: never finite or -inf beside a broken output), out only
+  where it is in v; every other row as the reference's. (An inf in k scores -inf against
+  queries of the other sign, which rightly pass: not a case here.)"""
+  rng = np.random.default_rng(4)
+  at, head = n // 4, 1
+  sees = reference_np.multiplicity(n, 2, pattern.segment_lengths, pattern.dilation_rates,
+                                   pattern.causal)[head, :, at] > 0  # the rows seeing key `at`
+  for where, bad in (("q", np.inf), ("q", np.nan), ("k", np.nan), ("v", np.inf), ("v", np.nan)):
+    qkv = [rng.standard_normal((1, n, 2, head_dim)) for _ in range(3)]
+    qkv["qkv".index(where)][0, at, head, 0] = bad
+    qkv = [jnp.asarray(x, dtype) for x in qkv]
+    out, lse = dilated_attention(*qkv, pattern, return_lse=True, implementation=implementation)
+    ref_out, ref_lse = dilated_attention_reference(*qkv, pattern, return_lse=True)
+    broken = np.zeros((1, n, 2), bool)
+    broken[0, :, head] = np.arange(n) == at if where == "q" else sees
+    out, lse = np.asarray(out, np.float32), np.asarray(lse)
+    assert np.array_equal(~np.isfinite(out).all(-1), broken), (where, bad)
+    if where == "v":  # the scores are finite: so is lse
+      np.testing.assert_allclose(lse, ref_lse, rtol=1e-2, atol=1e-2)
+    else:
+      assert np.array_equal(np.isnan(lse) | np.isposinf(lse), broken), (where, bad)
+    if implementation == "xla" and where != "v":  # the reference's NaN and inf, exactly
+      np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    # The other rows as the reference's (whose dense p @ v makes NaN of 0 * inf in v).
+    ref_out = np.asarray(ref_out, np.float32)
+    rows = ~broken & np.isfinite(ref_out).all(-1)
+    assert rows.sum() >= n, (where, bad)
+    np.testing.assert_allclose(out[rows], ref_out[rows], rtol=helpers.TOL[dtype],
+                               atol=helpers.TOL[dtype])
+
+
+@pytest.mark.parametrize("implementation",
+                         ["xla", pytest.param("pallas", marks=pytest.mark.pallas)])
+def test_non_finite_inputs_reach_only_their_rows(implementation):
+  """`_non_finite_rows` on CPU, two branches (the merge keeps a broken row broken); the xla
+  backend's lse has the reference's NaN and inf exactly (before, such rows had lse 0; pallas's
+  -inf, or a finite one beside a NaN output)."""
+  _non_finite_rows(implementation, 16, 8, jnp.float32, DilatedPattern((8, 16), (1, 2)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["mosaic", "triton", "pallas"])
+def test_non_finite_inputs_reach_only_their_rows_on_a_gpu(implementation):
+  """`_non_finite_rows` in the kernels themselves, bf16, D = 64, two launches' branches."""
+  if implementation == "mosaic" and not backends.load("mosaic").is_hopper():
+    pytest.skip("the mosaic kernels run on Hopper GPUs")
+  if implementation == "triton":
+    pytest.importorskip("jax_triton")
+  _non_finite_rows(implementation, 512, 64, jnp.bfloat16, DilatedPattern((256, 512), (1, 2)))

@@ -263,9 +263,9 @@ def forward_kernel(Q, K, V, ROWS, PIECES, BIAS, QID, KID, WIN, OUT, LSE,
                                     1 if L == 1 else ks, kc, bias, ja, jb, jc, jd, HKV, D,
                                     BLOCK_N, QK_SCALE, CAUSAL, PRECISION, qid, KID, kid0,
                                     PACKED)
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    l_safe = tl.where(l_i != 0, l_i, 1.0)  # (a NaN row stays NaN)
     o = acc / l_safe[:, None]
-    lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(l_i != 0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + stat, lse, mask=offs_m < rows)
     o_ptr = _rows_ptr(OUT + (tok0 * H + h) * D, rows, L * H * D, start_m, BLOCK_M, D)
     tl.store(o_ptr, o.to(o_ptr.dtype.element_ty), boundary_check=(0,))

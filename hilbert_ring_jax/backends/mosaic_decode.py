@@ -252,7 +252,7 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
 
         carry = lax.fori_loop(lo, hi, score, carry)
       acc, m_i, l_i, _ = carry
-      seen = l_i > 0
+      seen = l_i != 0  # (a NaN row stays NaN)
       l_safe = jnp.where(seen, l_i, 1.0)
       o_smem[...] = acc / rows_of(l_safe, acc.shape)
       lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)

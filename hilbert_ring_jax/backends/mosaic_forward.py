@@ -62,12 +62,12 @@ def merge_prior(prior_refs, prog, rows, o_tile, lse_tile, bars, acc, m_i, l_i, r
   for bar in bars:
     plgpu.barrier_wait(bar)
   a = plgpu.load(lse_tile, layout=row_stat) * LOG2E  # prior, base 2
-  b = jnp.where(l_i > 0, m_i + jnp.log2(jnp.where(l_i > 0, l_i, 1.0)), -jnp.inf)
+  b = jnp.where(l_i != 0, m_i + jnp.log2(jnp.where(l_i != 0, l_i, 1.0)), -jnp.inf)
   top = jnp.maximum(a, b)
   top = jnp.where(top == -jnp.inf, 0.0, top)
   w_p, w_i = jnp.exp2(a - top), jnp.exp2(m_i - top)  # 0 where unseen (-inf)
   den = w_p + w_i * l_i
-  seen = den > 0
+  seen = den != 0  # (a NaN row stays NaN)
   inv = 1.0 / jnp.where(seen, den, 1.0)
   o_p = plgpu.load(o_tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
   out = o_p * rows_of(w_p * inv, acc.shape) + acc * rows_of(w_i * inv, acc.shape)
@@ -272,7 +272,7 @@ def launch(q, k, v, tables, sched: schedule.Schedule, n: int, causal: bool,
           end_turns()
           o_tile = q_tile if same else o_smem.at[wg]
           if prior_refs is None:
-            seen = l_i > 0
+            seen = l_i != 0  # (a NaN row stays NaN)
             l_safe = jnp.where(seen, l_i, 1.0)
             o_tile[...] = (acc / rows_of(l_safe, acc.shape)).astype(o_tile.dtype)
             lse_smem.at[wg][...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)

@@ -504,7 +504,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, br, d, scale, mode, packed):
   init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
           jnp.zeros((bq,), jnp.float32))
   acc, m, l = _fori(_key_ranges(br, i, bq, bk, n_valid), body, init, ids)
-  seen = l > 0
+  seen = l != 0  # (a NaN row stays NaN)
   l = jnp.where(seen, l, 1.0)
   out = acc / l[:, None]
   lse = jnp.where(seen, (m * c + jnp.log2(l)) * _LN2, -jnp.inf)

@@ -222,8 +222,9 @@ def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, co
     o, lse = _branch_forward(fold, q, k, v, scale, config.key_block, segment_ids)
     outs.append(transpose(fold.query, o, q))
     # Padding rows may hold -inf (the transpose would make NaN of them); a covered row sees
-    # at least itself, so its lse is finite, unless queries and keys are of other documents.
-    seen = jnp.isfinite(lse)[..., None]
+    # at least itself, so its lse is not -inf, unless queries and keys are of other documents
+    # (NaN and +inf, from such inputs, pass).
+    seen = (lse != -jnp.inf)[..., None]
     rows = fold.branch.covered(h, jnp)
     if segment_ids is not None:
       rows = rows & (transpose(fold.query, seen.astype(lse.dtype), q[..., :1])[..., 0] > 0)
