@@ -99,9 +99,10 @@ def check_segment_ids(segment_ids, q):
 
 
 def check_flag(name: str, value) -> bool:
-  if not isinstance(value, bool):
+  """`value` as a bool (Python's, or NumPy's as configs give them), else `ValueError`."""
+  if not isinstance(value, (bool, np.bool_)):
     raise ValueError(f"{name} must be a bool, got {name}={value!r}")
-  return value
+  return bool(value)
 
 
 def check_layout_name(layout) -> str:

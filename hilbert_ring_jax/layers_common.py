@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .api import check_layout_name, check_scale, dilated_attention
+from .api import check_flag, check_layout_name, check_scale, dilated_attention
 from .decode import KVCache, dilated_attention_prefill, dilated_attention_step, document_starts
 from .ordering import (check_perm, hilbert_permutation, hilbert_permutation_per_segment,
                        inverse_permutation, serialize, unserialize)
@@ -112,7 +112,7 @@ def check_options(**options) -> None:
     if name.endswith("_init"):
       if not (callable(val) or (val is None and name.startswith("out_"))):
         raise ValueError(f"{name} must be an initializer (a callable), got {name}={val!r}")
-    elif not (isinstance(val, bool) or (val is None and name == "deterministic")):
+    elif not (isinstance(val, (bool, np.bool_)) or (val is None and name == "deterministic")):
       raise ValueError(f"{name} must be a bool, got {name}={val!r}")
 
 
@@ -135,9 +135,9 @@ def resolve_deterministic(deterministic, default) -> bool:
   """The call's `deterministic`, else the layer's; `ValueError` when neither says."""
   for val in (deterministic, default):
     if val is not None:
-      if not isinstance(val, bool):
+      if not isinstance(val, (bool, np.bool_)):
         raise ValueError(f"deterministic must be a bool or None, got deterministic={val!r}")
-      return val
+      return bool(val)
   raise ValueError("deterministic is needed with dropout_rate > 0: pass deterministic=True/False "
                    "to the call or the constructor, or use model.eval() / model.train() or "
                    "nnx.view(model, deterministic=...)")
@@ -154,12 +154,6 @@ def check_decodable(order: TokenOrder, pattern: DilatedPattern, mesh) -> None:
   if mesh is not None:
     raise ValueError("decode runs on one device's view of the sequence: build the decoding "
                      f"layer with mesh=None (the weights copy across), got {mesh=}")
-
-
-def check_flag(name, val) -> bool:
-  if not isinstance(val, bool):
-    raise ValueError(f"{name} must be a bool, got {name}={val!r}")
-  return val
 
 
 def check_rotary_base(rotary_base, head_dim: int):

@@ -14,9 +14,10 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from .api import check_flag
 from .decode import KVCache, init_kv_cache
 from .layers_common import (TokenOrder, apply_dropout, attend, check_call, check_dropout_rate,
-                            check_flag, check_heads, check_layout, check_options, check_rotary_base,
+                            check_heads, check_layout, check_options, check_rotary_base,
                             checked_init, decode_attend, decode_positions, default_positions,
                             key_mask_of, layer_inputs, layout_positions, permute, rotate,
                             serialize_inputs, sown_weights, static_implementation, token_ids_of)

@@ -19,14 +19,15 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
+from .api import check_flag
 from .decode import KVCache, init_kv_cache
 from .layers_common import (TokenOrder, apply_dropout, attend, attention_weights, check_call,
-                            check_decodable, check_dropout_rate, check_features, check_flag,
-                            check_heads, check_input_shape, check_layout, check_mesh_axes,
-                            check_options, check_rotary_base, checked_init, decode_attend,
-                            decode_positions, default_positions, key_mask_of, layer_inputs,
-                            layout_positions, permute, resolve_deterministic, rotate,
-                            serialize_inputs, sown_weights, static_implementation, token_ids_of)
+                            check_decodable, check_dropout_rate, check_features, check_heads,
+                            check_input_shape, check_layout, check_mesh_axes, check_options,
+                            check_rotary_base, checked_init, decode_attend, decode_positions,
+                            default_positions, key_mask_of, layer_inputs, layout_positions,
+                            permute, resolve_deterministic, rotate, serialize_inputs,
+                            sown_weights, static_implementation, token_ids_of)
 from .pattern import DilatedPattern
 
 DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()

@@ -83,8 +83,9 @@ class DilatedPattern:
     if self.offsets not in _OFFSETS:
       raise ValueError(f"offsets must be one of {_OFFSETS}, got offsets={self.offsets!r}")
     for name in ("causal", "head_groups"):
-      if not isinstance(getattr(self, name), bool):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):  # NumPy's, as configs give
         raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
+      object.__setattr__(self, name, bool(getattr(self, name)))
     for name, low in (("head_offset", 0), ("total_heads", 1)):
       value = getattr(self, name)
       if value is None and name == "total_heads":

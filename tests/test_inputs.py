@@ -41,6 +41,13 @@ def test_pattern_normalizes_and_hashes():
   assert DilatedPattern(np.array([8, 16]), np.arange(1, 3)) == p  # NumPy vectors, as lists
   with pytest.raises(ValueError, match="segment_lengths must hold ints"):
     DilatedPattern(np.array([8.0, 16.0]), (1, 2))
+  # NumPy bools, as configs give flags, are taken as bools (NumPy ints are taken as ints).
+  flags = DilatedPattern((8, 16), (1, 2), causal=np.True_, head_groups=np.bool_(False))
+  assert flags == DilatedPattern((8, 16), (1, 2), causal=True) and type(flags.causal) is bool
+  q = jnp.ones((1, 16, 2, 4))
+  assert len(dilated_attention(q, q, q, flags, return_lse=np.True_)) == 2
+  with pytest.raises(ValueError, match="return_lse must be a bool"):
+    dilated_attention(q, q, q, flags, return_lse=1)
 
 
 def test_head_ranges():
