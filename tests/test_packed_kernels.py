@@ -510,19 +510,23 @@ def test_mosaic_token_steps_continue_the_last_document():
   blocks in both branches, and its id marks an earlier run in reach of both (moved next to
   the last run: the blocks before skipped, the next masked); row 1's starts before one
   segment and inside the other's first block; against the float64 reference."""
-  from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
-      dilated_attention_prefill, dilated_attention_step)
   from hilbert_ring_jax.backends import mosaic_decode  # pylint: disable=g-import-not-at-top
   case = helpers.Case(236, 4, 2, (128, 256), (1, 2), head_dim=64, batch=2)
-  pattern, prompt = case.pattern(True), 233
-  q, k, v, dout, dlse = helpers.random_inputs(case, jnp.bfloat16, 13)
   ids = np.zeros((2, case.n), np.int32)
   ids[0, 90:], ids[0, 150:], ids[0, 200:] = 1, 2, 1  # row 0: its last run starts at 200
   ids[1, 20:] = 5                    # row 1: at 20
-  ids = jnp.asarray(ids)
+  _check_token_steps(case, helpers.random_inputs(case, jnp.bfloat16, 13)[:3], ids, 233,
+                     mosaic_decode.Config(interpret=True, block_k=64, splits=2))
+
+
+def _check_token_steps(case, qkv, ids, prompt, config=None):
+  """A packed prefill of `prompt` tokens, then mosaic's token steps (`config`) to `case.n`,
+  against the float64 reference with `ids` (the steps' own: their row's last document)."""
+  from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
+      dilated_attention_prefill, dilated_attention_step)
+  (q, k, v), pattern = qkv, case.pattern(True)
   _, cache = dilated_attention_prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], pattern,
-                                       segment_ids=ids[:, :prompt])
-  config = mosaic_decode.Config(interpret=True, block_k=64, splits=2)
+                                       segment_ids=jnp.asarray(ids[:, :prompt]))
   outs = []
   for t in range(prompt, case.n):
     out, cache = dilated_attention_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache,
@@ -620,29 +624,14 @@ def test_kernels_in_64_bit_mode_on_a_gpu(implementation):
     pytest.skip("the mosaic kernels run on Hopper GPUs")
   if implementation == "triton":
     pytest.importorskip("jax_triton")
-  from hilbert_ring_jax import (  # pylint: disable=import-outside-toplevel
-      dilated_attention_prefill, dilated_attention_step)
   case = helpers.Case(4096, 4, 2, (512, 1024, 2048, 4096), (1, 2, 4, 8), head_dim=128)
   ids = _wide(packed_ids(1, case.n, 400, seed=15))
   check_packed(case, True, jnp.bfloat16, jnp.asarray(ids), implementation=implementation)
   if implementation != "mosaic":
     return
-  pattern, prompt = case.pattern(True), case.n - 4
+  prompt = case.n - 4
   ids[:, prompt:] = ids[:, prompt - 1]
-  q, k, v, _, _ = helpers.random_inputs(case, jnp.bfloat16, 4)
-  _, cache = dilated_attention_prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], pattern,
-                                       segment_ids=jnp.asarray(ids[:, :prompt]))
-  outs = []
-  for t in range(prompt, case.n):
-    out, cache = dilated_attention_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache,
-                                        pattern, implementation="mosaic")
-    outs.append(out)
-  m = reference_np.multiplicity(case.n, case.heads, case.segment_lengths, case.dilation_rates,
-                                True)
-  ref = reference_np.attention(q, k, v, m[None] * reference_np.same_document(ids),
-                               case.head_dim ** -0.5)[0]
-  assert helpers.rel_err(jnp.concatenate(outs, axis=1), ref[:, prompt:]) < \
-      helpers.TOL[jnp.bfloat16]
+  _check_token_steps(case, helpers.random_inputs(case, jnp.bfloat16, 4)[:3], ids, prompt)
 
 
 @pytest.mark.gpu
