@@ -112,8 +112,8 @@ def check_options(**options) -> None:
     if name.endswith("_init"):
       if not (callable(val) or (val is None and name.startswith("out_"))):
         raise ValueError(f"{name} must be an initializer (a callable), got {name}={val!r}")
-    elif not (isinstance(val, (bool, np.bool_)) or (val is None and name == "deterministic")):
-      raise ValueError(f"{name} must be a bool, got {name}={val!r}")
+    elif not (val is None and name == "deterministic"):
+      check_flag(name, val)
 
 
 def checked_init(name: str, init):

@@ -92,7 +92,7 @@ class Schedule:
     blocks, stride = self.row_blocks(block), self.stride
     # Rows of one first position, length and column (every head's, where X is 1) share their
     # blocks' windows: each is reduced once.
-    heads = self.rows[:, ROW_HEAD] if windows.shape[-1] > 1 else 0 * self.rows[:, ROW_HEAD]
+    heads = self.rows[:, ROW_HEAD] if windows.shape[-1] > 1 else np.zeros_like(self.rows[:, 0])
     rows, which = np.unique(np.stack([self.rows[:, ROW_FIRST], self.rows[:, ROW_LENGTH], heads],
                                      axis=1), axis=0, return_inverse=True)
     base = jnp.arange(self.periods, dtype=jnp.int32)[:, None, None] * self.period
