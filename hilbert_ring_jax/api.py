@@ -69,6 +69,11 @@ def check_inputs(q, k, v, pattern, heads_axis=None) -> None:
     pattern.head_ranges(q.shape[2])  # head_groups needs H >= number of branches
 
 
+# What 64-bit ids would do, cut to 32 bits, and the ways out (`check_32_bits`).
+IDS_BEYOND_32_BITS = ("merging documents: number the documents from 0 (np.unique(segment_ids, "
+                      "return_inverse=True)) or enable jax_enable_x64")
+
+
 def check_segment_ids(segment_ids, q):
   """`segment_ids` as an integer `[B, N]` array matching `q` (or None), else `ValueError`
   naming the argument. Any integer values are valid (checked on shapes and dtypes alone, so
@@ -86,16 +91,21 @@ def check_segment_ids(segment_ids, q):
   if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
     raise ValueError(f"segment_ids must have an integer dtype (a document id per token), got "
                      f"segment_ids.dtype={segment_ids.dtype}")
-  if (isinstance(segment_ids, np.ndarray) and segment_ids.dtype.itemsize == 8 and segment_ids.size
-      and not jax.config.jax_enable_x64):  # JAX would keep only the low 32 bits
-    narrow = np.iinfo(np.int32 if segment_ids.dtype.kind == "i" else np.uint32)
-    low, high = segment_ids.min(), segment_ids.max()
-    if low < narrow.min or high > narrow.max:
-      raise ValueError(
-          f"segment_ids holds ids beyond 32 bits (from {low} to {high}), which JAX without "
-          f"64-bit mode keeps the low 32 bits of, merging documents: number the documents "
-          f"from 0 (np.unique(segment_ids, return_inverse=True)) or enable jax_enable_x64")
+  check_32_bits("segment_ids", segment_ids, IDS_BEYOND_32_BITS)
   return jnp.asarray(segment_ids)
+
+
+def check_32_bits(name: str, ints, consequence: str):
+  """`ValueError` naming `name` where `ints` is a NumPy 64-bit integer array holding values
+  beyond 32 bits without JAX's 64-bit mode, in which JAX would keep their low 32 bits (the
+  `consequence`: what that would do, and what to do instead)."""
+  if (isinstance(ints, np.ndarray) and ints.dtype.itemsize == 8 and ints.size
+      and jnp.issubdtype(ints.dtype, jnp.integer) and not jax.config.jax_enable_x64):
+    narrow = np.iinfo(np.int32 if ints.dtype.kind == "i" else np.uint32)
+    low, high = ints.min(), ints.max()
+    if low < narrow.min or high > narrow.max:
+      raise ValueError(f"{name} holds values beyond 32 bits (from {low} to {high}), which JAX "
+                       f"without 64-bit mode keeps the low 32 bits of, {consequence}")
 
 
 def check_flag(name: str, value) -> bool:

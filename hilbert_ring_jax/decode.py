@@ -189,8 +189,10 @@ def _check_cache(cache, q, k, pattern) -> tuple:
             f"differ from the cache's)")
       if x.dtype != q.dtype:
         raise ValueError(f"cache.{name}[{b}] has dtype {x.dtype}, inputs are {q.dtype}")
-  if jnp.shape(cache.length) != () or not jnp.issubdtype(cache.length.dtype, jnp.integer):
-    raise ValueError(f"cache.length must be an integer scalar, got {cache.length!r}")
+  if jnp.shape(cache.length) != () or not jnp.issubdtype(
+      getattr(cache.length, "dtype", np.float32), jnp.integer):
+    raise ValueError(f"cache.length must be an integer scalar array (e.g. jnp.int32(n)), got "
+                     f"{cache.length!r}")
   int_array = lambda x, shape: (jnp.issubdtype(getattr(x, "dtype", np.float32), jnp.integer)
                                 and tuple(x.shape) == shape)
   if cache.start is not None and not int_array(cache.start, (batch,)):

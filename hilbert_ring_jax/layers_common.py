@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .api import check_flag, check_layout_name, check_scale, dilated_attention
+from .api import (IDS_BEYOND_32_BITS, check_32_bits, check_flag, check_layout_name, check_scale,
+                  dilated_attention)
 from .decode import KVCache, dilated_attention_prefill, dilated_attention_step, document_starts
 from .ordering import (check_perm, hilbert_permutation, hilbert_permutation_per_segment,
                        inverse_permutation, serialize, unserialize)
@@ -324,6 +325,9 @@ def token_ids_of(name: str, ids, batch: tuple, n: int):
            and hasattr(ids, "dtype") else type(ids).__name__)
     raise ValueError(f"{name} must be an integer array of shape {want} = [batch..., N], got "
                      f"{got}")
+  # Before the ordering's gather turns NumPy ids into JAX's (narrowed to 32 bits).
+  check_32_bits(name, ids, IDS_BEYOND_32_BITS if name == "segment_ids" else
+                "wrapping them: pass int32 ones or enable jax_enable_x64")
   return jnp.reshape(ids, (-1, n))
 
 

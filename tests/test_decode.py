@@ -216,7 +216,7 @@ def test_cache_knows_its_pattern():
 
 def test_cache_length_is_range_checked():
   """Negative lengths, and lengths whose int32 positions would wrap, are refused where the
-  length is known (outside jit)."""
+  length is known (outside jit); so is a length that is not an integer scalar array."""
   q, kv = jnp.ones((1, 2, 4, 8)), jnp.ones((1, 2, 2, 8))
   cache = _cache()
   for length in (-1, 2 ** 31 - 2):
@@ -225,6 +225,9 @@ def test_cache_length_is_range_checked():
       dilated_attention_step(q, kv, kv, bad, P)
   ok = dataclasses.replace(cache, length=jnp.asarray(2 ** 31 - 3, jnp.int32))
   assert int(dilated_attention_step(q, kv, kv, ok, P)[1].length) == 2 ** 31 - 1
+  for bad in (5, jnp.float32(5), jnp.zeros(1, jnp.int32)):  # not an integer scalar array
+    with pytest.raises(ValueError, match="cache.length must be an integer scalar array"):
+      dilated_attention_step(q, kv, kv, dataclasses.replace(cache, length=bad), P)
 
 
 def test_return_lse_is_a_bool():

@@ -155,9 +155,14 @@ def test_bad_segment_ids():
         call(q, q, q, p, segment_ids=wide)
       with pytest.raises(ValueError, match="beyond 32 bits"):
         call(q, q, q, p, segment_ids=wide.astype(np.uint64))
-    layer = DilatedMultiHeadAttention(2, 8, pattern=p, rngs=nnx.Rngs(0))  # through a layer
-    with pytest.raises(ValueError, match="beyond 32 bits"):
-      layer(jnp.ones((2, 32, 8)), segment_ids=wide)
+    # Through the layers, also where an ordering gathers the ids before the call's checks.
+    for kw in (dict(pattern=p), dict(pattern=p, ordering="hilbert", grid_shape=(4, 8))):
+      layer = DilatedMultiHeadAttention(2, 8, **kw, rngs=nnx.Rngs(0))
+      with pytest.raises(ValueError, match="segment_ids holds values beyond 32 bits"):
+        layer(jnp.ones((2, 32, 8)), segment_ids=wide)
+      with pytest.raises(ValueError, match="segment_ids holds values beyond 32 bits"):
+        linen.DilatedMultiHeadAttention(num_heads=2, **kw).init(
+            jax.random.PRNGKey(0), jnp.ones((2, 32, 8)), segment_ids=wide)
   narrow = np.where(wide > 0, -(2 ** 31), 7).astype(np.int64)
   np.testing.assert_array_equal(dilated_attention(q, q, q, p, segment_ids=narrow),
                                 dilated_attention(q, q, q, p, segment_ids=narrow.astype(np.int32)))
