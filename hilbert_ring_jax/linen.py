@@ -123,6 +123,13 @@ class DilatedMultiHeadAttention(nn.Module):
   decode: bool = False
   rotary_base: float | None = None
 
+  def __post_init__(self):
+    # A permutation array as a TokenOrder (hashed by a digest, as the NNX layer keeps it), so
+    # that the module hashes and compares: jit's static arguments, Flax's module comparisons.
+    if self.ordering is not None and not isinstance(self.ordering, (str, TokenOrder)):
+      object.__setattr__(self, "ordering", TokenOrder.make(self.ordering, self.grid_shape))
+    super().__post_init__()
+
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
                deterministic: bool | None = None, sow_weights: bool = False,

@@ -550,6 +550,21 @@ def test_bad_arguments(kwargs, match):
     linen.DilatedMultiHeadAttention(**linen_kwargs).init(jax.random.PRNGKey(0), inputs())
 
 
+def test_linen_with_a_permutation_hashes():
+  """A Linen layer built with a permutation array hashes and compares (a static argument
+  of jit), and computes what the same layer with the permutation as a tuple does."""
+  kwargs = dict(num_heads=H, num_kv_heads=HKV, pattern=PATTERN)
+  m = linen.DilatedMultiHeadAttention(**kwargs, ordering=np.array(RANDOM_PERM))
+  twin = linen.DilatedMultiHeadAttention(**kwargs, ordering=np.array(RANDOM_PERM))
+  assert hash(m) == hash(twin) and m == twin
+  x = inputs()
+  params = m.init(jax.random.PRNGKey(0), x)
+  y = jax.jit(lambda mod, p, x: mod.apply(p, x), static_argnums=0)(m, params, x)
+  as_tuple = linen.DilatedMultiHeadAttention(**kwargs,
+                                             ordering=tuple(int(i) for i in RANDOM_PERM))
+  np.testing.assert_allclose(y, as_tuple.apply(params, x), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(ordering="hilbert", grid_shape=(4, 8)), r"grid_shape=\(4, 8\) has 32 tokens"),
     (dict(ordering=np.arange(8)), "ordering has 8 tokens"),
