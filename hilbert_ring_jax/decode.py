@@ -6,15 +6,17 @@ the residue classes that some query head of a kv head reads: the cache size is f
 pattern, not by the sequence length. Branch `b` holds `k[b], v[b]` of shape
 `[B, Hkv, R_b, rows_b, D]` (`rows_b = ceil(w_b / r_b)` rounded up to a multiple of 8, the
 tiles the token-step kernel reads; `R_b` the most residues one kv head needs); position `p`
-lives at row `(p % w) // r` of the slot that `(kv head, (p % w) % r)` maps to. Rows left over
-from earlier segments need no clearing: each query masks cached rows by position (`< length`,
-in its own segment), computed from its own segment start.
+lives at row `(p % w) // r` of the slot that `(kv head, (p % w) % r)` maps to. A prefill
+starts from zeros (and clears the rows of packed rows' earlier documents); rows left over from
+earlier segments are not cleared: each query masks cached rows by position (`< length`, in its
+own segment), computed from its own segment start, and the portable step does not read the
+values it masks (a NaN there times 0 would be NaN).
 
 A step of `T <= R_b` tokens (decoding: `T = 1`) reads, per branch and kv head, only the slot
 of each query's residue: `rows_b` rows, whatever the sequence length. Scores and outputs are
-accumulated in float32 from inputs in their own dtype: the cached values are weighted by the
-float32 probabilities, the chunk's own values (and all values of long chunks) by probabilities
-cast to their dtype, as the attention kernels do.
+accumulated in float32 from inputs in their own dtype: such a step weighs the values by the
+float32 probabilities, longer chunks by probabilities cast to the values' dtype, as the
+attention kernels do.
 
 This module owns the cache: its layout (`_tables`), prefill and writes. The reads are a
 backend's `step`, resolved like the attention's (`backends.resolve`; backends/base.py has the
@@ -349,7 +351,7 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, segment_ids=N
 
   `out` comes from `dilated_attention` (the regular kernels); the cache then holds the last
   segment of each branch, with length `T`. A given `cache` (of the right layout) only lends
-  its buffers: whatever it held is ignored, as if it were empty (a packed one stays packed:
+  its buffers: whatever it held is cleared, as if it were empty (a packed one stays packed:
   without `segment_ids`, one document a row).
 
   Args:
@@ -403,6 +405,7 @@ def _fill(k, v, cache: KVCache, pattern: DilatedPattern, num_heads: int,
   for table, kb, vb in zip(_tables(pattern, num_heads, k.shape[2]), cache.k, cache.v):
     seg = (steps - 1) // table.w * table.w  # the last segment, static
     pos = jnp.arange(seg, steps)
+    kb, vb = jnp.zeros_like(kb), jnp.zeros_like(vb)  # nothing of what the cache held
     kb, vb = _write(kb, vb, k[:, seg:], v[:, seg:], pos, jnp.ones(pos.shape, bool), table)
     if segment_ids is not None:
       kb, vb, first = _gather_last_document(kb, vb, segment_ids, start, seg, table)
@@ -447,4 +450,8 @@ def _gather_last_document(kb, vb, segment_ids, start, seg: int, table: _BranchTa
   # At most the next segment's start (a residue with no row left in this one would point
   # into the next, hiding rows there that are all visible).
   first = jnp.minimum(seg + (run - count) * r + c[:, 0], seg + table.w)
+  # Rows before `first` (earlier documents) cleared: the steps do not read them.
+  keep = jnp.take(jnp.asarray(pos)[None] >= first[..., None], np.maximum(table.residue, 0),
+                  axis=1)                                              # [B, Hkv, R_b, rows]
+  kb, vb = (jnp.where(keep[..., None], x, 0) for x in (kb, vb))
   return kb, vb, first.astype(jnp.int32)

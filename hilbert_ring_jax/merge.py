@@ -32,7 +32,8 @@ def merge(outs: Sequence[jnp.ndarray], lses: Sequence[jnp.ndarray]):
       lse = logsumexp_i lse_i,   out = sum_i exp(lse_i - lse) * o_i
 
   A row no partial sees (`lse_i = -inf` for all `i`) gets `out = 0`, `lse = -inf`, never NaN,
-  and zero gradients with respect to every `o_i` and `lse_i`. A partial with `lse_i = +inf`
+  and zero gradients with respect to every `o_i` and `lse_i`; a partial with `lse_i = -inf`
+  adds nothing to its row, whatever its `o_i` (NaN too). A partial with `lse_i = +inf`
   (an overflowed denominator) dominates its row: `out` is the mean of the `o_i` with
   `lse_i = +inf`, `lse = +inf`, and the gradient with respect to the `lse_i` of that row is
   zero. (A single partial is returned as it is, and so are its gradients.) Computed in the
@@ -76,5 +77,9 @@ def merge(outs: Sequence[jnp.ndarray], lses: Sequence[jnp.ndarray]):
   lse = jnp.where(seen, shift + jnp.log(safe_den), -jnp.inf)
   lse = jnp.where(overflow, jnp.inf, lse)
   inv = 1.0 / safe_den
-  out = sum((w * inv)[..., None] * o for w, o in zip(weights, outs))
+  # A partial that saw no key (lse_i = -inf) adds exactly 0, also where its o_i is NaN or inf:
+  # a caller may hide keys by their lse alone (the ring's causal gathers), and weight 0 times
+  # a NaN would spread a NaN key to the rows that cannot see it.
+  out = sum(jnp.where((lse_i == -jnp.inf)[..., None], 0.0, (w * inv)[..., None] * o)
+            for w, o, lse_i in zip(weights, outs, lses))
   return out, lse

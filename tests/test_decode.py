@@ -1,6 +1,7 @@
 """Decoding with the compressed KV cache reproduces the causal rows of the full attention."""
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -300,6 +301,59 @@ def test_mosaic_token_step_under_vmap_and_jit():
   for i, member in enumerate(members):
     ref_out = reference(case, True, *member)[0]
     assert rel_err(out[i], ref_out[:, -1:]) < TOL[jnp.bfloat16]
+
+
+def _steps(pattern, q, k, v, prefill, implementation, segment_ids=None, cache=None):
+  """The outputs of the tokens after the first `prefill`, stepped one at a time."""
+  config = None
+  if implementation == "mosaic":
+    from hilbert_ring_jax.backends import mosaic_decode
+    config = mosaic_decode.Config(interpret=jax.default_backend() != "gpu", block_k=64)
+  ids = None if segment_ids is None else segment_ids[:, :prefill]
+  _, cache = dilated_attention_prefill(q[:, :prefill], k[:, :prefill], v[:, :prefill], pattern,
+                                       segment_ids=ids, cache=cache)
+  outs = []
+  for i in range(prefill, q.shape[1]):
+    out, cache = dilated_attention_step(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], cache,
+                                        pattern, implementation=implementation, config=config)
+    outs.append(out)
+  return jnp.concatenate(outs, axis=1)
+
+
+@pytest.mark.parametrize("implementation", ["xla", pytest.param("mosaic", marks=MOSAIC)])
+def test_hidden_cache_rows_are_not_read(implementation):
+  """A NaN in a cache row that a step does not see leaves the step's output as it is without
+  the NaN: rows of an earlier request (its cache lent to a prefill), of an earlier document
+  (packed), of another head's residue; with the portable step also of the row's earlier
+  segments (the token-step kernel weights those 0: docs/SPEC.md, "Numerical range")."""
+  case = Case(12, 2, 1, (64,), (1,), head_dim=64)
+  q, k, v, _, _ = random_inputs(dataclasses.replace(case, n=48), jnp.bfloat16, 6)
+  causal = DilatedPattern((64,), (1,), causal=True)
+  nan_at = lambda x, i: x.at[:, i].set(jnp.nan)
+  steps = functools.partial(_steps, implementation=implementation)
+  # An earlier request, whose last segment held a NaN, lends its cache to the next prompt.
+  _, stale = dilated_attention_prefill(q, k, nan_at(v, 30), causal)
+  clean = steps(causal, q[:, :10], k[:, :10], v[:, :10], 8)
+  np.testing.assert_array_equal(steps(causal, q[:, :10], k[:, :10], v[:, :10], 8, cache=stale),
+                                clean)
+  assert np.isfinite(np.asarray(clean, np.float32)).all()
+  # Packed: the steps continue document 1; document 0 holds a NaN.
+  ids = jnp.asarray([[0] * 20 + [1] * 28], jnp.int32)
+  np.testing.assert_array_equal(steps(causal, q[:, :30], k[:, :30], nan_at(v, 10)[:, :30], 28,
+                                      segment_ids=ids),
+                                steps(causal, q[:, :30], k[:, :30], v[:, :30], 28,
+                                      segment_ids=ids))
+  # Another head's residue: head 1 alone reads odd positions, head 0 sees no key there.
+  heads = DilatedPattern((64,), (2,), causal=True)
+  bad = steps(heads, q[:, :10], k[:, :10], nan_at(v, 3)[:, :10], 8)
+  np.testing.assert_array_equal(bad[:, :, 0], steps(heads, q[:, :10], k[:, :10], v[:, :10],
+                                                    8)[:, :, 0])
+  assert np.isnan(np.asarray(bad[:, 1, 1], np.float32)).all()  # position 9 reads it
+  if implementation == "xla":  # the row's earlier segment: (16,) segments, NaN at 3
+    short = DilatedPattern((16,), (1,), causal=True)
+    np.testing.assert_array_equal(
+        steps(short, q[:, :20], k[:, :20], nan_at(v, 3)[:, :20], 16),
+        steps(short, q[:, :20], k[:, :20], v[:, :20], 16))
 
 
 def test_step_kernel_choice():

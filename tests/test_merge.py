@@ -126,6 +126,19 @@ def test_nan_stays_nan():
   assert np.isfinite(lse[[0, 2]]).all() and np.isfinite(out[[0, 2]]).all()
 
 
+def test_unseen_partial_adds_nothing():
+  """A partial with lse -inf adds exactly 0 to its row, also where its out is NaN or inf (a
+  ring hides causal blocks by their lse alone): the row equals the merge without it."""
+  outs, lses = parts(3, seed=4, rows=(3,))
+  outs[1, 1], outs[1, 2, 0] = np.nan, np.inf
+  lses[1, 1:] = -np.inf
+  out, lse = merge(list(jnp.asarray(outs)), list(jnp.asarray(lses)))
+  alone = merge([jnp.asarray(outs[0]), jnp.asarray(outs[2])],
+                [jnp.asarray(lses[0]), jnp.asarray(lses[2])])
+  np.testing.assert_array_equal(out[1:], alone[0][1:])
+  np.testing.assert_array_equal(lse[1:], alone[1][1:])
+
+
 @pytest.mark.parametrize("out_shapes,lse_shapes,match", [
     ([(3, 4), (3, 4)], [(3,), (4,)], r"lses\[1\] must have its out's shape"),
     ([(3, 4), (3, 4)], [(1,), (3,)], r"lses\[0\]"),  # would broadcast

@@ -254,7 +254,9 @@ def step(q, ks, vs, length, branches, scale: float, config: Config | None = None
       acc, m_i, l_i, _ = carry
       seen = l_i != 0  # (a NaN row stays NaN)
       l_safe = jnp.where(seen, l_i, 1.0)
-      o_smem[...] = acc / rows_of(l_safe, acc.shape)
+      # A row that saw no key gets 0, not acc: its p = 0 times a NaN or inf of a row it
+      # does not read (another head's residue) would be NaN.
+      o_smem[...] = jnp.where(rows_of(seen, acc.shape), acc / rows_of(l_safe, acc.shape), 0.0)
       lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, -jnp.inf)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows_g)], o_ref.at[split, bg])

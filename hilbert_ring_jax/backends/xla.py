@@ -286,21 +286,27 @@ def _softmax_parts(parts, scale):
 
   `scores [B, Hkv, G, T, K_i]` are unscaled float32 dot products, `mask` broadcasts against
   them, and `einsum(spec, p, values)` gives that part's `[B, Hkv, G, T, D]` output; with
-  `spec=None`, `values [B, Hkv, T, K_i, D]` are summed against `p` directly (a fused
+  `spec=None`, `values [B, Hkv, T or 1, K_i, D]` are summed against `p` directly (a fused
   reduction: no transposed copy of the values, which a matrix-vector product can cost).
   Returns `(o, lse)`, with `o = 0`, `lse = -inf` where a query sees no key.
+
+  Masked values are not read: a cache's hidden rows (of earlier segments, documents or
+  requests, or other heads' residues) may hold a NaN or inf, which `p = 0` would not cancel.
+  With `spec=None` each query skips its own; with a `spec`, the keys no query sees are zeroed.
   """
   scores = [jnp.where(mask, scale * s, -jnp.inf) for s, mask, _, _ in parts]
   s_max = functools.reduce(jnp.maximum, [s.max(axis=-1) for s in scores])
   seen = s_max > -jnp.inf
   shift = jnp.where(seen, s_max, 0.0)
   den, o = 0.0, 0.0
-  for s, (_, _, values, spec) in zip(scores, parts):
+  for s, (_, mask, values, spec) in zip(scores, parts):
     p = jnp.exp(s - shift[..., None])  # exactly 0 on masked keys
     den = den + p.sum(axis=-1)
     if spec is None:
-      o = o + (p[..., None] * values[:, :, None].astype(jnp.float32)).sum(axis=-2)
+      pv = p[..., None] * values[:, :, None].astype(jnp.float32)
+      o = o + jnp.where(mask[..., None], pv, 0.0).sum(axis=-2)
     else:  # as the kernels do: p in the values' dtype, float32 accumulation
+      values = jnp.where(jnp.any(mask, axis=(2, 3))[..., None], values, 0)
       o = o + einsum(spec, p.astype(values.dtype), values, preferred_element_type=jnp.float32)
   safe_den = jnp.where(seen, den, 1.0)
   lse = jnp.where(seen, shift + jnp.log(safe_den), -jnp.inf)
@@ -377,7 +383,10 @@ def _branch_step(qg, k_new, v_new, kb, vb, length, table, scale, first=None):
             & (t[None, :] <= t[:, None]))                # [T, T]
   k_new, v_new = k_new.transpose(0, 2, 1, 3), v_new.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
   s_n = einsum("bhgtd,bhkd->bhgtk", qg, k_new, **f32)
-  new = (s_n, mask_n[None, None, None] & takes_part, v_new, "bhgtk,bhkd->bhgtd")
+  # Few tokens (decoding): each query skips the keys it does not see (`_softmax_parts`).
+  values, spec = ((v_new[:, :, None], None) if steps <= table.slots else
+                  (v_new, "bhgtk,bhkd->bhgtd"))
+  new = (s_n, mask_n[None, None, None] & takes_part, values, spec)
   return _softmax_parts([cached, new], scale)
 
 
