@@ -1193,7 +1193,8 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   """`dilated_attention` with the sequence axis sharded over `mesh.shape[axis_name]` devices.
 
   Does the `jax.shard_map` for the caller: `q`, `k`, `v` are global `[B, N, H(kv), D]` arrays
-  (sharded or not); the result is sharded like `P(batch_axis, axis_name, heads_axis)`: with
+  (sharded or not; arrays placed on other devices, or on the mesh's in another order, are moved
+  onto `mesh`); the result is sharded like `P(batch_axis, axis_name, heads_axis)`: with
   `batch_axis` (a mesh axis, or a tuple of them) the batch is split over it too (data x
   sequence parallelism), and with `heads_axis` (a mesh axis) the heads of `q`, `k` and `v`
   (tensor parallelism: each device computes its heads, as the call on all does); other mesh
@@ -1268,8 +1269,21 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   fn = _sharded(pattern, mesh, axis_name, batch_axes or None, heads_axis, scale, names, config,
                 segment_ids is not None, layout,
                 (_gather_limit(), _small_step_rows(), _kernel_gather()))
-  out, lse = fn(q, k, v) if segment_ids is None else fn(q, k, v, segment_ids)
+  spec = jax.P(batch_axes or None, axis_name, heads_axis)
+  arrays = [_onto(mesh, spec, x) for x in (q, k, v)]
+  if segment_ids is not None:
+    arrays.append(_onto(mesh, jax.P(batch_axes or None, axis_name), segment_ids))
+  out, lse = fn(*arrays)
   return (out, lse) if return_lse else out
+
+
+def _onto(mesh, spec, x):
+  """`x` placed as `spec` on `mesh` where it is a concrete array placed otherwise (on other
+  devices, or the mesh's in another order, which `jit` refuses); else as it is."""
+  if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+    return x
+  want = jax.NamedSharding(mesh, spec)
+  return x if x.sharding.is_equivalent_to(want, x.ndim) else jax.device_put(x, want)
 
 
 @functools.lru_cache(maxsize=64)

@@ -132,6 +132,25 @@ def test_ring_bf16_and_explicit_mesh():
   assert helpers.rel_err(out, ref_out) < helpers.TOL[jnp.bfloat16]
 
 
+def test_inputs_placed_elsewhere_are_moved():
+  """Eager arrays sharded on the mesh's devices in another order, or held by devices the mesh
+  lacks, are moved onto the mesh (jit refuses them otherwise): the same result."""
+  p, n, h, hkv, pattern = CASES["spanning_head"]
+  case = helpers.Case(n, h, hkv, pattern.segment_lengths, pattern.dilation_rates)
+  q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 8)
+  want = sharded_dilated_attention(q, k, v, pattern, mesh=mesh(p), axis_name="seq")
+  devices = jax.devices()
+  other_order = jax.sharding.Mesh(np.array(devices[:p][::-1]), ("seq",))
+  elsewhere = jax.device_put(q, jax.NamedSharding(other_order, jax.P(None, "seq")))
+  assert not elsewhere.sharding.is_equivalent_to(jax.NamedSharding(mesh(p), jax.P(None, "seq")),
+                                                 4)
+  np.testing.assert_array_equal(sharded_dilated_attention(elsewhere, k, v, pattern, mesh=mesh(p),
+                                                          axis_name="seq"), want)
+  outside = jax.device_put(k, devices[-1])  # a device the mesh of p < 8 lacks
+  np.testing.assert_array_equal(sharded_dilated_attention(q, outside, v, pattern, mesh=mesh(p),
+                                                          axis_name="seq"), want)
+
+
 @pytest.mark.parametrize("rotate", [False, True])
 def test_non_finite_key_reaches_only_its_rows(monkeypatch, rotate):
   """A NaN or inf key in a causal ring leaves the rows that cannot see it as one device
