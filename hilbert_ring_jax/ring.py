@@ -45,6 +45,7 @@ import numpy as np
 from . import backends
 from .api import (check_flag, check_inputs, check_layout_name, check_scale, check_segment_ids,
                   head_shard_kind, on_head_shards)
+from .backends.common import varying_axes
 from .merge import merge
 from .pattern import Branch, DilatedPattern, heads_per_kv
 
@@ -1164,11 +1165,19 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
   segment_ids = check_segment_ids(segment_ids, q)
   layout = _check_layout(layout, q.shape[1])
   try:
-    jax.lax.axis_size(axis_name)
+    shards = jax.lax.axis_size(axis_name)
   except NameError as e:
     raise ValueError(
         f"axis_name={axis_name!r} is not bound here: call ring_dilated_attention inside "
         f"jax.shard_map over a mesh with that axis, or use sharded_dilated_attention") from e
+  # Where shard_map tracks what varies (check_vma), an input that does not vary over the axis
+  # is the same on every device: a whole sequence, not a shard of one.
+  if shards > 1 and axis_name in varying_axes(jax.lax.axis_index(axis_name)):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+      if axis_name not in varying_axes(x):
+        raise ValueError(f"{name} is the same on every device of axis_name={axis_name!r}: "
+                         f"ring_dilated_attention takes each device's shard of the sequence "
+                         f"(shard_map's in_specs P(batch, {axis_name!r}, ...))")
   if heads_axis is not None and heads_axis == axis_name:
     raise ValueError(f"heads_axis must be another mesh axis than axis_name, got "
                      f"heads_axis={heads_axis!r}")

@@ -185,6 +185,30 @@ def test_ring_outside_shard_map():
     ring_dilated_attention(x, x, x, P, axis_name="seq")
 
 
+def test_ring_of_unsharded_inputs():
+  """Inside a shard_map that tracks what varies, an input that is the same on every device
+  of the axis (in_specs without it) is refused by name; without that tracking it is not
+  knowable, and with one device it is a shard."""
+  mesh = jax.make_mesh((4,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:4])
+  pattern = DilatedPattern((8, 32), (1, 2))
+  q = jnp.zeros((1, 32, 2, 8))
+  ring = lambda q, k, v: ring_dilated_attention(q, k, v, pattern, axis_name="seq")
+  seq, whole = jax.P(None, "seq"), jax.P()
+  shard = q[:, :8]  # a shard's shape, given whole
+  for specs, inputs, name in (((whole,) * 3, (q, q, q), "q"),
+                              ((seq, seq, whole), (q, q, shard), "v")):
+    f = jax.shard_map(ring, mesh=mesh, in_specs=specs, out_specs=seq)
+    with pytest.raises(ValueError, match=f"{name} is the same on every device of "
+                                         f"axis_name='seq'"):
+      jax.eval_shape(f, *inputs)
+  jax.eval_shape(jax.shard_map(ring, mesh=mesh, in_specs=(whole,) * 3, out_specs=seq,
+                               check_vma=False), q, q, q)
+  one = jax.make_mesh((1,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
+                      devices=jax.devices()[:1])
+  jax.eval_shape(jax.shard_map(ring, mesh=one, in_specs=(whole,) * 3, out_specs=seq), q, q, q)
+
+
 def test_unused_mesh_axis_warns():
   """A mesh axis neither the sequence nor the batch uses holds replicas: a warning says so and
   names `batch_axis`; the result is still exact."""
