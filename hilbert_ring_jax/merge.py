@@ -33,7 +33,7 @@ def merge(outs: Sequence[jnp.ndarray], lses: Sequence[jnp.ndarray]):
 
   A row no partial sees (`lse_i = -inf` for all `i`) gets `out = 0`, `lse = -inf`, never NaN,
   and zero gradients with respect to every `o_i` and `lse_i`; a partial with `lse_i = -inf`
-  adds nothing to its row, whatever its `o_i` (NaN too). A partial with `lse_i = +inf`
+  adds nothing to its row, whatever its `o_i` (NaN too), and gets zero gradients there. A partial with `lse_i = +inf`
   (an overflowed denominator) dominates its row: `out` is the mean of the `o_i` with
   `lse_i = +inf`, `lse = +inf`, and the gradient with respect to the `lse_i` of that row is
   zero. (A single partial is returned as it is, and so are its gradients.) Computed in the
@@ -79,7 +79,8 @@ def merge(outs: Sequence[jnp.ndarray], lses: Sequence[jnp.ndarray]):
   inv = 1.0 / safe_den
   # A partial that saw no key (lse_i = -inf) adds exactly 0, also where its o_i is NaN or inf:
   # a caller may hide keys by their lse alone (the ring's causal gathers), and weight 0 times
-  # a NaN would spread a NaN key to the rows that cannot see it.
-  out = sum(jnp.where((lse_i == -jnp.inf)[..., None], 0.0, (w * inv)[..., None] * o)
+  # a NaN would spread a NaN key to the rows that cannot see it. (Its o_i replaced before the
+  # product, so that the gradients do not meet the NaN either.)
+  out = sum((w * inv)[..., None] * jnp.where((lse_i == -jnp.inf)[..., None], 0.0, o)
             for w, o, lse_i in zip(weights, outs, lses))
   return out, lse

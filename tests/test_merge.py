@@ -128,7 +128,8 @@ def test_nan_stays_nan():
 
 def test_unseen_partial_adds_nothing():
   """A partial with lse -inf adds exactly 0 to its row, also where its out is NaN or inf (a
-  ring hides causal blocks by their lse alone): the row equals the merge without it."""
+  ring hides causal blocks by their lse alone): the row and its gradients equal the merge's
+  without it."""
   outs, lses = parts(3, seed=4, rows=(3,))
   outs[1, 1], outs[1, 2, 0] = np.nan, np.inf
   lses[1, 1:] = -np.inf
@@ -137,6 +138,15 @@ def test_unseen_partial_adds_nothing():
                 [jnp.asarray(lses[0]), jnp.asarray(lses[2])])
   np.testing.assert_array_equal(out[1:], alone[0][1:])
   np.testing.assert_array_equal(lse[1:], alone[1][1:])
+  # Gradients: those of the merge without it; zero for the partial itself.
+  loss = lambda outs, lses: sum(x.sum() for x in merge(outs, lses))
+  grads = jax.grad(loss, (0, 1))(list(jnp.asarray(outs)), list(jnp.asarray(lses)))
+  grads_alone = jax.grad(loss, (0, 1))([jnp.asarray(outs[0]), jnp.asarray(outs[2])],
+                                       [jnp.asarray(lses[0]), jnp.asarray(lses[2])])
+  for g, g_alone in zip(grads, grads_alone):
+    assert np.all(np.asarray(g[1])[1:] == 0)
+    for i, j in ((0, 0), (2, 1)):
+      np.testing.assert_allclose(np.asarray(g[i])[1:], np.asarray(g_alone[j])[1:], rtol=1e-6)
 
 
 @pytest.mark.parametrize("out_shapes,lse_shapes,match", [
