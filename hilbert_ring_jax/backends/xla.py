@@ -303,8 +303,8 @@ def _softmax_parts(parts, scale):
     p = jnp.exp(s - shift[..., None])  # exactly 0 on masked keys
     den = den + p.sum(axis=-1)
     if spec is None:
-      pv = p[..., None] * values[:, :, None].astype(jnp.float32)
-      o = o + jnp.where(mask[..., None], pv, 0.0).sum(axis=-2)
+      seen_values = jnp.where(mask[..., None], values[:, :, None].astype(jnp.float32), 0.0)
+      o = o + (p[..., None] * seen_values).sum(axis=-2)
     else:  # as the kernels do: p in the values' dtype, float32 accumulation
       values = jnp.where(jnp.any(mask, axis=(2, 3))[..., None], values, 0)
       o = o + einsum(spec, p.astype(values.dtype), values, preferred_element_type=jnp.float32)
