@@ -299,7 +299,7 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
   def call(pattern, q, k, v, ids):
     branches = pattern.covering(q.shape[2])
     problem = dataclasses.replace(backends.Problem.of(q, k, pattern, branches),
-                                  segment_ids=ids is not None)
+                                  segment_ids=ids is not None, config=config)
     forward = backends.resolve(names, problem)
     backward = backends.resolve(names, dataclasses.replace(problem, backward=True))
     return _attention_jit(q, k, v, _Dispatch(pattern, scale, forward, backward, config,

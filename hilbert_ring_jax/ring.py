@@ -308,7 +308,7 @@ class _RingBranch:
     step's where keys travel beside it: not in a ring that gathers them first)."""
     problem = backends.Problem.of(q, k, self.pattern(causal, q.shape[1]), self.branches)
     backend = backends.load(backends.resolve(self.names, dataclasses.replace(
-        problem, backward=backward, segment_ids=self.packed)))
+        problem, backward=backward, segment_ids=self.packed, config=self.config)))
     return backend, backends.config_for(backend, self.config,
                                         ring_step=self.plan.kind == "ring" and not self.gathers)
 

@@ -31,7 +31,8 @@ import helpers
 from helpers import Case
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 from hilbert_ring_jax.api import _Dispatch
-from hilbert_ring_jax.backends import base, hopper, mosaic, mosaic_plan, schedule
+from hilbert_ring_jax.backends import (base, hopper, mosaic, mosaic_decode, mosaic_plan, pallas,
+                                       schedule)
 
 INTERPRET = pytest.mark.skipif(
     jax.__version_info__ < (0, 11) or jax.default_backend() == "gpu",
@@ -417,6 +418,23 @@ def test_a_float16_backward_goes_to_the_next_backend(monkeypatch):
   assert jax.__version_info__ < (0, 11) or "float16 backward" in support.reason
 
 
+def test_supports_judges_rows_with_the_calls_config(monkeypatch):
+  """Rows of whole 128-position blocks fit the default forward blocks (64 query rows a
+  consumer) but not `Config(block_q=128)`'s (256): with that config the backend declines (the
+  next candidate runs) rather than raising while the call traces; another backend's config
+  leaves the defaults."""
+  monkeypatch.setattr(mosaic, "is_hopper", lambda: True)
+  pattern = DilatedPattern((128, 512), (1, 4), causal=True)  # rows of 128 positions
+  q, kv = (1, 512, 2, 64), (1, 512, 1, 64)
+  problem = lambda config: base.Problem(q, kv, jnp.dtype(jnp.bfloat16), pattern, platform="gpu",
+                                        config=config)
+  runs = jax.__version_info__ >= (0, 11)
+  assert bool(mosaic.supports(problem(None))) == runs
+  assert bool(mosaic.supports(problem(pallas.Config()))) == runs
+  support = mosaic.supports(problem(mosaic.Config(block_q=128)))
+  assert not support and (not runs or "whole blocks of 256" in support.reason)
+
+
 def test_declines_off_hopper_and_on_unaligned_rows(monkeypatch):
   q = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
   pattern = Case(1024, 2, 2, (256, 512), (1, 2)).pattern(False)
@@ -428,6 +446,11 @@ def test_declines_off_hopper_and_on_unaligned_rows(monkeypatch):
   assert why and "whole blocks of 128" in why
   with pytest.raises(ValueError, match="block_k"):
     mosaic.Config(block_k=32)
+  for name in ("block_q", "block_k", "stages", "backward_stages"):  # ints, not floats
+    with pytest.raises(ValueError, match=f"{name} must be None or one of"):
+      mosaic.Config(**{name: 128.0 if name.startswith("block") else 2.0})
+  with pytest.raises(ValueError, match="block_k must be None or one of"):
+    mosaic_decode.Config(block_k=64.0)
   with pytest.raises(ValueError, match="backward_stages"):
     mosaic.Config(backward_stages=5)
   with pytest.raises(ValueError, match="fused_backward"):

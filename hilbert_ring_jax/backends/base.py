@@ -93,6 +93,8 @@ class Problem:
     interpret: a decoding step whose kernel config asks for interpret mode
       (`mosaic_decode.Config(interpret=True)`): the kernel runs off its platform, on a CPU.
     segment_ids: packed sequences: the call passes `segment_ids=(q_ids, kv_ids)`.
+    config: the call's `config` (any backend's, or None): the backend whose kind it is
+      decides with it (`config_for`), the others with their defaults.
   """
 
   q_shape: tuple[int, ...]
@@ -106,6 +108,7 @@ class Problem:
   step: bool = False
   interpret: bool = False
   segment_ids: bool = False
+  config: typing.Any = None
 
   @classmethod
   def of(cls, q, k, pattern, branches=None, *, like=None) -> Problem:

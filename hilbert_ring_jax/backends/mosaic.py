@@ -100,8 +100,9 @@ def supports(problem: Problem) -> Support:
   if d == 256 and (problem.varying or len(groups) > 1):
     return no("the mosaic backend writes float32 partials (ring steps, several launches) "
               "only up to head dim 128: at 256 their tiles exceed shared memory")
+  config = problem.config if isinstance(problem.config, Config) else Config()
   if why := geometry_problem(problem.pattern, n, h, problem.kv_shape[2], problem.branches,
-                             Config().resolved(d), b):
+                             config.resolved(d), b):
     return no(why)
   return YES
 

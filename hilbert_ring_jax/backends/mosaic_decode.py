@@ -62,8 +62,9 @@ class Config:
   def __post_init__(self):
     for name, allowed in (("block_k", (64, 128)), ("stages", (2, 3, 4))):
       value = getattr(self, name)
-      if value is not None and (isinstance(value, bool) or value not in allowed):
-        raise ValueError(f"{name} must be None or one of {allowed}, got {name}={value!r}")
+      if value is not None and (type(value) is not int or value not in allowed):
+        raise ValueError(f"{name} must be None or one of {allowed} (an int), got "
+                         f"{name}={value!r}")
     if self.splits is not None and (isinstance(self.splits, bool) or
                                     not isinstance(self.splits, int) or self.splits < 1):
       raise ValueError(f"splits must be None or an int >= 1, got splits={self.splits!r}")

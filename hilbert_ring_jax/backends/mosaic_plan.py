@@ -147,8 +147,9 @@ class Config:
     for name, allowed in (("block_q", (64, 128)), ("block_k", (64, 128, 192)),
                           ("stages", (2, 3, 4)), ("backward_stages", (2, 3, 4))):
       value = getattr(self, name)
-      if value is not None and (isinstance(value, bool) or value not in allowed):
-        raise ValueError(f"{name} must be None or one of {allowed}, got {name}={value!r}")
+      if value is not None and (type(value) is not int or value not in allowed):
+        raise ValueError(f"{name} must be None or one of {allowed} (an int), got "
+                         f"{name}={value!r}")
     for name in ("fused_backward", "persistent"):
       if not isinstance(getattr(self, name), (bool, type(None))):
         raise ValueError(f"{name} must be None or a bool, got {name}={getattr(self, name)!r}")
