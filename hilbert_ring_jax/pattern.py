@@ -168,6 +168,10 @@ class DilatedPattern:
     `O(2^branches * n)` per set of heads reading the same residues (one set with
     `offsets="all"`).
     """
+    for name, value in (("seq_len", seq_len), ("num_heads", num_heads)):
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
+    seq_len, num_heads = int(seq_len), int(num_heads)
     if distinct:
       if branches is not None:
         raise ValueError("visible_pairs counts distinct triples of all branches only: pass "

@@ -70,6 +70,12 @@ def test_visible_pairs_counts_the_multiplicity():
   assert p.visible_pairs(n, h, branches=(1,)) == h * (10 + 10 + 2)
   with pytest.raises(ValueError, match="branches=None with distinct=True"):
     p.visible_pairs(n, h, distinct=True, branches=(1,))
+  assert p.visible_pairs(np.int64(n), np.int32(h)) == p.visible_pairs(n, h)
+  for distinct in (False, True):  # both counts check their arguments alike
+    for args, name in (((0, h), "seq_len=0"), ((-5, h), "seq_len=-5"), ((10.0, h), "seq_len"),
+                       ((n, 0), "num_heads=0"), ((n, True), "num_heads=True")):
+      with pytest.raises(ValueError, match=f"{name}"):
+        p.visible_pairs(*args, distinct=distinct)
 
 
 @pytest.mark.parametrize("segments,rates", [((8,), (1,)), ((4, 8, 16), (1, 2, 4)),
