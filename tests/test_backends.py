@@ -29,6 +29,10 @@ from hilbert_ring_jax.backends import pallas, xla
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 
 
+# Meshes of 4 devices: the 8 virtual CPUs of conftest.py (a machine of one GPU skips).
+FOUR_DEVICES = pytest.mark.skipif(len(jax.devices()) < 4, reason="a mesh of 4 devices")
+
+
 def _interpreted(case, dtype):
   """What the mosaic kernels run, as its `supports` says on a Hopper GPU (docs/backends.md):
   16-bit inputs, head dims 64 and 128 (both passes), rows of whole blocks of 128 positions
@@ -438,6 +442,7 @@ def test_supports_declines_without_tracing(monkeypatch):
            .sum())(q)
 
 
+@FOUR_DEVICES
 def test_ring_traces_each_step_once(monkeypatch):
   """A ring pass traces each branch's step calls only, never a probe: resolving a step's
   backend asks `supports`, it does not trace (3 branches, 4 shards: one local, two spanning
@@ -529,6 +534,7 @@ def test_pallas_declines_inside_shard_map():
   assert not support and "shard_map" in support.reason
 
 
+@FOUR_DEVICES
 @pytest.mark.parametrize("replicated", ["kv_and_ids", pytest.param("q", marks=pytest.mark.slow)])
 def test_inside_shard_map_with_replicated_operands(replicated):
   """In a user's `shard_map`, operands may vary over different mesh axes (the batch split
