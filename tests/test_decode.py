@@ -325,7 +325,7 @@ def test_hidden_cache_rows_are_not_read(implementation):
   """A NaN in a cache row that a step does not see leaves the step's output as it is without
   the NaN: rows of an earlier request (its cache lent to a prefill), of an earlier document
   (packed), of another head's residue; with the portable step also of the row's earlier
-  segments (the token-step kernel weights those 0: docs/SPEC.md, "Numerical range")."""
+  segments (the token-step kernel weighs those by 0: docs/SPEC.md, "Numerical range")."""
   case = Case(12, 2, 1, (64,), (1,), head_dim=64)
   q, k, v, _, _ = random_inputs(dataclasses.replace(case, n=48), jnp.bfloat16, 6)
   causal = DilatedPattern((64,), (1,), causal=True)
