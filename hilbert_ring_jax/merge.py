@@ -33,10 +33,10 @@ def merge(outs: Sequence[jnp.ndarray], lses: Sequence[jnp.ndarray]):
 
   A row no partial sees (`lse_i = -inf` for all `i`) gets `out = 0`, `lse = -inf`, never NaN,
   and zero gradients with respect to every `o_i` and `lse_i`; a partial with `lse_i = -inf`
-  adds nothing to its row, whatever its `o_i` (NaN too), and gets zero gradients there. A partial with `lse_i = +inf`
-  (an overflowed denominator) dominates its row: `out` is the mean of the `o_i` with
-  `lse_i = +inf`, `lse = +inf`, and the gradient with respect to the `lse_i` of that row is
-  zero. (A single partial is returned as it is, and so are its gradients.) Computed in the
+  adds nothing to its row, whatever its `o_i` (NaN too), and gets zero gradients there. A
+  partial with `lse_i = +inf` (an overflowed denominator) dominates its row: `out` is the mean
+  of the `o_i` with `lse_i = +inf`, `lse = +inf`, and the gradient with respect to the `lse_i`
+  of that row is zero. (A single partial is returned as it is, and so are its gradients.) Computed in the
   inputs' promoted dtype: float32 where the lses are (16-bit `outs` are promoted).
 
   Args:
