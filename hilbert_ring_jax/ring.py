@@ -1261,10 +1261,11 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   unused = [name for name, size in mesh.shape.items()
             if size > 1 and name not in (axis_name, heads_axis) and name not in batch_axes]
   if unused:
-    warnings.warn(f"mesh axes {unused} are used by neither axis_name={axis_name!r} nor "
-                  f"batch_axis={batch_axis!r}: the devices along them all compute the same "
-                  f"result (replicas). Pass batch_axis={unused[0]!r} to split the batch over "
-                  f"it, or a mesh without it", stacklevel=2)
+    warnings.warn(f"mesh axes {unused} are used by none of axis_name={axis_name!r}, "
+                  f"batch_axis={batch_axis!r} and heads_axis={heads_axis!r}: the devices along "
+                  f"them all compute the same result (replicas). Pass batch_axis={unused[0]!r} "
+                  f"to split the batch over it, heads_axis={unused[0]!r} the heads, or a mesh "
+                  f"without it", stacklevel=2)
   replicas = math.prod(mesh.shape[name] for name in batch_axes)
   if q.shape[0] % replicas:
     raise ValueError(f"the batch size {q.shape[0]} must be divisible by the size {replicas} "

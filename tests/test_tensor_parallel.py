@@ -215,6 +215,11 @@ def test_bad_heads_axis_raises_naming_it():
   with pytest.raises(ValueError, match="k and v must split their heads over heads_axis"):
     in_map(lambda q, k, v: dilated_attention(q, k, v, pattern, heads_axis="model"),
            P())(q, k, v)
+  # q whole on every device of the axis (in_specs without it): all heads, not a slice.
+  whole = jax.shard_map(lambda q, k, v: dilated_attention(q, k, v, pattern, heads_axis="model"),
+                        mesh=mesh, in_specs=(P(),) * 3, out_specs=P())
+  with pytest.raises(ValueError, match="q is the same on every device of heads_axis='model'"):
+    whole(q, k, v)
   for bad in ("seq", "tensor"):  # the sequence's axis; no axis of the mesh
     with pytest.raises(ValueError, match="heads_axis must be None or a mesh axis other"):
       sharded_dilated_attention(q, k, v, pattern, mesh=mesh, axis_name="seq", heads_axis=bad)
