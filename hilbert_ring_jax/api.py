@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import backends
-from .backends.common import varying_axes
+from .backends.common import same_on_every_device, varying_axes
 from .pattern import DilatedPattern
 
 
@@ -156,10 +156,7 @@ def _head_shards(pattern: DilatedPattern, heads_axis, q, k):
   except NameError as e:
     raise ValueError(f"heads_axis={heads_axis!r} is not bound here: call inside jax.shard_map "
                      f"over a mesh with that axis, splitting the heads over it") from e
-  # Where shard_map tracks what varies (check_vma), q the same on every device of the axis
-  # holds all heads, not a slice of them.
-  if (shards > 1 and heads_axis in varying_axes(jax.lax.axis_index(heads_axis))
-      and heads_axis not in varying_axes(q)):
+  if same_on_every_device(q, heads_axis):  # all heads, not a slice of them
     raise ValueError(f"q is the same on every device of heads_axis={heads_axis!r}: split its "
                      f"heads over it (shard_map's in_specs P(batch, sequence, {heads_axis!r}))")
   if (k.shape[2] > 1 and heads_axis in varying_axes(q)

@@ -36,8 +36,9 @@ def merge(outs: Sequence[jnp.ndarray], lses: Sequence[jnp.ndarray]):
   adds nothing to its row, whatever its `o_i` (NaN too), and gets zero gradients there. A
   partial with `lse_i = +inf` (an overflowed denominator) dominates its row: `out` is the mean
   of the `o_i` with `lse_i = +inf`, `lse = +inf`, and the gradient with respect to the `lse_i`
-  of that row is zero. (A single partial is returned as it is, and so are its gradients.) Computed in the
-  inputs' promoted dtype: float32 where the lses are (16-bit `outs` are promoted).
+  of that row is zero. (A single partial is returned as it is, and so are its gradients.)
+  Computed in the inputs' promoted dtype: float32 where the lses are (16-bit `outs` are
+  promoted).
 
   Args:
     outs: partial outputs, all of one shape `[..., D]`.

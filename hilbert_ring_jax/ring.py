@@ -45,7 +45,7 @@ import numpy as np
 from . import backends
 from .api import (check_flag, check_inputs, check_layout_name, check_scale, check_segment_ids,
                   head_shard_kind, on_head_shards)
-from .backends.common import varying_axes
+from .backends.common import same_on_every_device
 from .merge import merge
 from .pattern import Branch, DilatedPattern, heads_per_kv
 
@@ -1165,19 +1165,16 @@ def ring_dilated_attention(q, k, v, pattern: DilatedPattern, *, axis_name, segme
   segment_ids = check_segment_ids(segment_ids, q)
   layout = _check_layout(layout, q.shape[1])
   try:
-    shards = jax.lax.axis_size(axis_name)
+    jax.lax.axis_size(axis_name)
   except NameError as e:
     raise ValueError(
         f"axis_name={axis_name!r} is not bound here: call ring_dilated_attention inside "
         f"jax.shard_map over a mesh with that axis, or use sharded_dilated_attention") from e
-  # Where shard_map tracks what varies (check_vma), an input that does not vary over the axis
-  # is the same on every device: a whole sequence, not a shard of one.
-  if shards > 1 and axis_name in varying_axes(jax.lax.axis_index(axis_name)):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-      if axis_name not in varying_axes(x):
-        raise ValueError(f"{name} is the same on every device of axis_name={axis_name!r}: "
-                         f"ring_dilated_attention takes each device's shard of the sequence "
-                         f"(shard_map's in_specs P(batch, {axis_name!r}, ...))")
+  for name, x in (("q", q), ("k", k), ("v", v)):  # a whole sequence, not a shard of one
+    if same_on_every_device(x, axis_name):
+      raise ValueError(f"{name} is the same on every device of axis_name={axis_name!r}: "
+                       f"ring_dilated_attention takes each device's shard of the sequence "
+                       f"(shard_map's in_specs P(batch, {axis_name!r}, ...))")
   if heads_axis is not None and heads_axis == axis_name:
     raise ValueError(f"heads_axis must be another mesh axis than axis_name, got "
                      f"heads_axis={heads_axis!r}")
@@ -1279,11 +1276,9 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   fn = _sharded(pattern, mesh, axis_name, batch_axes or None, heads_axis, scale, names, config,
                 segment_ids is not None, layout,
                 (_gather_limit(), _small_step_rows(), _kernel_gather()))
-  spec = jax.P(batch_axes or None, axis_name, heads_axis)
-  arrays = [_onto(mesh, spec, x) for x in (q, k, v)]
-  if segment_ids is not None:
-    arrays.append(_onto(mesh, jax.P(batch_axes or None, axis_name), segment_ids))
-  out, lse = fn(*arrays)
+  specs = _specs(batch_axes or None, axis_name, heads_axis)
+  arrays = (q, k, v) + (() if segment_ids is None else (segment_ids,))
+  out, lse = fn(*(_onto(mesh, spec, x) for x, spec in zip(arrays, specs)))
   return (out, lse) if return_lse else out
 
 
@@ -1296,6 +1291,12 @@ def _onto(mesh, spec, x):
   return x if x.sharding.is_equivalent_to(want, x.ndim) else jax.device_put(x, want)
 
 
+def _specs(batch_axes, axis_name, heads_axis) -> tuple:
+  """The `PartitionSpec`s of `(q, k, v, segment_ids)` in `sharded_dilated_attention`."""
+  spec = jax.P(batch_axes, axis_name, heads_axis)
+  return spec, spec, spec, jax.P(batch_axes, axis_name)
+
+
 @functools.lru_cache(maxsize=64)
 def _sharded(pattern, mesh, axis_name, batch_axes, heads_axis, scale, names, config, packed,
              layout, settings):
@@ -1303,13 +1304,14 @@ def _sharded(pattern, mesh, axis_name, batch_axes, heads_axis, scale, names, con
   `packed`: it takes segment ids, `(q, k, v, segment_ids)`; `settings`: the module settings
   it was traced with (`_gather_limit()`, `SMALL_STEP_ROWS`, `KERNEL_GATHER`)."""
   del settings  # a key of the cache only
-  spec, ids_spec = jax.P(batch_axes, axis_name, heads_axis), jax.P(batch_axes, axis_name)
+  specs = _specs(batch_axes, axis_name, heads_axis)
+  spec = specs[0]
   explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
   inner = lambda q, k, v, *ids: ring_dilated_attention(
       q, k, v, pattern, axis_name=axis_name, segment_ids=ids[0] if ids else None, scale=scale,
       return_lse=True, implementation=names, config=config, heads_axis=heads_axis,
       layout=layout)
-  in_specs = (spec,) * 3 + ((ids_spec,) if packed else ())
+  in_specs = specs if packed else specs[:3]
   mapped = jax.shard_map(inner, mesh=mesh, in_specs=in_specs, out_specs=(spec, spec),
                          check_vma=True)
 

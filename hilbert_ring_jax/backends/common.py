@@ -69,6 +69,15 @@ def varying_axes(x) -> frozenset:
   return frozenset(getattr(kind, "vma", ()) if axes is None else axes)
 
 
+def same_on_every_device(x, axis_name) -> bool:
+  """Whether `x` is known to be the same on every device of mesh axis `axis_name` (of more
+  than one device): only inside a `shard_map` that tracks what varies (`check_vma`), which
+  the axis' own index shows; False elsewhere, where it cannot be known."""
+  return (jax.lax.axis_size(axis_name) > 1
+          and axis_name in varying_axes(jax.lax.axis_index(axis_name))
+          and axis_name not in varying_axes(x))
+
+
 def vary_alike(*xs):
   """`xs` each typed to vary over every mesh axis any of them varies over (as a kernel call
   needs its operands), unchanged where they already agree (no extra operation)."""
