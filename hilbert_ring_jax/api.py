@@ -50,7 +50,12 @@ def check_inputs(q, k, v, pattern, heads_axis=None) -> None:
     if jnp.ndim(x) != 4:
       raise ValueError(f"{name} must have rank 4 [B, N, H, D], got {name}.shape={jnp.shape(x)}")
     check_dtype(name, x.dtype)
-    if min(x.shape) < 1:
+    for axis, size in enumerate(x.shape[1:], 1):  # a symbolic batch (jax.export) is fine
+      if not isinstance(size, numbers.Integral):
+        raise ValueError(f"{name}'s {('', 'sequence length', 'heads', 'head dim')[axis]} (axis "
+                         f"{axis}) must be known when tracing: the pattern is planned on it, got "
+                         f"{name}.shape={x.shape}")
+    if any(isinstance(size, numbers.Integral) and size < 1 for size in x.shape):
       raise ValueError(f"{name} must have B, N, H and D >= 1, got {name}.shape={x.shape}")
   if k.shape != v.shape:
     raise ValueError(f"k and v must have the same shape, got {k.shape=} and {v.shape=}")
@@ -240,6 +245,56 @@ class _Dispatch:
 _attention_jit = jax.jit(backends.attention, static_argnums=3)
 
 
+def _explicit_spec(x) -> tuple | None:
+  """`(mesh, spec)` of an array sharded over explicit mesh axes (`AxisType.Explicit`), else
+  None (unsharded, `Auto` axes, inside a `shard_map`)."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+  if mesh is None or spec is None or not any(spec):
+    return None
+  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == jax.sharding.AxisType.Explicit}
+  used = {name for entry in spec if entry is not None
+          for name in ((entry,) if isinstance(entry, str) else entry)}
+  return (mesh, tuple(spec) + (None,) * (jnp.ndim(x) - len(spec))) if used & explicit else None
+
+
+def on_explicit_shards(q, k, v, segment_ids):
+  """Where `q` (or `k`, `v`, `segment_ids`) is sharded over explicit mesh axes (data or
+  tensor parallelism without a `shard_map`: `jax.sharding.AxisType.Explicit`), the mesh, the
+  specs `(q, k, v, segment_ids, lse)` that run the call a shard at a time, and the axis
+  splitting the heads (None if none does); else None. `k`, `v` and `segment_ids` must be
+  split like `q` (or not at all: they are then split like it); neither the sequence nor the
+  head dim may be split (`ValueError`: the sequence's split is the ring's)."""
+  found = {name: _explicit_spec(x) for name, x in (("q", q), ("k", k), ("v", v),
+                                                   ("segment_ids", segment_ids))
+           if x is not None}
+  if not any(found.values()):
+    return None
+  mesh, spec = found["q"] or (next(m for m in found.values() if m)[0], (None,) * 4)
+  batch, heads = spec[0], spec[2]
+  for axis, what in ((1, "sequence (axis 1): split it with sharded_dilated_attention or "
+                         "ring_dilated_attention"), (3, "head dim (axis 3)")):
+    for name, got in found.items():
+      if got is not None and axis < len(got[1]) and got[1][axis] is not None:
+        raise ValueError(f"{name} is split over explicit mesh axes along its {what}; got "
+                         f"{name} sharded as {jax.P(*got[1])}")
+  if heads is not None and not isinstance(heads, str):
+    if len(heads) != 1:
+      raise ValueError(f"q's heads may be split over one mesh axis (tensor parallelism), got q "
+                       f"sharded as {jax.P(*spec)}")
+    heads = heads[0]
+  kv_heads = heads if k.shape[2] > 1 else None  # one kv head: every shard reads it
+  want = {"q": spec, "k": (batch, None, kv_heads, None), "v": (batch, None, kv_heads, None),
+          "segment_ids": (batch, None)}
+  for name, got in found.items():
+    if got is not None and got[1] != want[name]:
+      raise ValueError(f"{name} must be split over the mesh as q is ({jax.P(*want[name])}) or "
+                       f"not at all, got {name} sharded as {jax.P(*got[1])}")
+  return mesh, tuple(jax.P(*want[n]) for n in ("q", "k", "v", "segment_ids")) + (
+      jax.P(batch, None, heads),), heads
+
+
 def dilated_attention(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
                       scale: float | None = None, return_lse: bool = False,
                       implementation: str | Sequence[str] | None = None, config=None,
@@ -274,7 +329,8 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
 
   Returns:
     `out` with q's shape and dtype, or `(out, lse)`. Differentiable (exact gradients, with
-    memory linear in N), and usable under `jit` and `vmap`.
+    memory linear in N), and usable under `jit` and `vmap`. Inputs split over explicit mesh
+    axes (batch, heads) run a shard at a time, `out` split like `q` (docs/SPEC.md, section 8).
 
   Raises:
     ValueError: bad input (docs/SPEC.md, section 9), naming the argument.
@@ -298,6 +354,18 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
   segment_ids = check_segment_ids(segment_ids, q)
   names = backends.candidates(implementation)
   backends.check_config(config)
+  explicit = None if heads_axis is not None else on_explicit_shards(q, k, v, segment_ids)
+  if explicit is not None:  # a shard at a time, as inside the user's own shard_map
+    mesh, specs, heads = explicit
+    arrays = [x if x is None else jax.reshard(x, jax.NamedSharding(mesh, s))
+              for x, s in zip((q, k, v, segment_ids), specs)]
+    local = lambda q, k, v, *ids: dilated_attention(
+        q, k, v, pattern, segment_ids=ids[0] if ids else None, scale=scale, return_lse=True,
+        implementation=names, config=config, heads_axis=heads)
+    inputs = arrays if segment_ids is not None else arrays[:3]
+    out, lse = jax.shard_map(local, mesh=mesh, in_specs=specs[:len(inputs)],
+                             out_specs=(specs[0], specs[4]))(*inputs)
+    return (out, lse) if return_lse else out
 
   def call(pattern, q, k, v, ids):
     branches = pattern.covering(q.shape[2])

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .api import (check_dtype, check_flag, check_inputs, check_scale, check_segment_ids,
-                  dilated_attention)
+                  dilated_attention, on_explicit_shards)
 from .backends import base
 from .pattern import DilatedPattern, heads_per_kv
 
@@ -291,7 +291,27 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
   check_flag("return_lse", return_lse)
   _check_cache(cache, q, k, pattern)
   backend = step_backend(q, k, pattern, implementation, config, packed=cache.start is not None)
-  return _step(q, k, v, cache, pattern, scale, bool(return_lse), backend, config)
+  run = functools.partial(_step, pattern=pattern, scale=scale, return_lse=bool(return_lse),
+                          backend=backend, config=config)
+  return _on_batch_shards(on_explicit_shards(q, k, v, None), run, q, k, v, cache)
+
+
+def _on_batch_shards(explicit, fn, *args):
+  """`fn(*args)`, a shard of the batch at a time where the inputs are split over explicit mesh
+  axes (`explicit`: `api.on_explicit_shards`'s answer; None: as it is): every array of `args`
+  and of the result split along its leading (batch) axis, scalars (`KVCache.length`) whole."""
+  if explicit is None:
+    return fn(*args)
+  mesh, specs, heads = explicit
+  if heads is not None:
+    raise ValueError(f"decoding splits only the batch over explicit mesh axes, got q's heads "
+                     f"split over {heads!r} ({specs[0]})")
+  spec = lambda x: jax.P() if jnp.ndim(x) == 0 else jax.P(specs[0][0])
+  args = jax.tree.map(lambda x: jax.reshard(x, jax.NamedSharding(mesh, spec(x))), args)
+  shapes = jax.eval_shape(fn, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                            args))
+  return jax.shard_map(fn, mesh=mesh, in_specs=jax.tree.map(spec, args),
+                       out_specs=jax.tree.map(spec, shapes))(*args)
 
 
 def step_backend(q, k, pattern: DilatedPattern, implementation=None, config=None, *,
@@ -386,10 +406,16 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, segment_ids=N
                           head_dim=head_dim, dtype=q.dtype)
   _check_cache(cache, q, k, pattern)
   segment_ids = check_segment_ids(segment_ids, q)
-  out, lse = dilated_attention(q, k, v, pattern, segment_ids=segment_ids, scale=scale,
-                               return_lse=True, implementation=implementation)
-  cache = _fill(k, v, cache, pattern, num_heads, segment_ids)
-  return (out, lse, cache) if return_lse else (out, cache)
+
+  def run(q, k, v, cache, *ids):
+    ids = ids[0] if ids else None
+    out, lse = dilated_attention(q, k, v, pattern, segment_ids=ids, scale=scale,
+                                 return_lse=True, implementation=implementation)
+    cache = _fill(k, v, cache, pattern, num_heads, ids)
+    return (out, lse, cache) if return_lse else (out, cache)
+
+  ids = () if segment_ids is None else (segment_ids,)
+  return _on_batch_shards(on_explicit_shards(q, k, v, segment_ids), run, q, k, v, cache, *ids)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 import numbers
 
 import jax
@@ -257,10 +258,19 @@ def permute(x, perm, *, inverse=False, mesh=None):
   all-gather; a model that serializes once at its input and unserializes at its output avoids
   the gather in every layer.
   """
-  spec = getattr(jax.typeof(x).sharding, "spec", None)
-  if mesh is not None and spec is not None and len(spec) > 1 and spec[1] is not None:
-    x = jax.sharding.reshard(x, jax.NamedSharding(mesh, jax.P(spec[0], None, *spec[2:])))
+  x = x if mesh is None else whole_sequence(x, mesh)
   return unserialize(x, perm) if inverse else serialize(x, perm)
+
+
+def whole_sequence(x, mesh=None):
+  """`x [B, N, ...]` with its sequence axis gathered where explicit mesh axes split it (on
+  `mesh`, else the one in context), for what JAX will not compute on a split sequence there:
+  the permutations, and products over all `N x N` pairs."""
+  spec = getattr(jax.typeof(x).sharding, "spec", None)
+  if spec is None or len(spec) < 2 or spec[1] is None:
+    return x
+  whole = jax.P(spec[0], None, *spec[2:])
+  return jax.sharding.reshard(x, whole if mesh is None else jax.NamedSharding(mesh, whole))
 
 
 def apply_dropout(y, key, rate: float, broadcast: bool):
@@ -306,7 +316,7 @@ def layer_inputs(inputs_q, inputs_k, inputs_v, in_features: int, in_kv_features=
       raise ValueError(f"{name} must have the batch dims of inputs_q {batch}, got "
                        f"{name}.shape={shape}")
     if id(x) not in flat:
-      flat[id(x)] = jnp.reshape(x, (int(np.prod(batch, dtype=np.int64)),) + shape[-2:])
+      flat[id(x)] = jnp.reshape(x, (math.prod(batch),) + shape[-2:])  # (symbolic: export)
   if jnp.shape(inputs_v)[-2] != jnp.shape(inputs_k)[-2]:
     raise ValueError(f"inputs_k and inputs_v must have the same length, got "
                      f"{jnp.shape(inputs_k)=} and {jnp.shape(inputs_v)=}")
@@ -470,6 +480,8 @@ def attention_weights(q, k, lse, pattern, *, key_mask=None, segment_ids=None, sc
   """The attention probabilities `[B, H, Nq, Nk]` behind `attend`'s `(out, lse)`:
   `m exp(s - lse)` (docs/SPEC.md, section 5), 0 where a query does not see a key (hidden keys
   included). Dense, `O(Nq Nk)` memory: what `sow_weights` records, in float32."""
+  q, k, lse, key_mask, segment_ids = (x if x is None else whole_sequence(x)
+                                      for x in (q, k, lse, key_mask, segment_ids))
   n_q, n_k, h = q.shape[1], k.shape[1], q.shape[2]
   counts = visibility_counts(pattern, max(n_q, n_k), h)[:, :n_q, :n_k]
   kh = jnp.repeat(k, heads_per_kv(h, k.shape[2]), axis=2)
@@ -534,7 +546,7 @@ def sown_weights(q, k, lse, pattern, perm, batch: tuple, *, key_mask=None, segme
   in the caller's."""
   if rows is not None:
     perm = inverse_permutation(rows)  # natural position j is the caller's row perm[j]
-    q, k, lse, key_mask, segment_ids = (None if x is None else x[:, perm]
+    q, k, lse, key_mask, segment_ids = (None if x is None else whole_sequence(x)[:, perm]
                                         for x in (q, k, lse, key_mask, segment_ids))
   weights = attention_weights(q, k, lse, pattern, key_mask=key_mask, segment_ids=segment_ids)
   return caller_weights(weights, perm, batch)
