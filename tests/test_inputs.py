@@ -256,6 +256,14 @@ def test_export_with_a_symbolic_batch_and_a_static_sequence():
     want = jax.grad(lambda *a: ref(*a, ids).sum(), argnums=(0, 1, 2))(q, k, v)
     for got, w in zip(grads.call(q, k, v, ids), want):
       np.testing.assert_allclose(got, w, atol=1e-5)
+  # The kernels decline it (their launches are planned on B), by name; the xla backend runs.
+  kernel_first = lambda q, k, v: dilated_attention(q, k, v, pattern,
+                                                    implementation=("pallas", "xla"))
+  with pytest.warns(UserWarning, match="symbolic batch .* runs the portable 'xla' backend"):
+    export.export(jax.jit(kernel_first))(*args[:3])
+  with pytest.raises(NotImplementedError, match="pallas: a symbolic batch"):
+    export.export(jax.jit(lambda *a: dilated_attention(*a, pattern, implementation="pallas")))(
+        *args[:3])
   with pytest.raises(ValueError, match=r"q's sequence length \(axis 1\) must be known"):
     export.export(jax.jit(fn))(spec(batch, n, 4, 16), spec(batch, n, 2, 16),
                                spec(batch, n, 2, 16), spec(batch, n, dtype=jnp.int32))

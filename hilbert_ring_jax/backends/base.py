@@ -59,7 +59,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import numbers
 import typing
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Literal, Protocol
@@ -201,6 +203,9 @@ def resolve(names: Sequence[Name], problem: Problem) -> Name:
   for name in names:
     if problem.step and (name not in STEP_KERNELS or problem.q_shape[1] != 1):
       name = "xla"
+    if name != "xla" and not isinstance(problem.q_shape[0], numbers.Integral):
+      reasons[name] = SYMBOLIC_BATCH
+      continue
     try:
       backend = load(name)
     except ImportError as e:  # e.g. jax_triton missing
@@ -208,9 +213,16 @@ def resolve(names: Sequence[Name], problem: Problem) -> Name:
       continue
     support = backend.supports(problem)
     if support:
+      if SYMBOLIC_BATCH in reasons.values():
+        warnings.warn(f"{SYMBOLIC_BATCH}: this call runs the portable {name!r} backend (export "
+                      f"with a concrete batch for the kernels)", stacklevel=2)
       return name
     reasons[name] = support.reason
   raise NoBackendError(reasons)
+
+
+# Why a kernel declines a batch of `jax.export`'s symbolic dimensions.
+SYMBOLIC_BATCH = "a symbolic batch (jax.export): the kernels' launches are planned on it"
 
 
 def config_for(backend: ModuleType, config, ring_step: bool = False):
