@@ -390,8 +390,15 @@ def check_model_args(args) -> None:
     raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
   if args.ckpt_dir is None:
     args.ckpt_dir = args.out_dir / "ckpt"
-  elif str(args.ckpt_dir).lower() == "none":
-    args.ckpt_dir = None
+  else:
+    args.ckpt_dir = checkpoint_root(args.ckpt_dir)
+
+
+def checkpoint_root(ckpt_dir: Path | str | None) -> Path | None:
+  """`--ckpt-dir`'s folder, or None (keep no checkpoint) for "none" (any case) or None."""
+  if ckpt_dir is None or str(ckpt_dir).lower() == "none":
+    return None
+  return Path(ckpt_dir)
 
 
 def table(header: list[str], rows: list[list]) -> str:

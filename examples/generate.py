@@ -56,6 +56,7 @@ PRESETS = {
                 rates="1,2,4,6,12", offsets="head", seq_len=32768, batch=2, steps=100, lr=1e-3,
                 gen_batch=4, prompt=32512, new=256, dtype="bfloat16", runs=3),
 }
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 class Cycles:
@@ -110,15 +111,22 @@ def main(argv=None) -> dict:
   parser.add_argument("--preset", choices=list(PRESETS), default="cpu")
   for name, val in PRESETS["cpu"].items():
     parser.add_argument(f"--{name.replace('_', '-')}", type=type(val), default=None,
+                        choices=DTYPES if name == "dtype" else None,
                         help=f"(cpu preset: {val}, gpu preset: {PRESETS['gpu'][name]})")
   parser.add_argument("--vocab", type=int, default=16)
   parser.add_argument("--max-period", type=int, default=6)
-  parser.add_argument("--impl", default=None, help="xla | pallas | triton (default: fastest)")
+  parser.add_argument("--impl", default=None,
+                      help="xla | pallas | triton | mosaic (default: fastest; mosaic on Hopper)")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
   for name, val in PRESETS[args.preset].items():
     if getattr(args, name) is None:
       setattr(args, name, val)
+  common.check_positive(args, "dim", "layers", "heads", "kv_heads", "seq_len", "batch", "steps",
+                        "lr", "gen_batch", "prompt", "new", "runs", "vocab")
+  if not 2 <= args.max_period <= args.vocab:
+    raise ValueError(f"--max-period must be in [2, --vocab {args.vocab}] (the tokens of a cycle "
+                     f"are distinct), got {args.max_period}")
   dtype = jnp.dtype(args.dtype)
   pattern = DilatedPattern(tuple(map(int, args.segments.split(","))),
                            tuple(map(int, args.rates.split(","))), causal=True,

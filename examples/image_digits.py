@@ -129,7 +129,8 @@ def parse_args(argv=None):
                       help="augmentation: random shifts of up to this many pixels "
                       "(default: size // 8)")
   parser.add_argument("--split-seed", type=int, default=0)
-  parser.add_argument("--impl", default=None, help="xla | pallas | triton (default: fastest)")
+  parser.add_argument("--impl", default=None,
+                      help="xla | pallas | triton | mosaic (default: fastest; mosaic on Hopper)")
   parser.add_argument("--out-dir", type=Path, default=Path("out/image_digits"))
   parser.add_argument("--ckpt-dir", type=Path, default=None,
                       help="default: <out-dir>/ckpt; 'none' keeps no checkpoint")

@@ -15,8 +15,9 @@ A PNG in `--out-dir` shows the training curves, both token orders drawn over the
 by segment), and a sample with both models' predictions.
 
 Runs on CPU by default in about two minutes; grow it with flags (`--grid 64 --steps 2000
---dim 128`). Checkpoints go to `--ckpt-dir` (default `out/image_hilbert_ckpt`); a run started
-again resumes from them.
+--dim 128`). Checkpoints go to `--ckpt-dir` (default `out/image_hilbert_ckpt`; `none` keeps
+none), one folder per model and configuration: a run started again with the same flags resumes
+from them; other flags start their own (and say so in one line).
 """
 
 from __future__ import annotations
@@ -80,10 +81,11 @@ def loss_fn(model, batch):
   return loss, acc
 
 
-def plot(path, grid, pattern, histories, sample, predictions):
+def plot(path, grid, pattern, histories, sample, predictions) -> bool:
+  """Draws the PNG; False (nothing written) without matplotlib."""
   plt = common.pyplot()
   if plt is None:
-    return
+    return False
   fig, axes = plt.subplots(2, 4, figsize=(16, 8))
   ax = axes[0, 0]
   for name, h in histories.items():
@@ -117,9 +119,10 @@ def plot(path, grid, pattern, histories, sample, predictions):
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
+  return True
 
 
-def main():
+def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--grid", type=int, default=16, help="side of the square image")
   parser.add_argument("--objects", type=int, default=4, help="squares per image (at most)")
@@ -132,12 +135,30 @@ def main():
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--lr", type=float, default=3e-3)
   parser.add_argument("--eval-every", type=int, default=20)
-  parser.add_argument("--impl", default=None, help="xla | pallas | triton (default: fastest)")
+  parser.add_argument("--impl", default=None,
+                      help="xla | pallas | triton | mosaic (default: fastest; mosaic on Hopper)")
   parser.add_argument("--out-dir", type=Path, default=Path("out"))
-  parser.add_argument("--ckpt-dir", type=Path, default=Path("out/image_hilbert_ckpt"))
+  parser.add_argument("--ckpt-dir", type=Path, default=Path("out/image_hilbert_ckpt"),
+                      help="default: out/image_hilbert_ckpt; 'none' keeps no checkpoint")
   parser.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
+  common.check_positive(args, "objects", "classes", "dim", "layers", "heads", "kv_heads",
+                        "batch", "steps", "lr", "eval_every")
+  if args.grid < 4:
+    raise ValueError(f"--grid must be at least 4 (the pattern's dilation 16 needs 16 pixels), "
+                     f"got {args.grid}")
+  args.ckpt_dir = common.checkpoint_root(args.ckpt_dir)
+  return args
 
+
+def run_config(args) -> dict:
+  """Every flag that changes the run, which keys its checkpoints: another --seed, --lr or
+  --dim never resumes this one's."""
+  return {k: v for k, v in vars(args).items() if k not in ("ckpt_dir", "eval_every", "out_dir")}
+
+
+def main(argv=None):
+  args = parse_args(argv)
   n = args.grid ** 2
   pattern = DilatedPattern((max(n // 16, 1), max(n // 4, 4), n), (1, 4, 16), offsets="all")
   sides = (max(2, args.grid // 5), max(3, args.grid // 3))
@@ -155,7 +176,7 @@ def main():
     history = common.train(
         model, loss_fn, lambda step: data(np.random.default_rng([args.seed, step]), args.batch),
         steps=args.steps, lr=args.lr, eval_batch=eval_batch, eval_every=args.eval_every,
-        ckpt_dir=args.ckpt_dir / name, desc=name)
+        ckpt_dir=common.checkpoint_dir(args.ckpt_dir, name, run_config(args)), desc=name)
     histories[name] = history
     predictions[name] = jnp.argmax(nnx.jit(lambda m, t: m(t))(model, eval_batch[0][:1]), -1)
     rows.append([name, history["step"][-1], history["eval_loss"][-1], history["eval_acc"][-1],
@@ -163,11 +184,13 @@ def main():
 
   args.out_dir.mkdir(parents=True, exist_ok=True)
   png = args.out_dir / "image_hilbert.png"
-  plot(png, args.grid, pattern, histories, (eval_batch[0][0], eval_batch[1][0]), predictions)
+  plotted = plot(png, args.grid, pattern, histories, (eval_batch[0][0], eval_batch[1][0]),
+                 predictions)
   print()
   print(common.table(["token order", "steps", "eval loss", "square-pixel accuracy", "train s"],
                      rows))
-  print(f"\nplot: {png}")
+  if plotted:
+    print(f"\nplot: {png}")
 
 
 if __name__ == "__main__":

@@ -281,8 +281,8 @@ def parse_args(argv=None):
                       help="recompute activations in the backward (less memory; model FLOPs "
                       "and their fraction of the peak do not count the recomputation)")
   parser.add_argument("--impl", default=None,
-                      help="backend of the dilated attention: xla | pallas | triton "
-                      "(default: the fastest that runs)")
+                      help="backend of the dilated attention: xla | pallas | triton | mosaic "
+                      "(default: the fastest that runs; mosaic on Hopper)")
   parser.add_argument("--full-impl", choices=FULL_IMPLS, default="auto",
                       help="full attention: cudnn or xla (jax.nn.dot_product_attention), or "
                       "ours (this library, one full branch); auto: cudnn where it runs on a "

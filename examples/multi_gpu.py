@@ -72,7 +72,7 @@ class Watchdog:
         os._exit(3)
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize")
   ap.add_argument("--coordinator", default=None, help="host:port of process 0")
@@ -111,7 +111,7 @@ def main():
   ap.add_argument("--shutdown-timeout", type=int, default=None, metavar="SECONDS",
                   help="with --distributed: how long a finished process waits at exit for the "
                        "others to finish too (JAX's default: 300)")
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   # Passed only when given, so JAX's own defaults apply otherwise (JAX 0.10 to 0.12 take all 3).
   timeouts = {name: value for name, value in (
       ("heartbeat_timeout_seconds", args.heartbeat_timeout),
@@ -127,6 +127,8 @@ def main():
     ap.error(f"--steps must be at least 1, got {args.steps}")
   if args.data_parallel < 1:
     ap.error(f"--data-parallel must be at least 1, got {args.data_parallel}")
+  if args.cpu_devices < 1:
+    ap.error(f"--cpu-devices must be at least 1, got {args.cpu_devices}")
 
   import jax  # configured before first use: virtual CPU devices, CPU collectives
   jax.config.update("jax_num_cpu_devices", args.cpu_devices)
@@ -146,7 +148,13 @@ def main():
   data = args.data_parallel
   if jax.device_count() % data:
     raise SystemExit(f"--data-parallel {data} must divide the {jax.device_count()} devices")
-  mesh = jax.make_mesh((data, jax.device_count() // data), ("data", "seq"),
+  seq = jax.device_count() // data
+  chunks = 2 * seq if args.layout == "zigzag" else seq  # zigzag: two chunks a device
+  if n % chunks:
+    raise SystemExit(f"--seq-len {n} must be divisible by {chunks}: the sequence is split "
+                     f"over the {seq} devices of the 'seq' axis"
+                     + (" in two chunks each (--layout zigzag)" if chunks > seq else ""))
+  mesh = jax.make_mesh((data, seq), ("data", "seq"),
                        axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   sharding = jax.NamedSharding(mesh, jax.P("data", "seq"))
   rng = np.random.default_rng(0)

@@ -71,9 +71,14 @@ def main(argv=None):
   parser.add_argument("--heads", type=int, default=4)
   parser.add_argument("--head-dim", type=int, default=32)
   parser.add_argument("--causal", action="store_true")
-  parser.add_argument("--impl", default=None, help="xla | pallas | triton (default: fastest)")
+  parser.add_argument("--impl", default=None,
+                      help="xla | pallas | triton | mosaic (default: fastest; mosaic on Hopper)")
   parser.add_argument("--runs", type=int, default=5)
   args = parser.parse_args(argv)
+  for name, least in (("grid", 4), ("large_grid", 4), ("heads", 1), ("head_dim", 1), ("runs", 1)):
+    if getattr(args, name) < least:  # grids of 4 x 4 and up: local segments of N/16 >= 1
+      raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got "
+                       f"{getattr(args, name)}")
   print(f"JAX {jax.__version__} on {jax.devices()[0].platform}")
 
   def attend(pattern):

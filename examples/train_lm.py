@@ -14,8 +14,8 @@ A table of held-out loss and answer accuracy is printed at the end.
 
 Runs on CPU by default in about two minutes; grow it with flags
 (`--seq-len 4096 --steps 3000 --dim 256 --layers 4`). Checkpoints go to `--ckpt-dir`
-(default `out/train_lm`), one folder per configuration: a run started again with the same
-flags resumes from them; other flags start their own (and say so in one line).
+(default `out/train_lm`; `none` keeps none), one folder per configuration: a run started again
+with the same flags resumes from them; other flags start their own (and say so in one line).
 """
 
 from __future__ import annotations
@@ -99,10 +99,18 @@ def parse_args(argv=None):
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--lr", type=float, default=5e-3)
   parser.add_argument("--eval-every", type=int, default=50)
-  parser.add_argument("--impl", default=None, help="xla | pallas | triton (default: fastest)")
-  parser.add_argument("--ckpt-dir", type=Path, default=Path("out/train_lm"))
+  parser.add_argument("--impl", default=None,
+                      help="xla | pallas | triton | mosaic (default: fastest; mosaic on Hopper)")
+  parser.add_argument("--ckpt-dir", type=Path, default=Path("out/train_lm"),
+                      help="default: out/train_lm; 'none' keeps no checkpoint")
   parser.add_argument("--seed", type=int, default=0)
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  common.check_positive(args, "seq_len", "local", "pairs", "keys", "values", "fillers", "dim",
+                        "layers", "heads", "kv_heads", "batch", "steps", "lr", "eval_every")
+  if args.queries is not None:
+    common.check_positive(args, "queries")
+  args.ckpt_dir = common.checkpoint_root(args.ckpt_dir)
+  return args
 
 
 def run_config(args) -> dict:

@@ -123,11 +123,51 @@ def test_image_digits(examples, tmp_path):
     ("image_digits", ["--kv-heads", "3"], "--kv-heads 3 must divide --heads"),
     ("image_digits", ["--lr", "-1"], "--lr must be positive"),
     ("image_digits", ["--seeds", "1,1"], "--seeds must be distinct"),
+    # The synthetic examples and the quickstart: checked before any JAX work too.
+    ("train_lm", ["--steps", "0"], "--steps must be positive"),
+    ("train_lm", ["--eval-every", "0"], "--eval-every must be positive"),
+    ("train_lm", ["--local", "0"], "--local must be positive"),
+    ("train_lm", ["--fillers", "0"], "--fillers must be positive"),
+    ("image_hilbert", ["--eval-every", "0"], "--eval-every must be positive"),
+    ("image_hilbert", ["--classes", "0"], "--classes must be positive"),
+    ("image_hilbert", ["--objects", "0"], "--objects must be positive"),
+    ("generate", ["--steps", "0"], "--steps must be positive"),
+    ("generate", ["--max-period", "1"], r"--max-period must be in \[2, --vocab 16\]"),
+    ("generate", ["--max-period", "40"], r"--max-period must be in \[2, --vocab 16\]"),
+    ("image_hilbert", ["--grid", "3"], "--grid must be at least 4"),
+    ("quickstart", ["--runs", "0"], "--runs must be at least 1"),
+    ("quickstart", ["--grid", "3"], "--grid must be at least 4"),
 ])
 def test_bad_flags(examples, script, argv, match):
   module = __import__(script)
   with pytest.raises(ValueError, match=match):
     module.main(argv)
+
+
+@pytest.mark.parametrize("script,argv,match", [
+    ("generate", ["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    ("multi_gpu", ["--cpu-devices", "0"], "--cpu-devices must be at least 1, got 0"),
+])
+def test_bad_flags_argparse(examples, capsys, script, argv, match):
+  """Flags argparse refuses (usage and the error on stderr, exit status 2), before any JAX
+  work (multi_gpu: before it configures the CPU devices)."""
+  module = __import__(script)
+  with pytest.raises(SystemExit) as exit_:
+    module.main(argv)
+  assert exit_.value.code == 2 and match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["train_lm", "image_hilbert"])
+def test_synthetic_checkpoint_flags(examples, script):
+  """`--ckpt-dir none` keeps no checkpoint (as in the real-data examples), and the folder of
+  a run's checkpoints is keyed by its flags: another --seed, --lr or --dim never resumes it."""
+  module = __import__(script)
+  assert module.parse_args(["--ckpt-dir", "none"]).ckpt_dir is None
+  assert module.parse_args(["--ckpt-dir", "None"]).ckpt_dir is None
+  digest = lambda argv: module.common.config_digest(module.run_config(module.parse_args(argv)))
+  assert digest([]) == digest(["--ckpt-dir", "none", "--eval-every", "7"])
+  for flag in (["--seed", "5"], ["--lr", "0.1"], ["--dim", "32"]):
+    assert digest(flag) != digest([]), flag
 
 
 def common_digest(train_lm, argv):
