@@ -34,6 +34,8 @@ from timing import median_ms
 from hilbert_ring_jax import DilatedPattern, dilated_attention, dilated_attention_reference
 
 PATTERNS = {"longnet": ((2048, 4096, 8192), (1, 2, 4))}
+OURS = ("mosaic", "triton", "pallas", "xla")  # this library's backends
+PEERS = ("cudnn", "folded_cudnn", "jax_mha", "tokamax", "dense_xla")
 
 
 def make_pattern(name, n, causal):
@@ -47,7 +49,7 @@ def make_pattern(name, n, causal):
 
 
 def impl_fn(name, pattern):
-  if name in ("mosaic", "triton", "pallas", "xla"):
+  if name in OURS:
     return lambda q, k, v, s: dilated_attention(q, k, v, pattern, scale=s, implementation=name)
   peers = {"cudnn": cudnn_full_causal if pattern.causal else cudnn_full,
            "folded_cudnn": folded_cudnn, "jax_mha": jax_mha, "tokamax": tokamax_mosaic,
@@ -110,7 +112,9 @@ def measure(name, pattern, args, a, backward=True):
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--impl", default="triton,pallas,cudnn,folded_cudnn,jax_mha,dense_xla")
+  ap.add_argument("--impl", default="triton,pallas,cudnn,folded_cudnn,jax_mha,dense_xla",
+                  help=f"comma-separated: our backends ({', '.join(OURS)}) and peers "
+                  f"({', '.join(PEERS)})")
   ap.add_argument("--seq-len", default="8192,32768")
   ap.add_argument("--pattern", default="full", help="full | longnet | 'w1,w2/r1,r2'")
   ap.add_argument("--causal", action="store_true")
@@ -130,6 +134,10 @@ def main():
   ap.add_argument("--json", default=None)
   ap.add_argument("--plot", default=None)
   args = ap.parse_args()
+  unknown = [name for name in args.impl.split(",") if name not in OURS + PEERS]
+  if unknown:
+    ap.error(f"--impl: unknown implementation(s) {', '.join(map(repr, unknown))}; valid: "
+             f"{', '.join(OURS + PEERS)}")
   args.kv_heads = args.kv_heads or args.heads
   if args.tokens and (args.memory or args.longest):
     ap.error("--tokens goes with --seq-len (not --memory or --longest)")

@@ -46,6 +46,7 @@ import dataclasses
 import functools
 import gc
 import json
+import re
 import statistics
 import sys
 import time
@@ -56,7 +57,7 @@ import jax.numpy as jnp
 from timing import median_ms
 from hilbert_ring_jax import (DilatedPattern, dilated_attention, dilated_attention_prefill,
                               dilated_attention_step, init_kv_cache)
-from hilbert_ring_jax.backends import mosaic_decode
+from hilbert_ring_jax.backends import NAMES, mosaic_decode
 from hilbert_ring_jax.decode import step_backend
 
 ISSUE = dict(batch="1,8", heads=16, kv_heads="16,4", head_dim=128, dtype="bfloat16",
@@ -275,7 +276,17 @@ def main(argv=None):
   for name, val in (QUICK if a.quick else ISSUE).items():
     if getattr(a, name) is None:
       setattr(a, name, val)
-  pattern = parse_pattern(a.pattern)
+  unknown = [x for x in a.steps.split(",") if x != "default" and x not in NAMES]
+  if unknown:
+    ap.error(f"--steps: unknown step(s) {', '.join(map(repr, unknown))}; valid: default, "
+             f"{', '.join(NAMES)}")
+  if not re.fullmatch(r"\d+(,\d+)*/\d+(,\d+)*", re.sub(r"\s", "", a.pattern)):
+    ap.error(f"--pattern must be 'w1,w2,.../r1,r2,...' (segment lengths / dilation rates), "
+             f"got {a.pattern!r}")
+  try:
+    pattern = parse_pattern(a.pattern)
+  except ValueError as e:  # not a valid DilatedPattern
+    ap.error(f"--pattern {a.pattern!r}: {e}")
   dtype = jnp.dtype(a.dtype)
   meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, argv=sys.argv[1:],
               date=time.strftime("%Y-%m-%d %H:%M:%S"), pattern=str(pattern.branches),

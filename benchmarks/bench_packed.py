@@ -40,6 +40,8 @@ from ring_scaling import pattern_for
 from timing import busy_ns, device_events, interleaved_ms
 from hilbert_ring_jax import DilatedPattern, dilated_attention
 
+IMPLS = ("ours", "ours_dense", "cudnn_padded", "jax_mha", "tokamax")  # `peers`' rows, in order
+
 
 def documents(n, median, max_doc, seed):
   """Document lengths filling `n` tokens: log-normal (sigma 1), in [1, max_doc]."""
@@ -125,15 +127,22 @@ def main():
   ap.add_argument("--max-doc", type=int, default=16384)
   ap.add_argument("--heads", type=int, default=16)
   ap.add_argument("--head-dim", type=int, default=128)
-  ap.add_argument("--impl", default="ours,ours_dense,cudnn_padded,jax_mha,tokamax")
+  ap.add_argument("--impl", default=",".join(IMPLS),
+                  help=f"comma-separated rows to time, of {', '.join(IMPLS)} (default: all): "
+                  "ours and ours_dense are this library on --implementation's backend, the "
+                  "others its peers")
   ap.add_argument("--runs", type=int, default=5)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--implementation", default=None,
-                  help="our backend (mosaic, triton, pallas, xla); default: the library's")
+                  help="our backend (mosaic, triton, pallas, xla) in the rows ours and "
+                  "ours_dense and in the LongNet comparison; default: the library's")
   ap.add_argument("--trace", action="store_true",
                   help="also trace ours (and ours_dense): each HLO op's kernel time per call")
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
+  unknown = [name for name in args.impl.split(",") if name not in IMPLS]
+  if unknown:
+    ap.error(f"--impl: unknown row(s) {', '.join(map(repr, unknown))}; valid: {', '.join(IMPLS)}")
   n, h, d = args.seq_len, args.heads, args.head_dim
   lengths = documents(n, args.median, args.max_doc, args.seed)
   visible = sum(length * (length + 1) // 2 for length in lengths) * h

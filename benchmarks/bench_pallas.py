@@ -43,6 +43,9 @@ SIZES = {
     "small": ((4096, 16384), (16384,), LONGNET, 16, 128),
     "tiny": ((256,), (512,), ((64, 128, 256), (1, 2, 4)), 2, 32),
 }
+# What `--only` picks from: ours, then the peers (cudnn and jax_mha time full attention,
+# folded_cudnn LongNet; the three on a GPU only).
+TIMED = ("pallas", "xla", "cudnn", "jax_mha", "folded_cudnn")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,8 +307,13 @@ def main():
   parser.add_argument("--json", default=None, help="write all results here")
   parser.add_argument("--skip-checks", action="store_true")
   parser.add_argument("--only", default=None,
-                      help="comma-separated implementations to time (default: all)")
+                      help=f"comma-separated implementations to time, of {', '.join(TIMED)} "
+                      "(default: all that run here)")
   args = parser.parse_args()
+  unknown = [name for name in args.only.split(",") if name not in TIMED] if args.only else []
+  if unknown:
+    parser.error(f"--only: unknown implementation(s) {', '.join(map(repr, unknown))}; valid: "
+                 f"{', '.join(TIMED)}")
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16
   causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]

@@ -38,3 +38,15 @@ def test_quick_run(tmp_path):
   assert step["peer_status"] == "ok" and step["peer_step_ms"] > 0
   assert prefill["prefill_ms"] > 0 and prefill["forward_ms"] > 0
   assert jnp.dtype(result["meta"]["dtype"]) == jnp.float32
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--steps", "foo"], "--steps: unknown step(s) 'foo'; valid: default,"),
+    (["--pattern", "abc"], "--pattern must be 'w1,w2,.../r1,r2,...'"),
+    (["--pattern", "16,32/1"], "--pattern '16,32/1': "),
+])
+def test_bad_flags(capsys, argv, match):
+  """Flags argparse refuses, naming them, before any JAX work."""
+  with pytest.raises(SystemExit) as exit_:
+    bench_decode.main(["--quick", *argv])
+  assert exit_.value.code == 2 and match in capsys.readouterr().err
