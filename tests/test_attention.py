@@ -229,3 +229,47 @@ def test_non_finite_inputs_reach_only_their_rows_on_a_gpu(implementation):
   if implementation == "triton":
     pytest.importorskip("jax_triton")
   _non_finite_rows(implementation, 512, 64, jnp.bfloat16, DilatedPattern((256, 512), (1, 2)))
+
+
+def test_export_with_a_symbolic_batch_and_a_static_sequence():
+  """`jax.export` with a symbolic batch: the forward and its gradient, called at two batch
+  sizes, against the reference; a symbolic sequence length raises naming it (the pattern is
+  planned on it). The layer exports alike."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from hilbert_ring_jax import DilatedMultiHeadAttention  # pylint: disable=g-import-not-at-top
+  export = jax.export
+  pattern = DilatedPattern((16, 64), (1, 4), causal=True)
+  batch, n = export.symbolic_shape("b, n")
+  spec = lambda *shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)
+  fn = lambda q, k, v, ids: dilated_attention(q, k, v, pattern, segment_ids=ids)
+  args = (spec(batch, 64, 4, 16), spec(batch, 64, 2, 16), spec(batch, 64, 2, 16),
+          spec(batch, 64, dtype=jnp.int32))
+  forward = export.export(jax.jit(fn))(*args)
+  grads = export.export(jax.jit(jax.grad(lambda *a: fn(*a).sum(), argnums=(0, 1, 2))))(*args)
+  ref = lambda q, k, v, ids: dilated_attention_reference(q, k, v, pattern, segment_ids=ids)
+  rng = np.random.default_rng(0)
+  for b in (1, 3):
+    q = rng.standard_normal((b, 64, 4, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((b, 64, 2, 16)).astype(np.float32) for _ in "kv")
+    ids = np.repeat(rng.integers(0, 2, (b, 4)), 16, axis=1).astype(np.int32)
+    np.testing.assert_allclose(forward.call(q, k, v, ids), ref(q, k, v, ids), atol=2e-6)
+  want = jax.grad(lambda *a: ref(*a, ids).sum(), argnums=(0, 1, 2))(q, k, v)
+  for got, w in zip(grads.call(q, k, v, ids), want):
+    np.testing.assert_allclose(got, w, atol=1e-5)
+  # The kernels decline it (their launches are planned on B), by name; the xla backend runs.
+  kernel_first = lambda q, k, v: dilated_attention(q, k, v, pattern,
+                                                    implementation=("pallas", "xla"))
+  with pytest.warns(UserWarning, match="symbolic batch .* runs the portable 'xla' backend"):
+    export.export(jax.jit(kernel_first))(*args[:3])
+  with pytest.raises(NotImplementedError, match="pallas: a symbolic batch"):
+    export.export(jax.jit(lambda *a: dilated_attention(*a, pattern, implementation="pallas")))(
+        *args[:3])
+  with pytest.raises(ValueError, match=r"q's sequence length \(axis 1\) must be known"):
+    export.export(jax.jit(fn))(spec(batch, n, 4, 16), spec(batch, n, 2, 16),
+                               spec(batch, n, 2, 16), spec(batch, n, dtype=jnp.int32))
+  layer = DilatedMultiHeadAttention(4, 32, pattern=pattern, rngs=nnx.Rngs(0))
+  graph, state = nnx.split(layer)
+  exported = export.export(jax.jit(lambda state, x: nnx.merge(graph, state)(x)))(
+      state, spec(batch, 64, 32))
+  x = rng.standard_normal((2, 64, 32)).astype(np.float32)
+  np.testing.assert_allclose(exported.call(state, x), layer(x), atol=1e-5)
