@@ -270,7 +270,8 @@ def main(argv=None):
                        "'block_k=64,stages=3;splits=8' (mosaic_decode.Config fields)")
   ap.add_argument("--steps", default="default,xla",
                   help="token steps to check and time: 'default' (the platform's: the mosaic "
-                       "kernel on Hopper) and/or 'xla' (the jnp step)")
+                       "kernel on Hopper) and/or 'xla' (the jnp step); other backend names "
+                       "without a token-step kernel run the jnp step")
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
   for name, val in (QUICK if a.quick else ISSUE).items():

@@ -52,7 +52,7 @@ def check_inputs(q, k, v, pattern, heads_axis=None) -> None:
     check_dtype(name, x.dtype)
     for axis, size in enumerate(x.shape[1:], 1):  # a symbolic batch (jax.export) is fine
       if not isinstance(size, numbers.Integral):
-        raise ValueError(f"{name}'s {('', 'sequence length', 'heads', 'head dim')[axis]} (axis "
+        raise ValueError(f"{name}'s {('sequence length', 'heads', 'head dim')[axis - 1]} (axis "
                          f"{axis}) must be known when tracing: the pattern is planned on it, got "
                          f"{name}.shape={x.shape}")
     if any(isinstance(size, numbers.Integral) and size < 1 for size in x.shape):
@@ -245,38 +245,61 @@ class _Dispatch:
 _attention_jit = jax.jit(backends.attention, static_argnums=3)
 
 
-def _explicit_spec(x) -> tuple | None:
-  """`(mesh, spec)` of an array sharded over explicit mesh axes (`AxisType.Explicit`), else
-  None (unsharded, `Auto` axes, inside a `shard_map`)."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
+def explicit_spec(x) -> tuple | None:
+  """`(mesh, spec, axes)` of an array split over explicit mesh axes (`AxisType.Explicit`;
+  `axes`: the mesh's explicit ones, `spec` as long as `x`'s rank), else None (unsplit, `Auto`
+  axes, manual ones inside a `shard_map`). The mesh of a concrete array is its own (eager
+  calls need no `jax.set_mesh` for it), a traced one's the abstract mesh of its type."""
+  concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+  sharding = x.sharding if concrete else getattr(jax.typeof(x), "sharding", None)
   mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
   if mesh is None or spec is None or not any(spec):
     return None
-  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-              if kind == jax.sharding.AxisType.Explicit}
+  axes = frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                   if kind == jax.sharding.AxisType.Explicit)
   used = {name for entry in spec if entry is not None
           for name in ((entry,) if isinstance(entry, str) else entry)}
-  return (mesh, tuple(spec) + (None,) * (jnp.ndim(x) - len(spec))) if used & explicit else None
+  spec = tuple(spec) + (None,) * (jnp.ndim(x) - len(spec))
+  return (mesh, spec, axes) if used & axes else None
 
 
-def on_explicit_shards(q, k, v, segment_ids):
-  """Where `q` (or `k`, `v`, `segment_ids`) is sharded over explicit mesh axes (data or
-  tensor parallelism without a `shard_map`: `jax.sharding.AxisType.Explicit`), the mesh, the
-  specs `(q, k, v, segment_ids, lse)` that run the call a shard at a time, and the axis
-  splitting the heads (None if none does); else None. `k`, `v` and `segment_ids` must be
-  split like `q` (or not at all: they are then split like it); neither the sequence nor the
-  head dim may be split (`ValueError`: the sequence's split is the ring's)."""
-  found = {name: _explicit_spec(x) for name, x in (("q", q), ("k", k), ("v", v),
-                                                   ("segment_ids", segment_ids))
+@dataclasses.dataclass(frozen=True)
+class ExplicitShards:
+  """How a call on arrays split over explicit mesh axes runs a shard at a time: `specs` of
+  `(q, k, v, segment_ids, lse)`, `heads` the axis splitting the heads (None if none does)."""
+
+  mesh: object
+  specs: tuple
+  heads: str | None
+  axes: frozenset  # the mesh's explicit axes: the shard_map's manual ones (Auto ones stay)
+
+  def run(self, fn, args, in_specs, out_specs):
+    """`fn(*args)` inside a `shard_map` over the explicit axes, `args` first split as
+    `in_specs` say (those given whole are cut, locally)."""
+    args = jax.tree.map(lambda x, s: jax.reshard(x, jax.NamedSharding(self.mesh, s)), args,
+                        in_specs)
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names=self.axes)(*args)
+
+
+def on_explicit_shards(q, k, v, segment_ids) -> ExplicitShards | None:
+  """Where `q` (or `k`, `v`, `segment_ids`) is split over explicit mesh axes (data or tensor
+  parallelism without a `shard_map`: `jax.sharding.AxisType.Explicit`), how the call runs a
+  shard at a time (`ExplicitShards`); else None. `k`, `v` and `segment_ids` must be split like
+  `q` (or not at all: they are then split like it); neither the sequence nor the head dim may
+  be split (`ValueError`: the sequence's split is the ring's), nor the kv heads unevenly."""
+  found = {name: explicit_spec(x) for name, x in (("q", q), ("k", k), ("v", v),
+                                                  ("segment_ids", segment_ids))
            if x is not None}
   if not any(found.values()):
     return None
-  mesh, spec = found["q"] or (next(m for m in found.values() if m)[0], (None,) * 4)
+  mesh, _, axes = next(got for got in found.values() if got)
+  spec = found["q"][1] if found["q"] else (None,) * 4
   batch, heads = spec[0], spec[2]
   for axis, what in ((1, "sequence (axis 1): split it with sharded_dilated_attention or "
                          "ring_dilated_attention"), (3, "head dim (axis 3)")):
     for name, got in found.items():
-      if got is not None and axis < len(got[1]) and got[1][axis] is not None:
+      if got is not None and got[1][axis] is not None:
         raise ValueError(f"{name} is split over explicit mesh axes along its {what}; got "
                          f"{name} sharded as {jax.P(*got[1])}")
   if heads is not None and not isinstance(heads, str):
@@ -285,14 +308,17 @@ def on_explicit_shards(q, k, v, segment_ids):
                        f"sharded as {jax.P(*spec)}")
     heads = heads[0]
   kv_heads = heads if k.shape[2] > 1 else None  # one kv head: every shard reads it
+  if kv_heads is not None and k.shape[2] % mesh.shape[heads]:
+    raise ValueError(f"k and v's {k.shape[2]} heads must split over {heads!r} as q's do, in "
+                     f"{mesh.shape[heads]} (or be one head), got {k.shape=}")
   want = {"q": spec, "k": (batch, None, kv_heads, None), "v": (batch, None, kv_heads, None),
           "segment_ids": (batch, None)}
   for name, got in found.items():
     if got is not None and got[1] != want[name]:
       raise ValueError(f"{name} must be split over the mesh as q is ({jax.P(*want[name])}) or "
                        f"not at all, got {name} sharded as {jax.P(*got[1])}")
-  return mesh, tuple(jax.P(*want[n]) for n in ("q", "k", "v", "segment_ids")) + (
-      jax.P(batch, None, heads),), heads
+  specs = tuple(jax.P(*want[n]) for n in ("q", "k", "v", "segment_ids"))
+  return ExplicitShards(mesh, specs + (jax.P(batch, None, heads),), heads, axes)
 
 
 def dilated_attention(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
@@ -354,17 +380,17 @@ def dilated_attention(q, k, v, pattern: DilatedPattern, *, segment_ids=None,
   segment_ids = check_segment_ids(segment_ids, q)
   names = backends.candidates(implementation)
   backends.check_config(config)
-  explicit = None if heads_axis is not None else on_explicit_shards(q, k, v, segment_ids)
+  explicit = on_explicit_shards(q, k, v, segment_ids)
   if explicit is not None:  # a shard at a time, as inside the user's own shard_map
-    mesh, specs, heads = explicit
-    arrays = [x if x is None else jax.reshard(x, jax.NamedSharding(mesh, s))
-              for x, s in zip((q, k, v, segment_ids), specs)]
+    if explicit.heads is not None and heads_axis is not None:
+      raise ValueError(f"q's heads are split over the explicit mesh axis {explicit.heads!r}: "
+                       f"give no heads_axis (got heads_axis={heads_axis!r})")
     local = lambda q, k, v, *ids: dilated_attention(
         q, k, v, pattern, segment_ids=ids[0] if ids else None, scale=scale, return_lse=True,
-        implementation=names, config=config, heads_axis=heads)
-    inputs = arrays if segment_ids is not None else arrays[:3]
-    out, lse = jax.shard_map(local, mesh=mesh, in_specs=specs[:len(inputs)],
-                             out_specs=(specs[0], specs[4]))(*inputs)
+        implementation=names, config=config, heads_axis=explicit.heads or heads_axis)
+    inputs = (q, k, v) + (() if segment_ids is None else (segment_ids,))
+    out, lse = explicit.run(local, inputs, explicit.specs[:len(inputs)],
+                            (explicit.specs[0], explicit.specs[4]))
     return (out, lse) if return_lse else out
 
   def call(pattern, q, k, v, ids):

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .api import (check_dtype, check_flag, check_inputs, check_scale, check_segment_ids,
-                  dilated_attention, on_explicit_shards)
+                  dilated_attention, explicit_spec, on_explicit_shards)
 from .backends import base
 from .pattern import DilatedPattern, heads_per_kv
 
@@ -250,7 +250,8 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
   reads `rows_b = ceil(w_b / r_b)` cached rows per branch and kv head. After a prefill of
   packed rows (`segment_ids`) the new tokens continue each row's last document: they see
   only its tokens (`cache.first`). Works under `jax.jit`
-  with `pattern` static; the cache can be donated.
+  with `pattern` static; the cache can be donated. Inputs whose batch is split over explicit
+  mesh axes step a shard at a time, the cache split alike (docs/SPEC.md, section 8).
 
   The step's backend is resolved like `dilated_attention`'s (`backends.resolve`, from a
   `Problem` with `step` set): a token step (`T = 1`) on a Hopper GPU runs as one Pallas
@@ -290,28 +291,35 @@ def dilated_attention_step(q, k, v, cache: KVCache, pattern: DilatedPattern, *,
   scale = check_scale(scale, q.shape[-1])
   check_flag("return_lse", return_lse)
   _check_cache(cache, q, k, pattern)
-  backend = step_backend(q, k, pattern, implementation, config, packed=cache.start is not None)
-  run = functools.partial(_step, pattern=pattern, scale=scale, return_lse=bool(return_lse),
-                          backend=backend, config=config)
-  return _on_batch_shards(on_explicit_shards(q, k, v, None), run, q, k, v, cache)
+
+  def run(q, k, v, cache):
+    backend = step_backend(q, k, pattern, implementation, config,
+                           packed=cache.start is not None)
+    return _step(q, k, v, cache, pattern, scale, bool(return_lse), backend, config)
+
+  return _on_batch_shards(run, q, k, v, None, cache)
 
 
-def _on_batch_shards(explicit, fn, *args):
-  """`fn(*args)`, a shard of the batch at a time where the inputs are split over explicit mesh
-  axes (`explicit`: `api.on_explicit_shards`'s answer; None: as it is): every array of `args`
-  and of the result split along its leading (batch) axis, scalars (`KVCache.length`) whole."""
+def _on_batch_shards(fn, q, k, v, segment_ids, cache):
+  """`fn(q, k, v, cache[, segment_ids])`, a shard of the batch at a time where the inputs are
+  split over explicit mesh axes (`api.on_explicit_shards`): every array split along its
+  leading (batch) axis, the cache's included (its length whole); as it is where none is. A
+  cache of None (a prefill's own) is made inside, a shard's."""
+  explicit = on_explicit_shards(q, k, v, segment_ids)
   if explicit is None:
-    return fn(*args)
-  mesh, specs, heads = explicit
-  if heads is not None:
+    split = cache is not None and explicit_spec(cache.k[0])
+    if split:
+      raise ValueError(f"cache is split over explicit mesh axes ({jax.P(*split[1])}): split q, "
+                       f"k and v's batch alike")
+    return fn(q, k, v, cache, *(() if segment_ids is None else (segment_ids,)))
+  if explicit.heads is not None:
     raise ValueError(f"decoding splits only the batch over explicit mesh axes, got q's heads "
-                     f"split over {heads!r} ({specs[0]})")
-  spec = lambda x: jax.P() if jnp.ndim(x) == 0 else jax.P(specs[0][0])
-  args = jax.tree.map(lambda x: jax.reshard(x, jax.NamedSharding(mesh, spec(x))), args)
+                     f"split over {explicit.heads!r} ({explicit.specs[0]})")
+  spec = lambda x: jax.P() if jnp.ndim(x) == 0 else jax.P(explicit.specs[0][0])
+  args = (q, k, v, cache) + (() if segment_ids is None else (segment_ids,))
   shapes = jax.eval_shape(fn, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                             args))
-  return jax.shard_map(fn, mesh=mesh, in_specs=jax.tree.map(spec, args),
-                       out_specs=jax.tree.map(spec, shapes))(*args)
+  return explicit.run(fn, args, jax.tree.map(spec, args), jax.tree.map(spec, shapes))
 
 
 def step_backend(q, k, pattern: DilatedPattern, implementation=None, config=None, *,
@@ -374,6 +382,9 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, segment_ids=N
   its buffers: whatever it held is cleared, as if it were empty (a packed one stays packed:
   without `segment_ids`, one document a row).
 
+  A batch split over explicit mesh axes is prefilled a shard at a time, and so is the cache
+  (docs/SPEC.md, section 8).
+
   Args:
     q: `[B, T, H, D]` prompt queries; k, v: `[B, T, Hkv, D]`.
     pattern: a causal `DilatedPattern`.
@@ -400,22 +411,22 @@ def dilated_attention_prefill(q, k, v, pattern: DilatedPattern, *, segment_ids=N
   check_inputs(q, k, v, pattern)
   scale = check_scale(scale, q.shape[-1])
   check_flag("return_lse", return_lse)
-  batch, steps, num_heads, head_dim = q.shape
-  if cache is None:
-    cache = init_kv_cache(pattern, batch=batch, num_heads=num_heads, num_kv_heads=k.shape[2],
-                          head_dim=head_dim, dtype=q.dtype)
-  _check_cache(cache, q, k, pattern)
+  num_heads, head_dim = q.shape[2:]
+  if cache is not None:
+    _check_cache(cache, q, k, pattern)
   segment_ids = check_segment_ids(segment_ids, q)
 
   def run(q, k, v, cache, *ids):
     ids = ids[0] if ids else None
+    if cache is None:  # (a shard's, where the batch is split)
+      cache = init_kv_cache(pattern, batch=q.shape[0], num_heads=num_heads,
+                            num_kv_heads=k.shape[2], head_dim=head_dim, dtype=q.dtype)
     out, lse = dilated_attention(q, k, v, pattern, segment_ids=ids, scale=scale,
                                  return_lse=True, implementation=implementation)
     cache = _fill(k, v, cache, pattern, num_heads, ids)
     return (out, lse, cache) if return_lse else (out, cache)
 
-  ids = () if segment_ids is None else (segment_ids,)
-  return _on_batch_shards(on_explicit_shards(q, k, v, segment_ids), run, q, k, v, cache, *ids)
+  return _on_batch_shards(run, q, k, v, segment_ids, cache)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))

@@ -64,6 +64,38 @@ def test_split_inputs_match_the_reference(q_spec, kv_spec):
     assert rel(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("case", ["auto_batch", "manual_heads", "mqa"])
+def test_meshes_of_explicit_and_other_axes_match_the_reference(case):
+  """An `Auto` batch axis beside an explicit heads axis (each device computes its own batch:
+  no all-gather), an explicit batch axis inside the user's `shard_map` over the heads
+  (`heads_axis`), and one kv head beside split query heads; `lse` split like `out`."""
+  q, k, v, ids = inputs(kv_heads=1 if case == "mqa" else 2)
+  out_ref, lse_ref = reference(q, k, v, ids, None)
+  kinds = (jax.sharding.AxisType.Auto if case == "auto_batch" else EXPLICIT, EXPLICIT)
+  with jax.set_mesh(jax.make_mesh((4, 2), ("data", "model"), axis_types=kinds)):
+    if case == "manual_heads":
+      fn = jax.shard_map(
+          lambda q, k, v: dilated_attention(q, k, v, PATTERN, segment_ids=ids,
+                                            return_lse=True, heads_axis="model"),
+          in_specs=P(None, None, "model"), out_specs=(P(None, None, "model"),) * 2,
+          axis_names={"model"})
+    else:
+      fn = lambda q, k, v: dilated_attention(q, k, v, PATTERN, segment_ids=ids,
+                                             return_lse=True)
+    heads = "model" if case != "mqa" else None
+    args = [jax.device_put(x, P("data", None, h))
+            for x, h in ((q, "model"), (k, heads), (v, heads))]
+    compiled = jax.jit(fn).lower(*args).compile()
+    out, lse = compiled(*args)
+    if case == "auto_batch":
+      assert "all-gather" not in compiled.as_text()
+    else:
+      assert jax.typeof(lse).sharding.spec == P("data", None, "model")
+  assert rel(out, out_ref) < 1e-5
+  finite = np.isfinite(lse_ref)
+  np.testing.assert_allclose(np.asarray(lse)[finite], lse_ref[finite], rtol=1e-5, atol=1e-5)
+
+
 def test_the_layer_on_a_batch_split_over_explicit_axes():
   """The NNX layer without `mesh=` (data parallelism) equals itself on one device."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -102,12 +134,20 @@ def test_decoding_on_a_batch_split_over_explicit_axes():
     ("attention", (P(None, None, ("data", "model")), None), "over one mesh axis"),
     ("prefill", (P("data", None, "model"), P("data", None, "model")), "decoding splits only "
                                                                       "the batch"),
+    ("attention", (P("data", None, "model"), None), "k and v's 2 heads must split over"),
+    ("step", (None, None), "cache is split over explicit mesh axes"),
 ])
 def test_splits_it_cannot_run_raise_naming_the_input(call, specs, match):
   q, k, v, _ = inputs(heads=8, kv_heads=2)
   fn = dilated_attention if call == "attention" else dilated_attention_prefill
-  with jax.set_mesh(mesh()):
+  names = ("model", "data") if "k and v" in match else ("data", "model")  # model: 4 devices
+  with jax.set_mesh(jax.make_mesh((4, 2), names, axis_types=(EXPLICIT,) * 2)):
     put = lambda x, spec: x if spec is None else jax.device_put(x, spec)
+    if call == "step":  # a cache split by its prefill, stepped with tokens given whole
+      cache = dilated_attention_prefill(*(put(x[:, :8], P("data")) for x in (q, k, v)),
+                                        PATTERN)[1]
+      fn = lambda q, k, v, pattern: dilated_attention_step(q, k, v, cache, pattern)
+      q, k, v = (x[:, 8:9] for x in (q, k, v))
     with pytest.raises(ValueError, match=match):
       fn(put(q, specs[0]), put(k, specs[1]), put(v, specs[1]), PATTERN)
 

@@ -193,6 +193,10 @@ def candidates(implementation) -> tuple[Name, ...]:
   return tuple(names)
 
 
+# Why a kernel declines a batch of `jax.export`'s symbolic dimensions.
+SYMBOLIC_BATCH = "a symbolic batch (jax.export): the kernels' launches are planned on it"
+
+
 def resolve(names: Sequence[Name], problem: Problem) -> Name:
   """The first of `names` whose backend supports `problem`; `NoBackendError` if none does.
 
@@ -220,9 +224,6 @@ def resolve(names: Sequence[Name], problem: Problem) -> Name:
     reasons[name] = support.reason
   raise NoBackendError(reasons)
 
-
-# Why a kernel declines a batch of `jax.export`'s symbolic dimensions.
-SYMBOLIC_BATCH = "a symbolic batch (jax.export): the kernels' launches are planned on it"
 
 
 def config_for(backend: ModuleType, config, ring_step: bool = False):
