@@ -305,18 +305,18 @@ def _on_batch_shards(fn, q, k, v, segment_ids, cache):
   split over explicit mesh axes (`api.on_explicit_shards`): every array split along its
   leading (batch) axis, the cache's included (its length whole); as it is where none is. A
   cache of None (a prefill's own) is made inside, a shard's."""
+  args = (q, k, v, cache) + (() if segment_ids is None else (segment_ids,))
   explicit = on_explicit_shards(q, k, v, segment_ids)
   if explicit is None:
     split = cache is not None and explicit_spec(cache.k[0])
     if split:
       raise ValueError(f"cache is split over explicit mesh axes ({jax.P(*split[1])}): split q, "
                        f"k and v's batch alike")
-    return fn(q, k, v, cache, *(() if segment_ids is None else (segment_ids,)))
+    return fn(*args)
   if explicit.heads is not None:
     raise ValueError(f"decoding splits only the batch over explicit mesh axes, got q's heads "
                      f"split over {explicit.heads!r} ({explicit.specs[0]})")
   spec = lambda x: jax.P() if jnp.ndim(x) == 0 else jax.P(explicit.specs[0][0])
-  args = (q, k, v, cache) + (() if segment_ids is None else (segment_ids,))
   shapes = jax.eval_shape(fn, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                             args))
   return explicit.run(fn, args, jax.tree.map(spec, args), jax.tree.map(spec, shapes))

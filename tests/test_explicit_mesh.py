@@ -126,22 +126,23 @@ def test_decoding_on_a_batch_split_over_explicit_axes():
     assert jax.typeof(cache.k[0]).sharding.spec[0] == "data"
 
 
-@pytest.mark.parametrize("call,specs,match", [
+@pytest.mark.parametrize("call,specs,match,model", [
     ("attention", (P(None, "data"), None), "q is split over explicit mesh axes along its "
-                                           "sequence"),
-    ("attention", (P(None, None, None, "data"), None), "q is split .* head dim"),
-    ("attention", (P("data"), P("model")), "k must be split over the mesh as q is"),
-    ("attention", (P(None, None, ("data", "model")), None), "over one mesh axis"),
+                                           "sequence", 2),
+    ("attention", (P(None, None, None, "data"), None), "q is split .* head dim", 2),
+    ("attention", (P("data"), P("model")), "k must be split over the mesh as q is", 2),
+    ("attention", (P(None, None, ("data", "model")), None), "over one mesh axis", 2),
     ("prefill", (P("data", None, "model"), P("data", None, "model")), "decoding splits only "
-                                                                      "the batch"),
-    ("attention", (P("data", None, "model"), None), "k and v's 2 heads must split over"),
-    ("step", (None, None), "cache is split over explicit mesh axes"),
+                                                                      "the batch", 2),
+    ("attention", (P("data", None, "model"), None), "k and v's 2 heads must split over", 4),
+    ("step", (None, None), "cache is split over explicit mesh axes", 2),
 ])
-def test_splits_it_cannot_run_raise_naming_the_input(call, specs, match):
+def test_splits_it_cannot_run_raise_naming_the_input(call, specs, match, model):
+  """`model`: the size of the mesh's heads axis (of 8 devices)."""
   q, k, v, _ = inputs(heads=8, kv_heads=2)
   fn = dilated_attention if call == "attention" else dilated_attention_prefill
-  names = ("model", "data") if "k and v" in match else ("data", "model")  # model: 4 devices
-  with jax.set_mesh(jax.make_mesh((4, 2), names, axis_types=(EXPLICIT,) * 2)):
+  with jax.set_mesh(jax.make_mesh((8 // model, model), ("data", "model"),
+                                  axis_types=(EXPLICIT,) * 2)):
     put = lambda x, spec: x if spec is None else jax.device_put(x, spec)
     if call == "step":  # a cache split by its prefill, stepped with tokens given whole
       cache = dilated_attention_prefill(*(put(x[:, :8], P("data")) for x in (q, k, v)),

@@ -225,7 +225,6 @@ def resolve(names: Sequence[Name], problem: Problem) -> Name:
   raise NoBackendError(reasons)
 
 
-
 def config_for(backend: ModuleType, config, ring_step: bool = False):
   """`config` if it is `backend`'s kind of config, else None (that backend's defaults). For a
   ring step (`ring_step`: the keys of the next step travel while it runs), a backend with a
