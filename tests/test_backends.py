@@ -13,6 +13,7 @@ rows, vmap, numerical range, and the contract's float32 partials.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -494,6 +495,27 @@ def test_configs_are_validated_keyword_only_and_routed():
   assert helpers.rel_err(base, ref_out) < helpers.TOL[F32]
   np.testing.assert_allclose(run(small), base, rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(run(pallas.Config(block_q=32)), base)
+
+
+# A causal branch of several key blocks runs the tiles (a block of queries against one of keys)
+# on and below the diagonal only: GQA with offsets "all" (query blocks of two heads' rows),
+# rows no multiple of the blocks, in float32; per-head residues, MQA, in bfloat16.
+@pytest.mark.parametrize("case, dtype, key_block", [
+    (Case(200, 4, 2, (50, 100, 200), (1, 2, 4), offsets="all"), F32, 12),
+    (Case(192, 3, 1, (96, 192), (1, 3)), BF16, 16),
+], ids=["gqa_all_f32", "mqa_head_bf16"])
+def test_xla_causal_branches_skip_the_tiles_above_the_diagonal(case, dtype, key_block):
+  config = xla.Config(key_block=key_block)
+  fn = lambda causal: lambda q, k, v: dilated_attention(
+      q, k, v, case.pattern(causal), return_lse=True, implementation="xla", config=config)
+  helpers.check_case(case, True, dtype, None, fn=fn(True))
+  q, k, v, *_ = helpers.random_inputs(case, dtype, 0)
+  blocks = [-(-br.rows // key_block)
+            for br in case.pattern(True).layout(case.n, case.heads)]
+  assert min(blocks) > 1
+  for causal, tiles in ((True, [nb * (nb + 1) // 2 for nb in blocks]), (False, blocks)):
+    jaxpr = str(jax.make_jaxpr(fn(causal))(q, k, v))
+    assert sorted(map(int, re.findall(r"length=(\d+)", jaxpr))) == sorted(tiles)
 
 
 def test_implementation_is_checked_and_defaults():

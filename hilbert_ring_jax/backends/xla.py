@@ -5,8 +5,10 @@ whole segments and reshaped to `[B, S, w/r, r, H, D]`, so a dilated segment is a
 row of `w/r` tokens: no gather. Residues become batch rows (`offsets="all"`) or are picked per
 head with static slices (`offsets="head"`). A scan over key blocks keeps a float32
 `(out, lse)` carry combined by the project's one `merge`, so scores never exceed one block
-`[rows, key_block]` and memory is linear in N whatever `w` is. Padding keys are masked, and
-so are keys of another document than the query's (`segment_ids`, folded like the tokens).
+`[rows, key_block]` and memory is linear in N whatever `w` is; a causal branch splits its
+queries into blocks too and scans only the tiles on and below the diagonal (`_Tiles`). Padding
+keys are masked, and so are keys of another document than the query's (`segment_ids`, folded
+like the tokens).
 
 The backward follows the kernel contract: it takes the global `lse` and
 `delta = rowsum(dout * out) - dlse` and recomputes probabilities blockwise.
@@ -36,7 +38,8 @@ class Config:
 
   Attributes:
     key_block: keys per step of the blockwise loop; the score block of a step is
-      `[rows, key_block]`, so memory grows with it and the number of steps shrinks.
+      `[rows, key_block]` (`[key_block, key_block]` in a causal branch of several blocks), so
+      memory grows with it and the number of steps shrinks.
   """
 
   key_block: int = 512
@@ -130,12 +133,71 @@ def _blocked(x, axis, nb, bk, fill=0):
   return jnp.moveaxis(x.reshape(*x.shape[:axis], nb, bk, *x.shape[axis + 1:]), axis, 0)
 
 
-def _scan(step, carry, blocks):
-  """`lax.scan`, unrolled in Python for a single block (cheaper to compile, same result)."""
-  if blocks[0].shape[0] == 1:
-    carry, out = step(carry, jax.tree.map(lambda x: x[0], blocks))
-    return carry, jax.tree.map(lambda x: x[None], out)
-  return jax.lax.scan(step, carry, blocks)
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+  """The blockwise loop of one branch: tiles of a query block against a key block.
+
+  The folded rows split into `nb` key blocks of `bk` rows. A causal branch splits its queries
+  alike (blocks of `bk` rows, `bq = bk * G` folded entries) and runs only the tiles on and
+  below the diagonal: a key block past a query block's last row holds no key it may see
+  (causal order within a row is row order), so about half the tiles are skipped. Otherwise
+  every query is in one block, and the tiles are the key blocks. Tiles run query-major, key
+  blocks in order: each query merges its blocks in the order a scan over every block would.
+  """
+
+  nb: int
+  bk: int
+  bq: int     # folded query entries (rows times G) per query block
+  nq: int     # query blocks
+
+  @classmethod
+  def of(cls, fold, key_block):
+    rows = fold.branch.rows
+    nb = -(-rows // key_block)
+    bk = -(-rows // nb)  # the least padding for nb blocks
+    if fold.branch.causal and nb > 1:
+      return cls(nb, bk, bk * fold.shared, nb)
+    return cls(nb, bk, rows * fold.shared, 1)
+
+  def pairs(self):
+    """`(query block, key block)` index arrays, one entry a tile."""
+    qi, kj = np.tril_indices(self.nb) if self.nq > 1 else (np.zeros(self.nb), np.arange(self.nb))
+    return jnp.asarray(qi, jnp.int32), jnp.asarray(kj, jnp.int32)
+
+  def pad(self, x, fill=0):
+    """Folded query-like `x [B, Z, K, T, ...]` padded with `fill` to whole query blocks."""
+    pad = [(0, 0)] * x.ndim
+    pad[3] = (0, self.nq * self.bq - x.shape[3])
+    return jnp.pad(x, pad, constant_values=fill)
+
+  def get(self, x, qi):
+    """Query block `qi` of a padded query-like `x`."""
+    return jax.lax.dynamic_slice_in_dim(x, qi * self.bq, self.bq, axis=3)
+
+  def put(self, x, qi, y):
+    """`x` with its query block `qi` replaced by `y`."""
+    return jax.lax.dynamic_update_slice_in_dim(x, y, qi * self.bq, axis=3)
+
+  def keys(self, fold, k, v, valid, kv_ids=None):
+    """Key blocks `(k, v [nb, B, Z, K, bk, D], valid [nb, Z, K', bk], kv_ids [nb, B, Z, K, bk]
+    or None)`."""
+    nb, bk = self.nb, self.bk
+    ids = None if kv_ids is None else _blocked(kv_ids, 3, nb, bk)
+    return (_blocked(fold.key(k), 3, nb, bk), _blocked(fold.key(v), 3, nb, bk),
+            _blocked(valid, 2, nb, bk, fill=False), ids)
+
+  def loop(self, step, carry):
+    """`step(carry, qi, kj)` over the tiles: `lax.scan`, in Python for a single tile (cheaper
+    to compile, same result)."""
+    if self.nb == 1:
+      return step(carry, 0, 0)
+    return jax.lax.scan(lambda c, t: (step(c, *t), None), carry, self.pairs())[0]
+
+
+def _index(blocks, i):
+  """Block `i` of each of `blocks` (None passes)."""
+  return tuple(None if x is None else jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+               for x in blocks)
 
 
 def _folded_ids(fold, segment_ids, q, k):
@@ -149,28 +211,18 @@ def _folded_ids(fold, segment_ids, q, k):
   return fold.query(per_head(q_ids, q))[..., 0], fold.key(per_head(kv_ids, k))[..., 0]
 
 
-def _key_scan(fold, k, v, valid, key_block, kv_ids=None):
-  """Key blocks to scan: `(index, k [B,Z,K,bk,D], v, valid [Z,K',bk], kv_ids [B,Z,K,bk] or
-  None)`, and the block size."""
-  rows = fold.branch.rows
-  nb = -(-rows // key_block)
-  bk = -(-rows // nb)  # the least padding for nb blocks
-  ids = None if kv_ids is None else _blocked(kv_ids, 3, nb, bk)
-  return (jnp.arange(nb), _blocked(fold.key(k), 3, nb, bk), _blocked(fold.key(v), 3, nb, bk),
-          _blocked(valid, 2, nb, bk, fill=False), ids), bk
-
-
-def _scores(fold, qs, kb, valid, first_key, q_ids=None, kv_ids=None):
-  """Masked scores `[B, Z, K, T, bk]` of the folded, scaled queries `qs` (`_scaled_queries`)
-  against one key block (and its documents `kv_ids`, given those of the queries)."""
+def _scores(fold, qs, kb, valid, first_query, first_key, q_ids=None, kv_ids=None):
+  """Masked scores `[B, Z, K, bq, bk]` of a block of folded, scaled queries `qs`
+  (`_scaled_queries`), from row `first_query` on, against one key block (and its documents
+  `kv_ids`, given those of the queries)."""
   acc = jnp.promote_types(qs.dtype, jnp.float32)
-  # s: [B, Z, K, T, bk]
+  # s: [B, Z, K, bq, bk]
   s = einsum("BZKTD,BZKJD->BZKTJ", qs, kb, preferred_element_type=acc)
   mask = valid[None, :, :, None, :]  # [1, Z, K or 1, 1, bk]
   if q_ids is not None:
     mask = mask & (q_ids[..., :, None] == kv_ids[..., None, :])
   if fold.branch.causal:  # the fold keeps order within a row: j <= i compares row indices
-    q_idx = jnp.arange(qs.shape[3]) // fold.shared
+    q_idx = first_query + jnp.arange(qs.shape[3]) // fold.shared
     k_idx = first_key + jnp.arange(kb.shape[3])
     mask = mask & (k_idx[None, :] <= q_idx[:, None])
   return jnp.where(mask, s, -jnp.inf)
@@ -188,27 +240,33 @@ def _scaled_queries(qf, scale):
 
 def _branch_forward(fold, q, k, v, scale, key_block, segment_ids=None):
   """Folded `(out [B, Z, K, T, D], lse [B, Z, K, T])` of one branch."""
+  tiles = _Tiles.of(fold, key_block)
   qf = _scaled_queries(fold.query(q), scale)
   acc = jnp.promote_types(q.dtype, jnp.float32)
   q_ids, kv_ids = _folded_ids(fold, segment_ids, q, k)
-  blocks, bk = _key_scan(fold, k, v, fold.key_valid(k.shape[2]), key_block, kv_ids)
+  qp = tiles.pad(qf)
+  q_idsp = None if q_ids is None else tiles.pad(q_ids)
+  blocks = tiles.keys(fold, k, v, fold.key_valid(k.shape[2]), kv_ids)
 
-  def step(carry, blk):
-    i, kb, vb, valid, ids = blk
-    s = _scores(fold, qf, kb, valid, i * bk, q_ids, ids)
-    # Softmax within the block; the one merge folds it into the carry.
+  def step(carry, qi, kj):
+    kb, vb, valid, ids = _index(blocks, kj)
+    s = _scores(fold, tiles.get(qp, qi), kb, valid, qi * tiles.bk, kj * tiles.bk,
+                None if q_ids is None else tiles.get(q_idsp, qi), ids)
+    # Softmax within the tile; the one merge folds it into the carry's query block.
     mx = jnp.max(s, axis=-1)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
     p = jnp.exp(s - mx[..., None])  # s and mx read one product: s - mx <= 0 exactly
     den = jnp.sum(p, axis=-1)
-    # ob: [B, Z, K, T, D]
+    # ob: [B, Z, K, bq, D]
     ob = einsum("BZKTJ,BZKJD->BZKTD", p.astype(vb.dtype), vb, preferred_element_type=acc)
     ob = ob / jnp.where(den > 0, den, 1.0)[..., None]
-    return merge([carry[0], ob], [carry[1], mx + jnp.log(den)]), None
+    out, lse = merge([tiles.get(carry[0], qi), ob], [tiles.get(carry[1], qi), mx + jnp.log(den)])
+    return tiles.put(carry[0], qi, out), tiles.put(carry[1], qi, lse)
 
   # Typed like the data the steps compute from (inside shard_map, as `lax.scan` needs).
-  init = vary_like((jnp.zeros(qf.shape, acc), jnp.full(qf.shape[:-1], -jnp.inf, acc)), q, k, v)
-  return _scan(step, init, blocks)[0]
+  init = vary_like((jnp.zeros(qp.shape, acc), jnp.full(qp.shape[:-1], -jnp.inf, acc)), q, k, v)
+  out, lse = tiles.loop(step, init)
+  return out[..., :qf.shape[3], :], lse[..., :qf.shape[3]]
 
 
 def forward(q, k, v, pattern: DilatedPattern, scale: float, *, branches=None, config=None,
@@ -247,35 +305,44 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(acc))
   dq, dk, dv = (jnp.zeros(x.shape, acc) for x in (q, k, v))
   for fold in _folds(pattern, q, k, branches):
-    qf, dof = fold.query(q), fold.query(dout)
-    qs = _scaled_queries(qf, scale)
-    lsef = fold.query(lse[..., None], fill=jnp.inf)[..., 0]
-    deltaf = fold.query(delta[..., None].astype(acc))[..., 0]
+    tiles = _Tiles.of(fold, config.key_block)
+    qf = fold.query(q)
+    qp, qs = tiles.pad(qf), tiles.pad(_scaled_queries(qf, scale))
+    dof = tiles.pad(fold.query(dout))
+    lsef = tiles.pad(fold.query(lse[..., None], fill=jnp.inf)[..., 0], fill=jnp.inf)
+    deltaf = tiles.pad(fold.query(delta[..., None].astype(acc))[..., 0])
     q_ids, kv_ids = _folded_ids(fold, segment_ids, q, k)
-    blocks, bk = _key_scan(fold, k, v, fold.key_valid(k.shape[2]), config.key_block, kv_ids)
+    q_idsp = None if q_ids is None else tiles.pad(q_ids)
+    blocks = tiles.keys(fold, k, v, fold.key_valid(k.shape[2]), kv_ids)
 
-    def step(dqf, blk):
-      i, kb, vb, valid, ids = blk
-      s = _scores(fold, qs, kb, valid, i * bk, q_ids, ids)
+    def step(carry, qi, kj):
+      dqf, dkb, dvb = carry
+      kb, vb, valid, ids = _index(blocks, kj)
+      dob = tiles.get(dof, qi)
+      s = _scores(fold, tiles.get(qs, qi), kb, valid, qi * tiles.bk, kj * tiles.bk,
+                  None if q_idsp is None else tiles.get(q_idsp, qi), ids)
       # p <= 1 exactly; clipping keeps float32 rounding of huge logits (s ~ lse ~ 1e9) from
       # giving exp of a large positive error.
-      p = jnp.exp(jnp.minimum(s - lsef[..., None], 0.0))
-      # dvb, dkb: [B, Z, K, bk, D]
-      dvb = einsum("BZKTJ,BZKTD->BZKJD", p.astype(dof.dtype), dof, preferred_element_type=acc)
-      dp = einsum("BZKTD,BZKJD->BZKTJ", dof, vb, preferred_element_type=acc)
-      ds = p * (dp - deltaf[..., None]) * scale
-      dqf = dqf + einsum("BZKTJ,BZKJD->BZKTD", *ds_operands(ds, kb),
-                         preferred_element_type=acc)
-      dkb = einsum("BZKTJ,BZKTD->BZKJD", *ds_operands(ds, qf), preferred_element_type=acc)
-      return dqf, (dkb, dvb)
+      p = jnp.exp(jnp.minimum(s - tiles.get(lsef, qi)[..., None], 0.0))
+      dp = einsum("BZKTD,BZKJD->BZKTJ", dob, vb, preferred_element_type=acc)
+      ds = p * (dp - tiles.get(deltaf, qi)[..., None]) * scale
+      dqf = tiles.put(dqf, qi, tiles.get(dqf, qi) + einsum(
+          "BZKTJ,BZKJD->BZKTD", *ds_operands(ds, kb), preferred_element_type=acc))
+      # The keys' gradients of the tile: [B, Z, K, bk, D], added into block kj.
+      dkt = einsum("BZKTJ,BZKTD->BZKJD", *ds_operands(ds, tiles.get(qp, qi)),
+                   preferred_element_type=acc)
+      dvt = einsum("BZKTJ,BZKTD->BZKJD", p.astype(dob.dtype), dob, preferred_element_type=acc)
+      add = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, _index((x,), kj)[0] + y, kj, 0)
+      return dqf, add(dkb, dkt), add(dvb, dvt)
 
-    init = vary_like(jnp.zeros(qf.shape, acc), q, k, v, dout, lse, delta)
-    dqf, (dkb, dvb) = _scan(step, init, blocks)
+    init = vary_like(tuple(jnp.zeros(x.shape, acc) for x in (qs, *blocks[:2])),
+                     q, k, v, dout, lse, delta)
+    dqf, dkb, dvb = tiles.loop(step, init)
     # [nb, B, Z, K, bk, D] -> [B, Z, K, M, D]
     rows = fold.branch.rows
     dkb, dvb = (jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], -1, x.shape[-1])[..., :rows, :]
                 for x in (dkb, dvb))
-    dq = dq + transpose(fold.query, dqf, q)
+    dq = dq + transpose(fold.query, dqf[..., :qf.shape[3], :], q)
     dk = dk + transpose(fold.key, dkb, k)
     dv = dv + transpose(fold.key, dvb, k)
   return dq, dk, dv
