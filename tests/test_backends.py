@@ -498,24 +498,25 @@ def test_configs_are_validated_keyword_only_and_routed():
 
 
 # A causal branch of several key blocks runs the tiles (a block of queries against one of keys)
-# on and below the diagonal only: GQA with offsets "all" (query blocks of two heads' rows),
-# rows no multiple of the blocks, in float32; per-head residues, MQA, in bfloat16.
-@pytest.mark.parametrize("case, dtype, key_block", [
-    (Case(200, 4, 2, (50, 100, 200), (1, 2, 4), offsets="all"), F32, 12),
-    (Case(192, 3, 1, (96, 192), (1, 3)), BF16, 16),
-], ids=["gqa_all_f32", "mqa_head_bf16"])
-def test_xla_causal_branches_skip_the_tiles_above_the_diagonal(case, dtype, key_block):
+# that reach the diagonal only. GQA with offsets "all" (query blocks of two heads' rows), rows
+# of 50 in 5 blocks of 12 (the last partial): 15 tiles a branch, 5 without the mask; per-head
+# residues, MQA, in bfloat16: rows of 96 and 64 in blocks of 16; one row of 250 in 16 key
+# blocks, queries in 8 blocks of two key blocks' rows: 2 + 4 + ... + 16 = 72 tiles.
+@pytest.mark.parametrize("case, dtype, key_block, causal_tiles, tiles", [
+    (Case(200, 4, 2, (50, 100, 200), (1, 2, 4), offsets="all"), F32, 12, [15] * 3, [5] * 3),
+    (Case(192, 3, 1, (96, 192), (1, 3)), BF16, 16, [10, 21], [4, 6]),
+    (Case(250, 2, 1, (250,), (1,)), F32, 16, [72], [16]),
+], ids=["gqa_all_f32", "mqa_head_bf16", "eight_query_blocks"])
+def test_xla_causal_branches_skip_the_tiles_past_the_diagonal(case, dtype, key_block,
+                                                              causal_tiles, tiles):
   config = xla.Config(key_block=key_block)
   fn = lambda causal: lambda q, k, v: dilated_attention(
       q, k, v, case.pattern(causal), return_lse=True, implementation="xla", config=config)
   helpers.check_case(case, True, dtype, None, fn=fn(True))
   q, k, v, *_ = helpers.random_inputs(case, dtype, 0)
-  blocks = [-(-br.rows // key_block)
-            for br in case.pattern(True).layout(case.n, case.heads)]
-  assert min(blocks) > 1
-  for causal, tiles in ((True, [nb * (nb + 1) // 2 for nb in blocks]), (False, blocks)):
+  for causal, want in ((True, causal_tiles), (False, tiles)):
     jaxpr = str(jax.make_jaxpr(fn(causal))(q, k, v))
-    assert sorted(map(int, re.findall(r"length=(\d+)", jaxpr))) == sorted(tiles)
+    assert sorted(map(int, re.findall(r"length=(\d+)", jaxpr))) == sorted(want)
 
 
 def test_implementation_is_checked_and_defaults():

@@ -38,8 +38,8 @@ class Config:
 
   Attributes:
     key_block: keys per step of the blockwise loop; the score block of a step is
-      `[rows, key_block]` (`[key_block, key_block]` in a causal branch of several blocks), so
-      memory grows with it and the number of steps shrinks.
+      `[rows, key_block]` (in a causal branch of several blocks, an eighth of the rows or
+      more), so memory grows with it and the number of steps shrinks.
   """
 
   key_block: int = 512
@@ -133,22 +133,31 @@ def _blocked(x, axis, nb, bk, fill=0):
   return jnp.moveaxis(x.reshape(*x.shape[:axis], nb, bk, *x.shape[axis + 1:]), axis, 0)
 
 
+# Query blocks of a causal branch, at most: a tile is a step of the loop, and a GPU takes some
+# 100 us a step whatever its size. 8 skip 7/16 of the pairs (1/2 at most): full causal
+# attention at 32K tokens (H200, bf16, H = 16, D = 128, blocks of 512 keys) took 0.78x the
+# unskipped forward+backward with 8, 0.83x with 4 and 1.16x with one a key block; on a CPU,
+# 0.6x (docs/performance.md, "Measurements behind design choices").
+_QUERY_BLOCKS = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
   """The blockwise loop of one branch: tiles of a query block against a key block.
 
   The folded rows split into `nb` key blocks of `bk` rows. A causal branch splits its queries
-  alike (blocks of `bk` rows, `bq = bk * G` folded entries) and runs only the tiles on and
-  below the diagonal: a key block past a query block's last row holds no key it may see
-  (causal order within a row is row order), so about half the tiles are skipped. Otherwise
-  every query is in one block, and the tiles are the key blocks. Tiles run query-major, key
-  blocks in order: each query merges its blocks in the order a scan over every block would.
+  into `nq` blocks of `per_query` key blocks' rows (`bq` folded entries: the rows times G) and
+  runs only the tiles that reach its diagonal: a key block past a query block's last row holds
+  no key it may see (causal order within a row is row order). Otherwise every query is in one
+  block, and the tiles are the key blocks. Tiles run query-major, key blocks in order: each
+  query merges its blocks in the order a scan over every block would.
   """
 
   nb: int
   bk: int
-  bq: int     # folded query entries (rows times G) per query block
-  nq: int     # query blocks
+  nq: int
+  per_query: int  # key blocks per query block (causal; else nb)
+  bq: int         # folded query entries (rows times G) per query block
 
   @classmethod
   def of(cls, fold, key_block):
@@ -156,13 +165,19 @@ class _Tiles:
     nb = -(-rows // key_block)
     bk = -(-rows // nb)  # the least padding for nb blocks
     if fold.branch.causal and nb > 1:
-      return cls(nb, bk, bk * fold.shared, nb)
-    return cls(nb, bk, rows * fold.shared, 1)
+      m = -(-nb // _QUERY_BLOCKS)
+      return cls(nb, bk, -(-nb // m), m, m * bk * fold.shared)
+    return cls(nb, bk, 1, nb, rows * fold.shared)
 
   def pairs(self):
     """`(query block, key block)` index arrays, one entry a tile."""
-    qi, kj = np.tril_indices(self.nb) if self.nq > 1 else (np.zeros(self.nb), np.arange(self.nb))
+    qi, kj = np.array([(qi, kj) for qi in range(self.nq)
+                       for kj in range(min(self.nb, (qi + 1) * self.per_query))]).T
     return jnp.asarray(qi, jnp.int32), jnp.asarray(kj, jnp.int32)
+
+  def first_row(self, qi):
+    """The first row of query block `qi`."""
+    return qi * self.per_query * self.bk
 
   def pad(self, x, fill=0):
     """Folded query-like `x [B, Z, K, T, ...]` padded with `fill` to whole query blocks."""
@@ -250,7 +265,7 @@ def _branch_forward(fold, q, k, v, scale, key_block, segment_ids=None):
 
   def step(carry, qi, kj):
     kb, vb, valid, ids = _index(blocks, kj)
-    s = _scores(fold, tiles.get(qp, qi), kb, valid, qi * tiles.bk, kj * tiles.bk,
+    s = _scores(fold, tiles.get(qp, qi), kb, valid, tiles.first_row(qi), kj * tiles.bk,
                 None if q_ids is None else tiles.get(q_idsp, qi), ids)
     # Softmax within the tile; the one merge folds it into the carry's query block.
     mx = jnp.max(s, axis=-1)
@@ -319,7 +334,7 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
       dqf, dkb, dvb = carry
       kb, vb, valid, ids = _index(blocks, kj)
       dob = tiles.get(dof, qi)
-      s = _scores(fold, tiles.get(qs, qi), kb, valid, qi * tiles.bk, kj * tiles.bk,
+      s = _scores(fold, tiles.get(qs, qi), kb, valid, tiles.first_row(qi), kj * tiles.bk,
                   None if q_idsp is None else tiles.get(q_idsp, qi), ids)
       # p <= 1 exactly; clipping keeps float32 rounding of huge logits (s ~ lse ~ 1e9) from
       # giving exp of a large positive error.
