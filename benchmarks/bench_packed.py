@@ -17,6 +17,8 @@ ours (relative L2). Then LongNet with every id equal against no ids (what packin
 changes nothing), alone and (`_b2b`) back to back, the two calls' runs interleaved too.
 
   python benchmarks/bench_packed.py --seq-len 32768 --median 2048 --json out/packed.json
+  python benchmarks/bench_packed.py --implementation xla --impl ours,ours_dense \
+      --seq-len 8192 --median 512 --heads 8 --head-dim 64 --dtype float32   # on a CPU
 
 `--implementation triton` (or pallas, xla) times our other backends in place of the default.
 `--trace` adds each HLO op's kernel time per call for ours and ours_dense (jax.profiler; run
@@ -127,6 +129,8 @@ def main():
   ap.add_argument("--max-doc", type=int, default=16384)
   ap.add_argument("--heads", type=int, default=16)
   ap.add_argument("--head-dim", type=int, default=128)
+  ap.add_argument("--dtype", default="bfloat16",
+                  help="the inputs' dtype (float32 for the xla backend on a CPU)")
   ap.add_argument("--impl", default=",".join(IMPLS),
                   help=f"comma-separated rows to time, of {', '.join(IMPLS)} (default: all): "
                   "ours and ours_dense are this library on --implementation's backend, the "
@@ -143,6 +147,13 @@ def main():
   unknown = [name for name in args.impl.split(",") if name not in IMPLS]
   if unknown:
     ap.error(f"--impl: unknown row(s) {', '.join(map(repr, unknown))}; valid: {', '.join(IMPLS)}")
+  try:
+    dtype = jnp.dtype(args.dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    ap.error(f"--dtype: {args.dtype!r} is not a floating dtype (bfloat16, float16, float32)")
+  args.dtype = dtype.name
   n, h, d = args.seq_len, args.heads, args.head_dim
   lengths = documents(n, args.median, args.max_doc, args.seed)
   visible = sum(length * (length + 1) // 2 for length in lengths) * h
@@ -150,7 +161,7 @@ def main():
   scale = d ** -0.5
   ids, table = peers(lengths, n, pattern, scale, args.implementation)
   keys = jax.random.split(jax.random.PRNGKey(args.seed), 4)
-  q, k, v, do = (jax.random.normal(key, (1, n, h, d), jnp.bfloat16) for key in keys)
+  q, k, v, do = (jax.random.normal(key, (1, n, h, d), args.dtype) for key in keys)
   result = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, args=vars(args),
                 documents=lengths, rows=[])
   print(f"JAX {jax.__version__}, {jax.devices()[0].device_kind}; {len(lengths)} documents, "

@@ -83,6 +83,31 @@ def test_packed_bf16_several_key_blocks():
                config=backends.xla.Config(key_block=32))
 
 
+def test_xla_skips_the_tiles_of_other_documents():
+  """The xla backend's causal tiles (blocks of 64 keys, queries in 8 blocks of 128 rows here)
+  run only where a query block and a key block may share a document in some row: for rows of
+  documents numbered in order, exactly the tiles a brute-force count finds a shared document
+  in (a skipped tile would add nothing: the test is of the loop's own `meets`). Results match
+  the reference, with ids that come back later in a row and negative ones too."""
+  case = helpers.Case(1024, 2, 1, (1024,), (1,), batch=2)
+  xla = backends.load("xla")
+  config = xla.Config(key_block=64)
+  ids = np.stack([np.arange(1024) // 100, np.arange(1024) // 300])
+  returning = np.tile(np.repeat([7, -3, 7, 2], 64), 4)[None].repeat(2, 0)
+  for row_ids in (ids, returning):
+    check_packed(case, True, jnp.float32, jnp.asarray(row_ids, jnp.int32),
+                 implementation="xla", config=config)
+  q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 0)
+  fold, = xla._folds(case.pattern(True), q, k, None)
+  tiles = xla._Tiles.of(fold, config.key_block)
+  q_ids, kv_ids = xla._folded_ids(fold, (jnp.asarray(ids),) * 2, q, k)
+  blocks = tiles.keys(fold, k, v, fold.key_valid(1), kv_ids)
+  meets = np.asarray(tiles.meets(q_ids, fold.query_valid(2), blocks[3], blocks[2]))
+  shared = [any(set(row[qi * 128:qi * 128 + 128]) & set(row[kj * 64:kj * 64 + 64]) for row in ids)
+            for qi, kj in zip(*map(np.asarray, tiles.pairs()))]
+  assert len(shared) == 72 and meets.tolist() == shared and sum(shared) < 40
+
+
 def test_ids_are_compared_not_ordered():
   """A document id may come back later in a row (equal ids see each other wherever they
   are), and ids may be any integers, negative ones included."""
@@ -125,10 +150,13 @@ def test_packed_under_vmap_and_the_public_reference():
   ids = packed_ids(3, 64, 12, seed=5)
   pattern = case.pattern(True)
   qs, ks, vs = (jnp.concatenate([x, 2 * x, -x]) for x in (q, k, v))
-  batched = jax.vmap(lambda q, k, v, ids: dilated_attention(
-      q[None], k[None], v[None], pattern, segment_ids=ids[None])[0])(qs, ks, vs, ids)
   ref = dilated_attention_reference(qs, ks, vs, pattern, segment_ids=ids)
-  np.testing.assert_allclose(batched, ref, rtol=2e-5, atol=2e-5)
+  # Also in blocks of 8 keys: each row's own count of the xla backend's tiles to run.
+  for config in (None, backends.load("xla").Config(key_block=8)):
+    batched = jax.vmap(lambda q, k, v, ids: dilated_attention(
+        q[None], k[None], v[None], pattern, segment_ids=ids[None], config=config)[0])(
+            qs, ks, vs, ids)
+    np.testing.assert_allclose(batched, ref, rtol=2e-5, atol=2e-5)
 
 
 def test_bad_segment_ids():

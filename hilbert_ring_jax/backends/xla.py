@@ -6,9 +6,9 @@ row of `w/r` tokens: no gather. Residues become batch rows (`offsets="all"`) or 
 head with static slices (`offsets="head"`). A scan over key blocks keeps a float32
 `(out, lse)` carry combined by the project's one `merge`, so scores never exceed one block
 `[rows, key_block]` and memory is linear in N whatever `w` is; a causal branch splits its
-queries into blocks too and scans only the tiles on and below the diagonal (`_Tiles`). Padding
-keys are masked, and so are keys of another document than the query's (`segment_ids`, folded
-like the tokens).
+queries into blocks too and runs only the tiles that reach the diagonal (`_Tiles`), in packed
+rows only those whose blocks may share a document. Padding keys are masked, and so are keys of
+another document than the query's (`segment_ids`, folded like the tokens).
 
 The backward follows the kernel contract: it takes the global `lse` and
 `delta = rowsum(dout * out) - dlse` and recomputes probabilities blockwise.
@@ -114,6 +114,10 @@ class _Fold:
     contiguous = self.shared > 1 or self.per_kv == 1
     return self._fold(x, lambda h: h // self.per_kv, contiguous, 0)
 
+  def query_valid(self, num_heads):
+    """`[Z, K, T]` bool: which folded queries are real tokens (padding folds to False)."""
+    return self.query(jnp.ones((1, self.branch.n, num_heads, 1), jnp.bool_))[0, ..., 0]
+
   def key_valid(self, num_kv_heads):
     """`[Z, K or 1, M]` bool: which folded keys are real tokens (padding folds to False)."""
     valid = self.key(jnp.ones((1, self.branch.n, num_kv_heads, 1), jnp.bool_))[0, ..., 0]
@@ -148,15 +152,17 @@ class _Tiles:
   The folded rows split into `nb` key blocks of `bk` rows. A causal branch splits its queries
   into `nq` blocks of `per_query` key blocks' rows (`bq` folded entries: the rows times G) and
   runs only the tiles that reach its diagonal: a key block past a query block's last row holds
-  no key it may see (causal order within a row is row order). Otherwise every query is in one
-  block, and the tiles are the key blocks. Tiles run query-major, key blocks in order: each
-  query merges its blocks in the order a scan over every block would.
+  no key it may see (causal order within a row is row order); in packed rows, only those of
+  them whose query and key blocks may hold a document in common, in some row (`meets`).
+  Otherwise every query is in one block, and the tiles are the key blocks. Tiles run
+  query-major, key blocks in order: each query merges its blocks in the order a scan over
+  every block would.
   """
 
   nb: int
   bk: int
   nq: int
-  per_query: int  # key blocks per query block (causal; else nb)
+  per_query: int  # key blocks per query block (one query block: nb)
   bq: int         # folded query entries (rows times G) per query block
 
   @classmethod
@@ -174,6 +180,24 @@ class _Tiles:
     qi, kj = np.array([(qi, kj) for qi in range(self.nq)
                        for kj in range(min(self.nb, (qi + 1) * self.per_query))]).T
     return jnp.asarray(qi, jnp.int32), jnp.asarray(kj, jnp.int32)
+
+  def meets(self, q_ids, q_valid, kv_ids, k_valid):
+    """`[tiles]` bool: whether a tile's query and key blocks may hold a token of one document
+    in some row, from the ranges of their ids (ids are compared, not ordered: disjoint ranges
+    hold no id in common); None without ids or query blocks. `q_ids [B, Z, K, T]`, `q_valid
+    [Z, K, T]`, and the blocks of `tiles.keys`."""
+    if q_ids is None or self.nq == 1:
+      return None
+    lim = jnp.iinfo(q_ids.dtype)
+    lo = lambda ids, valid: jnp.min(jnp.where(valid, ids, lim.max), axis=-1)
+    hi = lambda ids, valid: jnp.max(jnp.where(valid, ids, lim.min), axis=-1)
+    by_block = lambda x: jnp.moveaxis(self.pad(x).reshape(*x.shape[:3], self.nq, self.bq), 3, 0)
+    q_ids, q_valid = by_block(q_ids), by_block(q_valid[None])  # [nq, B or 1, Z, K, bq]
+    k_valid = k_valid[:, None]  # [nb, 1, Z, K', bk]
+    qi, kj = self.pairs()
+    meet = (lo(q_ids, q_valid)[qi] <= hi(kv_ids, k_valid)[kj]) & \
+        (lo(kv_ids, k_valid)[kj] <= hi(q_ids, q_valid)[qi])  # [tiles, B, Z, K]
+    return jnp.any(meet, axis=(1, 2, 3))
 
   def first_row(self, qi):
     """The first row of query block `qi`."""
@@ -201,12 +225,18 @@ class _Tiles:
     return (_blocked(fold.key(k), 3, nb, bk), _blocked(fold.key(v), 3, nb, bk),
             _blocked(valid, 2, nb, bk, fill=False), ids)
 
-  def loop(self, step, carry):
+  def loop(self, step, carry, meets=None):
     """`step(carry, qi, kj)` over the tiles: `lax.scan`, in Python for a single tile (cheaper
-    to compile, same result)."""
+    to compile, same result); with `meets`, a loop over the tiles it marks, in their order
+    (no step for the others: a GPU takes as long for a step that does nothing)."""
     if self.nb == 1:
       return step(carry, 0, 0)
-    return jax.lax.scan(lambda c, t: (step(c, *t), None), carry, self.pairs())[0]
+    qi, kj = self.pairs()
+    if meets is None:
+      return jax.lax.scan(lambda c, t: (step(c, *t), None), carry, (qi, kj))[0]
+    order = jnp.argsort(~meets, stable=True)
+    qi, kj = qi[order], kj[order]
+    return jax.lax.fori_loop(0, jnp.sum(meets), lambda t, c: step(c, qi[t], kj[t]), carry)
 
 
 def _index(blocks, i):
@@ -262,6 +292,7 @@ def _branch_forward(fold, q, k, v, scale, key_block, segment_ids=None):
   qp = tiles.pad(qf)
   q_idsp = None if q_ids is None else tiles.pad(q_ids)
   blocks = tiles.keys(fold, k, v, fold.key_valid(k.shape[2]), kv_ids)
+  meets = tiles.meets(q_ids, fold.query_valid(q.shape[2]), blocks[3], blocks[2])
 
   def step(carry, qi, kj):
     kb, vb, valid, ids = _index(blocks, kj)
@@ -280,7 +311,7 @@ def _branch_forward(fold, q, k, v, scale, key_block, segment_ids=None):
 
   # Typed like the data the steps compute from (inside shard_map, as `lax.scan` needs).
   init = vary_like((jnp.zeros(qp.shape, acc), jnp.full(qp.shape[:-1], -jnp.inf, acc)), q, k, v)
-  out, lse = tiles.loop(step, init)
+  out, lse = tiles.loop(step, init, meets)
   return out[..., :qf.shape[3], :], lse[..., :qf.shape[3]]
 
 
@@ -329,6 +360,7 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
     q_ids, kv_ids = _folded_ids(fold, segment_ids, q, k)
     q_idsp = None if q_ids is None else tiles.pad(q_ids)
     blocks = tiles.keys(fold, k, v, fold.key_valid(k.shape[2]), kv_ids)
+    meets = tiles.meets(q_ids, fold.query_valid(q.shape[2]), blocks[3], blocks[2])
 
     def step(carry, qi, kj):
       dqf, dkb, dvb = carry
@@ -352,7 +384,7 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
 
     init = vary_like(tuple(jnp.zeros(x.shape, acc) for x in (qs, *blocks[:2])),
                      q, k, v, dout, lse, delta)
-    dqf, dkb, dvb = tiles.loop(step, init)
+    dqf, dkb, dvb = tiles.loop(step, init, meets)
     # [nb, B, Z, K, bk, D] -> [B, Z, K, M, D]
     rows = fold.branch.rows
     dkb, dvb = (jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], -1, x.shape[-1])[..., :rows, :]
