@@ -499,7 +499,7 @@ def test_configs_are_validated_keyword_only_and_routed():
 
 # A causal branch of several key blocks runs the tiles (a block of queries against one of keys)
 # that reach the diagonal only. GQA with offsets "all" (query blocks of two heads' rows), rows
-# of 50 in 5 blocks of 12 (the last partial): 15 tiles a branch, 5 without the mask; per-head
+# of 50 in 5 blocks of 12 (the last partial): 15 tiles a branch, 5 if not causal; per-head
 # residues, MQA, in bfloat16: rows of 96 and 64 in blocks of 16; one row of 250 in 16 key
 # blocks, queries in 8 blocks of two key blocks' rows: 2 + 4 + ... + 16 = 72 tiles.
 @pytest.mark.parametrize("case, dtype, key_block, causal_tiles, tiles", [

@@ -297,7 +297,7 @@ def _branch_forward(fold, q, k, v, scale, key_block, segment_ids=None):
   def step(carry, qi, kj):
     kb, vb, valid, ids = _index(blocks, kj)
     s = _scores(fold, tiles.get(qp, qi), kb, valid, tiles.first_row(qi), kj * tiles.bk,
-                None if q_ids is None else tiles.get(q_idsp, qi), ids)
+                None if q_idsp is None else tiles.get(q_idsp, qi), ids)
     # Softmax within the tile; the one merge folds it into the carry's query block.
     mx = jnp.max(s, axis=-1)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
