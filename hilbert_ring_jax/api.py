@@ -299,7 +299,7 @@ def on_explicit_shards(q, k, v, segment_ids) -> ExplicitShards | None:
   for axis, what in ((1, "sequence (axis 1): split it with sharded_dilated_attention or "
                          "ring_dilated_attention"), (3, "head dim (axis 3)")):
     for name, got in found.items():
-      if got is not None and got[1][axis] is not None:
+      if got is not None and axis < len(got[1]) and got[1][axis] is not None:  # ids: [B, N]
         raise ValueError(f"{name} is split over explicit mesh axes along its {what}; got "
                          f"{name} sharded as {jax.P(*got[1])}")
   if heads is not None and not isinstance(heads, str):

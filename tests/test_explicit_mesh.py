@@ -64,6 +64,22 @@ def test_split_inputs_match_the_reference(q_spec, kv_spec):
     assert rel(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("q_spec", [P("data"), P("data", None, "model")],
+                         ids=["batch", "batch_and_heads"])
+def test_segment_ids_split_like_q(q_spec):
+  """Document ids split over the batch's explicit axis as q is, against the float64
+  reference (they raised an IndexError); split unlike q, a ValueError naming them."""
+  q, k, v, ids = inputs()
+  out_ref = reference(q, k, v, ids, None)[0]
+  with jax.set_mesh(mesh()):
+    args = [jax.device_put(x, q_spec) for x in (q, k, v)]
+    fn = lambda q, k, v, ids: dilated_attention(q, k, v, PATTERN, segment_ids=ids)
+    out = jax.jit(fn)(*args, jax.device_put(ids, P("data")))
+    assert rel(out, out_ref) < 1e-5
+    with pytest.raises(ValueError, match="segment_ids must be split over the mesh as q is"):
+      fn(*args, jax.device_put(ids, P("model")))
+
+
 @pytest.mark.parametrize("case", ["auto_batch", "manual_heads", "mqa"])
 def test_meshes_of_explicit_and_other_axes_match_the_reference(case):
   """An `Auto` batch axis beside an explicit heads axis (each device computes its own batch:
