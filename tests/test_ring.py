@@ -151,28 +151,30 @@ def test_inputs_placed_elsewhere_are_moved():
                                                           axis_name="seq"), want)
 
 
-def test_non_finite_key_reaches_only_its_rows():
+# Each pattern, value and layout once; with `-m slow` each pattern in the other layout too.
+@pytest.mark.parametrize("name,value,layout", [
+    ("full", np.nan, "natural"), ("longnet", np.inf, "zigzag"),
+    pytest.param("full", np.inf, "zigzag", marks=pytest.mark.slow),
+    pytest.param("longnet", np.nan, "natural", marks=pytest.mark.slow)])
+def test_non_finite_key_reaches_only_its_rows(name, value, layout):
   """A NaN or inf key in a causal ring leaves the rows that cannot see it as one device
   computes them (the gathered rings hide later blocks by their lse: the merge must not weigh
   their NaN outputs by 0), also in zigzag order; the rows that read it are the same."""
   n, bad = 1024, 700
   rng = np.random.default_rng(7)
   q, k, v = (jnp.asarray(rng.standard_normal((1, n, 2, 16)), jnp.float32) for _ in range(3))
-  full, longnet = (DilatedPattern((n,), (1,), causal=True),
-                   DilatedPattern((128, 512, 1024), (1, 2, 4), causal=True))
-  # Each pattern, value and layout once (CI time), each pattern in both layouts.
-  for pattern, value, layout in ((full, np.nan, "natural"), (full, np.inf, "zigzag"),
-                                 (longnet, np.inf, "natural"), (longnet, np.nan, "zigzag")):
-    k_bad = k.at[0, bad, 0, 3].set(value)
-    one = np.asarray(dilated_attention(q, k_bad, v, pattern))
-    assert np.isfinite(one[0, :bad]).all()
-    assert np.isnan(one[0, bad, 0]).all() or value == np.inf  # (a sign may hide it)
-    perm = zigzag_positions(n, 4) if layout == "zigzag" else np.arange(n)
-    out = sharded_dilated_attention(q[:, perm], k_bad[:, perm], v[:, perm], pattern,
-                                    mesh=mesh(4), axis_name="seq", layout=layout)
-    out = np.asarray(out)[:, np.argsort(perm)]
-    np.testing.assert_array_equal(np.isfinite(out), np.isfinite(one))
-    np.testing.assert_allclose(out[0, :bad], one[0, :bad], rtol=1e-5, atol=1e-6)
+  pattern = (DilatedPattern((n,), (1,), causal=True) if name == "full" else
+             DilatedPattern((128, 512, 1024), (1, 2, 4), causal=True))
+  k_bad = k.at[0, bad, 0, 3].set(value)
+  one = np.asarray(dilated_attention(q, k_bad, v, pattern))
+  assert np.isfinite(one[0, :bad]).all()
+  assert np.isnan(one[0, bad, 0]).all() or value == np.inf  # (a sign may hide it)
+  perm = zigzag_positions(n, 4) if layout == "zigzag" else np.arange(n)
+  out = sharded_dilated_attention(q[:, perm], k_bad[:, perm], v[:, perm], pattern,
+                                  mesh=mesh(4), axis_name="seq", layout=layout)
+  out = np.asarray(out)[:, np.argsort(perm)]
+  np.testing.assert_array_equal(np.isfinite(out), np.isfinite(one))
+  np.testing.assert_allclose(out[0, :bad], one[0, :bad], rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_local_partial_merges_with_the_rings(monkeypatch):

@@ -153,6 +153,9 @@ def test_ring_with_heads_axis_and_head_groups_of_one_branch():
   np.testing.assert_allclose(out, dilated_attention(q, k, v, pattern), rtol=1e-5, atol=1e-5)
 
 
+# (~9 s, `-m slow`: the 16-bit test below runs the same plans at half the length against the
+# float64 reference.)
+@pytest.mark.slow
 def test_ring_with_heads_axis_and_head_groups_of_several_branches():
   """Head groups of several branches split over 2 shards of 4 heads: each shard covers some
   branches only (the first shard's heads none of the 4096-token branch's, the second's none
@@ -166,13 +169,19 @@ def test_ring_with_heads_axis_and_head_groups_of_several_branches():
   _ring_equals_one_call(pattern, _inputs((1, 4096, 8, 8), 2, seed=4))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+# (float16, ~12 s, with `-m slow`: bfloat16 takes the same switches.)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16,
+                                   pytest.param(jnp.float16, marks=pytest.mark.slow)])
 def test_ring_with_heads_axis_and_head_groups_in_16_bits(dtype):
   """The rings above in 16 bits: on the shard none of whose heads is in the local branch, that
   branch's empty step returns its zeros in the dtype the other shard's backend returns (a
   `lax.switch` needs equal types); outputs, lse and gradients against the float64
-  reference (at half the length: shards of 512 rows, the same plans)."""
+  reference (at half the length: shards of 512 rows, the same plans: the first shard's heads
+  none of the 2048-token branch's, the second's none of the 256-token one's)."""
   pattern = DilatedPattern((256, 1024, 2048), (1, 2, 4), causal=True, head_groups=True)
+  shards = [dataclasses.replace(pattern, head_offset=o, total_heads=8) for o in (0, 4)]
+  assert [[bool(h1 > h0) for h0, h1 in p.head_ranges(4)] for p in shards] == [
+      [True, True, False], [False, True, True]]
   ring = _ring_over_model_and_seq(pattern)
   case = helpers.Case(2048, 8, 2, pattern.segment_lengths, pattern.dilation_rates,
                       head_groups=True)
