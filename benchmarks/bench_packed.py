@@ -1,9 +1,10 @@
 """Packed rows (`segment_ids`): our kernels against the peers a user has, in one run.
 
-Full causal attention over one row of `--seq-len` tokens packed with documents of log-normal
-lengths (median `--median`, at most `--max-doc`; the last one cut at the row's end), B = 1:
+Full causal attention (`--non-causal`: without the mask, ours and ours_dense only) over one row
+of `--seq-len` tokens packed with documents of log-normal lengths (median `--median`, at most
+`--max-doc`; the last one cut at the row's end), B = 1:
 - "ours": `dilated_attention(..., segment_ids=ids)` (the default backend: mosaic on Hopper);
-- "ours_dense": the same row without ids (causal over the whole row), the TFLOP/s yardstick;
+- "ours_dense": the same row without ids (over the whole row), the TFLOP/s yardstick;
 - "cudnn_padded": the documents padded to the longest, one a batch row, cuDNN with
   `query_seq_lengths` / `key_value_seq_lengths` (inputs padded beforehand, as a data loader
   would: the padding is not timed);
@@ -55,7 +56,7 @@ def documents(n, median, max_doc, seed):
   return lengths
 
 
-def peers(lengths, n, causal_pattern, scale, implementation=None):
+def peers(lengths, n, pattern, scale, implementation=None):
   """`name -> (prepare(q, k, v, do) -> args, fn(q, k, v, meta) -> out, unprepare(out) -> [1, N,
   ...], meta)`; ours through `implementation` (None: the library's default). `meta` (the
   documents as the peer reads them: our ids, cuDNN's lengths) is an argument of the jitted
@@ -82,10 +83,10 @@ def peers(lengths, n, causal_pattern, scale, implementation=None):
   same = lambda x: x
   table = {
       "ours": (lambda *x: x, lambda q, k, v, ids: dilated_attention(
-          q, k, v, causal_pattern, scale=scale, segment_ids=ids,
+          q, k, v, pattern, scale=scale, segment_ids=ids,
           implementation=implementation), same, ids),
       "ours_dense": (lambda *x: x, lambda q, k, v, _: dilated_attention(
-          q, k, v, causal_pattern, scale=scale, implementation=implementation), None, ids),
+          q, k, v, pattern, scale=scale, implementation=implementation), None, ids),
       "cudnn_padded": (pad, lambda q, k, v, lens: jax.nn.dot_product_attention(
           q, k, v, scale=scale, is_causal=True, query_seq_lengths=lens,
           key_value_seq_lengths=lens, implementation="cudnn"), unpad, lens),
@@ -142,11 +143,17 @@ def main():
                   "ours_dense and in the LongNet comparison; default: the library's")
   ap.add_argument("--trace", action="store_true",
                   help="also trace ours (and ours_dense): each HLO op's kernel time per call")
+  ap.add_argument("--non-causal", action="store_true",
+                  help="full attention without the causal mask (the rows ours and ours_dense "
+                  "only: the peers' rows are causal)")
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
   unknown = [name for name in args.impl.split(",") if name not in IMPLS]
   if unknown:
     ap.error(f"--impl: unknown row(s) {', '.join(map(repr, unknown))}; valid: {', '.join(IMPLS)}")
+  peer_rows = [name for name in args.impl.split(",") if name not in ("ours", "ours_dense")]
+  if args.non_causal and peer_rows:
+    ap.error(f"--non-causal: the rows ours and ours_dense only, got {', '.join(peer_rows)}")
   try:
     dtype = jnp.dtype(args.dtype)
   except TypeError:
@@ -156,8 +163,9 @@ def main():
   args.dtype = dtype.name
   n, h, d = args.seq_len, args.heads, args.head_dim
   lengths = documents(n, args.median, args.max_doc, args.seed)
-  visible = sum(length * (length + 1) // 2 for length in lengths) * h
-  pattern = DilatedPattern((n,), (1,), causal=True)
+  pairs = (lambda m: m * m) if args.non_causal else (lambda m: m * (m + 1) // 2)
+  visible = sum(pairs(length) for length in lengths) * h
+  pattern = DilatedPattern((n,), (1,), causal=not args.non_causal)
   scale = d ** -0.5
   ids, table = peers(lengths, n, pattern, scale, args.implementation)
   keys = jax.random.split(jax.random.PRNGKey(args.seed), 4)
@@ -195,12 +203,12 @@ def main():
       for name, ms in interleaved_ms({name: c[which] for name, c in calls.items()}, args.runs,
                                      calls=repeat).items():
         rows[name][key + suffix] = ms
-  flops = 4 * d * visible  # TFLOP/s on the visible pairs (the dense row's own: n (n + 1) / 2 h)
+  flops = 4 * d * visible  # TFLOP/s on the visible pairs (the dense row's own: all its pairs)
   for name, row in rows.items():
     row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
     row["fwdbwd_tflops"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
-    if name == "ours_dense":  # its own TFLOP/s, on the whole causal row
-      dense = 4 * d * n * (n + 1) // 2 * h
+    if name == "ours_dense":  # its own TFLOP/s, on the whole row
+      dense = 4 * d * pairs(n) * h
       row["own_fwd_tflops"] = dense / row["fwd_ms"] / 1e9
       row["own_fwdbwd_tflops"] = 3.5 * dense / row["fwdbwd_ms"] / 1e9
     if args.trace and name in ("ours", "ours_dense"):
@@ -208,7 +216,7 @@ def main():
       row["trace_fwd"] = kernel_table(fwd, fwd_args)
       row["trace_fwdbwd"] = kernel_table(fb, fb_args)
     print(json.dumps(row), flush=True)
-  dense_work = n * (n + 1) / 2 / (visible / h)  # the dense row's pairs over the visible ones
+  dense_work = pairs(n) / (visible / h)  # the dense row's pairs over the visible ones
   for suffix in ("", "_b2b") if "ours" in rows else ():
     ms = lambda name: rows[name]["fwdbwd_ms" + suffix]
     others = [ms(name) for name in rows if name not in ("ours", "ours_dense")]
