@@ -53,8 +53,9 @@ def attention(q, k, v, m, scale, dout=None, dlse=None):
   kh, vh = (np.repeat(x, h // hkv, axis=1) for x in (k, v))
   s = q @ kh.swapaxes(-1, -2)
   s *= scale
-  np.copyto(s, -np.inf, where=m == 0)  # e = m * exp(s - s_max) is 0 where a query does not
-  s_max = s.max(-1, keepdims=True)     # see the key
+  # -inf where a query does not see the key, so that e = m * exp(s - s_max) is 0 there
+  np.copyto(s, -np.inf, where=m == 0)
+  s_max = s.max(-1, keepdims=True)
   s_max[~np.isfinite(s_max)] = 0.0  # a query that sees no key
   s -= s_max
   e = np.multiply(m, np.exp(s, out=s), out=s)

@@ -38,8 +38,8 @@ class Config:
 
   Attributes:
     key_block: keys per step of the blockwise loop; the score block of a step is
-      `[rows, key_block]` (in a causal branch of several blocks, an eighth of the rows or
-      more), so memory grows with it and the number of steps shrinks.
+      `[rows, key_block]` (in a causal branch of several blocks, and on a CPU a packed one, an
+      eighth of the rows or more), so memory grows with it and the number of steps shrinks.
   """
 
   key_block: int = 512
@@ -148,7 +148,7 @@ _QUERY_BLOCKS = 8
 def _split_documents() -> bool:
   """Whether non-causal branches of packed rows split their queries too, to skip the tiles of
   other documents: on a CPU, where a step costs its arithmetic (non-causal packed full
-  attention at 8K tokens 2.5x quicker); on a GPU a step takes ~100 us whatever it does, and
+  attention at 8K tokens 3.1x quicker: docs/performance.md); on a GPU a step takes ~100 us whatever it does, and
   LongNet with every id equal ran 1.45x slower split (4x the steps, none skipped)."""
   return jax.default_backend() == "cpu"
 
