@@ -148,8 +148,9 @@ _QUERY_BLOCKS = 8
 def _split_documents() -> bool:
   """Whether non-causal branches of packed rows split their queries too, to skip the tiles of
   other documents: on a CPU, where a step costs its arithmetic (non-causal packed full
-  attention at 8K tokens 3.1x quicker: docs/performance.md); on a GPU a step takes ~100 us whatever it does, and
-  LongNet with every id equal ran 1.45x slower split (4x the steps, none skipped)."""
+  attention at 8K tokens 3.1x quicker: docs/performance.md); on a GPU a step takes ~100 us
+  whatever it does, and LongNet with every id equal ran 1.45x slower split (4x the steps,
+  none skipped)."""
   return jax.default_backend() == "cpu"
 
 
@@ -266,6 +267,16 @@ def _folded_ids(fold, segment_ids, q, k):
   return fold.query(per_head(q_ids, q))[..., 0], fold.key(per_head(kv_ids, k))[..., 0]
 
 
+def _tile_inputs(fold, tiles, q, k, v, segment_ids):
+  """`(q_ids, blocks, meets)` of a branch's loop: the queries' folded ids padded to whole
+  query blocks (or None), the key blocks (`_Tiles.keys`) and the tiles to run
+  (`_Tiles.meets`)."""
+  q_ids, kv_ids = _folded_ids(fold, segment_ids, q, k)
+  blocks = tiles.keys(fold, k, v, fold.key_valid(k.shape[2]), kv_ids)
+  meets = tiles.meets(q_ids, fold.query_valid(q.shape[2]), blocks[3], blocks[2])
+  return None if q_ids is None else tiles.pad(q_ids), blocks, meets
+
+
 def _scores(fold, qs, kb, valid, first_query, first_key, q_ids=None, kv_ids=None):
   """Masked scores `[B, Z, K, bq, bk]` of a block of folded, scaled queries `qs`
   (`_scaled_queries`), from row `first_query` on, against one key block (and its documents
@@ -298,11 +309,8 @@ def _branch_forward(fold, q, k, v, scale, key_block, segment_ids=None):
   tiles = _Tiles.of(fold, key_block, packed=segment_ids is not None)
   qf = _scaled_queries(fold.query(q), scale)
   acc = jnp.promote_types(q.dtype, jnp.float32)
-  q_ids, kv_ids = _folded_ids(fold, segment_ids, q, k)
   qp = tiles.pad(qf)
-  q_idsp = None if q_ids is None else tiles.pad(q_ids)
-  blocks = tiles.keys(fold, k, v, fold.key_valid(k.shape[2]), kv_ids)
-  meets = tiles.meets(q_ids, fold.query_valid(q.shape[2]), blocks[3], blocks[2])
+  q_idsp, blocks, meets = _tile_inputs(fold, tiles, q, k, v, segment_ids)
 
   def step(carry, qi, kj):
     kb, vb, valid, ids = _index(blocks, kj)
@@ -367,10 +375,7 @@ def backward(q, k, v, dout, lse, delta, pattern: DilatedPattern, scale: float, *
     dof = tiles.pad(fold.query(dout))
     lsef = tiles.pad(fold.query(lse[..., None], fill=jnp.inf)[..., 0], fill=jnp.inf)
     deltaf = tiles.pad(fold.query(delta[..., None].astype(acc))[..., 0])
-    q_ids, kv_ids = _folded_ids(fold, segment_ids, q, k)
-    q_idsp = None if q_ids is None else tiles.pad(q_ids)
-    blocks = tiles.keys(fold, k, v, fold.key_valid(k.shape[2]), kv_ids)
-    meets = tiles.meets(q_ids, fold.query_valid(q.shape[2]), blocks[3], blocks[2])
+    q_idsp, blocks, meets = _tile_inputs(fold, tiles, q, k, v, segment_ids)
 
     def step(carry, qi, kj):
       dqf, dkb, dvb = carry
