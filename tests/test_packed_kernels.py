@@ -266,49 +266,58 @@ def test_consumers_skip_only_blocks_their_rows_cannot_see(name, median, keys, bl
           kernel_ids, mosaic_plan.out_length(sched, n_pad, 2 * rows), L, rows)
       table = tiles.inputs(kernel_ids, n_pad)[3]
       table_rows, pieces, bias = sched.arrays()
-      with jax.disable_jit():  # (lax.cond then runs the branch taken: eager, one is fast)
-        for item in range(int(np.prod(sched.grid(1, 2 * rows)))):
-          prog = mosaic_plan.Program.decode(table_rows.reshape(-1), sched, 2 * rows, n, item,
-                                            False)
-          base, first, count = int(prog.base), int(prog.first), int(prog.nrows)
-          for wg in range(2):
-            mine = np.arange(int(prog.start) + wg * rows, min(int(prog.start) + (wg + 1) * rows,
-                                                              count))
-            if not len(mine):
-              continue
-            at = first + L * mine  # this consumer's rows' positions in their period
-            window = ((*tiles.window(table, prog, 0, 1), *tiles.window(table, prog, wg))
-                      if packed else None)
-            walk = ranges(prog, pieces.reshape(-1), bias, (at[0], at[-1]), window)
-            if packed:  # the same windows without a common run: always cut by them
-              windowed = ranges(prog, pieces.reshape(-1), bias, (at[0], at[-1]),
-                                (*window[:2], common.FAR, -1, *window[4:]))
-            at = at + base
-            for p in range(int(prog.p0), int(prog.p1)):
-              piece, *bounds = walk(p)
-              lo, s0, a, b, s1, hi, x0, x1 = (int(x) for x in bounds)
-              if packed:
-                assert [int(x) for x in windowed(p)[1:]] == [lo, s0, a, b, s1, hi, x0, x1]
-                inside += bool(mosaic_plan._windowed(piece, prog.base, window,
-                                                     lambda _, w: w is None))
-              assert lo <= s0 <= a <= b <= s1 <= hi
-              other = base + int(piece.first) + int(piece.stride) * np.arange(int(piece.count))
-              sees = at[:, None] >= other[None] if keys else at[:, None] <= other[None]
-              if packed:
-                sees &= row_ids[0][at][:, None] == block_ids[0][other][None]
-              seen = [sees[:, j * block:(j + 1) * block] for j in range(-(-len(other) // block))]
-              assert not any(seen[j].any() for j in [*range(lo, s0), *range(s1, hi)])
-              assert not sees[:, :x0].any() and not sees[:, x1:].any()
-              half = block // 2
-              for j in [*range(s0, a), *range(b, s1)]:  # masked: the forward's halves
-                meets = [x0 < j * block + c + half and x1 > j * block + c for c in (0, half)]
-                for c, meet in zip((0, half), meets):
-                  assert meet or not sees[:, j * block + c:j * block + c + half].any()
-                halved[packed] += meets.count(True) == 1
-              assert all(seen[j].all() and seen[j].shape[1] == block for j in range(a, b))
-              assert not any(seen[j].any() for j in [*range(min(lo, len(seen))),
-                                                     *range(hi, len(seen))])
-              skipped[packed] += (s0 - lo) + (hi - s1)
+      program = lambda item: mosaic_plan.Program.decode(table_rows.reshape(-1), sched,
+                                                        2 * rows, n, item, False)
+
+      @jax.jit  # a launch's blocks: one compiled call an (item, consumer, piece)
+      def blocks(item, wg, at0, at1, p, packed=packed):
+        prog = program(item)
+        window = ((*tiles.window(table, prog, 0, 1), *tiles.window(table, prog, wg))
+                  if packed else None)
+        piece, *bounds = ranges(prog, pieces.reshape(-1), bias, (at0, at1), window)(p)
+        where = (piece.first, piece.stride, piece.count)
+        if not packed:
+          return where, bounds, bounds, False
+        # The same windows without a common run: always cut by them.
+        windowed = ranges(prog, pieces.reshape(-1), bias, (at0, at1),
+                          (*window[:2], common.FAR, -1, *window[4:]))(p)[1:]
+        return where, bounds, windowed, mosaic_plan._windowed(piece, prog.base, window,
+                                                              lambda _, w: w is None)
+
+      fields = jax.jit(lambda item: [getattr(program(item), name) for name in
+                                     ("base", "first", "nrows", "start", "p0", "p1")])
+      for item in range(int(np.prod(sched.grid(1, 2 * rows)))):
+        base, first, count, start, p0, p1 = (int(x) for x in fields(item))
+        for wg in range(2):
+          mine = np.arange(start + wg * rows, min(start + (wg + 1) * rows, count))
+          if not len(mine):
+            continue
+          at = first + L * mine  # this consumer's rows' positions in their period
+          ends, at = (at[0], at[-1]), at + base
+          for p in range(p0, p1):
+            (p_first, stride, length), bounds, windowed, in_run = jax.device_get(
+                blocks(item, wg, *ends, p))
+            lo, s0, a, b, s1, hi, x0, x1 = (int(x) for x in bounds)
+            assert [int(x) for x in windowed] == [lo, s0, a, b, s1, hi, x0, x1]
+            inside += bool(in_run)
+            assert lo <= s0 <= a <= b <= s1 <= hi
+            other = base + int(p_first) + int(stride) * np.arange(int(length))
+            sees = at[:, None] >= other[None] if keys else at[:, None] <= other[None]
+            if packed:
+              sees &= row_ids[0][at][:, None] == block_ids[0][other][None]
+            seen = [sees[:, j * block:(j + 1) * block] for j in range(-(-len(other) // block))]
+            assert not any(seen[j].any() for j in [*range(lo, s0), *range(s1, hi)])
+            assert not sees[:, :x0].any() and not sees[:, x1:].any()
+            half = block // 2
+            for j in [*range(s0, a), *range(b, s1)]:  # masked: the forward's halves
+              meets = [x0 < j * block + c + half and x1 > j * block + c for c in (0, half)]
+              for c, meet in zip((0, half), meets):
+                assert meet or not sees[:, j * block + c:j * block + c + half].any()
+              halved[packed] += meets.count(True) == 1
+            assert all(seen[j].all() and seen[j].shape[1] == block for j in range(a, b))
+            assert not any(seen[j].any() for j in [*range(min(lo, len(seen))),
+                                                   *range(hi, len(seen))])
+            skipped[packed] += (s0 - lo) + (hi - s1)
   # Without ids, where blocks are the rows' size, at least the diagonal's; more with short
   # documents' ids (long ones' windows may cut the blocks from the walk instead).
   assert skipped[False] >= (block == rows)

@@ -80,11 +80,9 @@ class _Fold:
   def _split(self, x, fill):
     """`[B, N, X, D]` -> `[B, S, M, r, X, D]`, padded with `fill` to whole segments."""
     br = self.branch
-    x = jnp.pad(x, [(0, 0), (0, br.segments * br.w - br.n), (0, 0), (0, 0)],
-                constant_values=fill)
+    x = _pad_axis(x, 1, br.segments * br.w, fill)
     x = x.reshape(x.shape[0], br.segments, br.w, *x.shape[2:])
-    x = jnp.pad(x, [(0, 0), (0, 0), (0, br.rows * br.r - br.w), (0, 0), (0, 0)],
-                constant_values=fill)
+    x = _pad_axis(x, 2, br.rows * br.r, fill)
     return x.reshape(x.shape[0], br.segments, br.rows, br.r, *x.shape[3:])
 
   def _fold(self, x, head_of, contiguous, fill):
@@ -124,6 +122,15 @@ class _Fold:
     return valid if self.branch.per_head else valid[:, :1]
 
 
+def _pad_axis(x, axis, length, fill):
+  """`x` padded at the end of `axis` with `fill` to `length` (as it is where it has that)."""
+  if x.shape[axis] == length:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, length - x.shape[axis])
+  return jnp.pad(x, pad, constant_values=fill)
+
+
 def _folds(pattern: DilatedPattern, q, k, branches):
   per_kv = heads_per_kv(q.shape[2], k.shape[2])
   return [_Fold(br, per_kv) for br in pattern.layout(q.shape[1], q.shape[2], branches)]
@@ -131,9 +138,7 @@ def _folds(pattern: DilatedPattern, q, k, branches):
 
 def _blocked(x, axis, nb, bk, fill=0):
   """Splits `axis` (padded to `nb * bk` with `fill`) into `nb` blocks, moved to the front."""
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, nb * bk - x.shape[axis])
-  x = jnp.pad(x, pad, constant_values=fill)
+  x = _pad_axis(x, axis, nb * bk, fill)
   return jnp.moveaxis(x.reshape(*x.shape[:axis], nb, bk, *x.shape[axis + 1:]), axis, 0)
 
 
@@ -216,9 +221,7 @@ class _Tiles:
 
   def pad(self, x, fill=0):
     """Folded query-like `x [B, Z, K, T, ...]` padded with `fill` to whole query blocks."""
-    pad = [(0, 0)] * x.ndim
-    pad[3] = (0, self.nq * self.bq - x.shape[3])
-    return jnp.pad(x, pad, constant_values=fill)
+    return _pad_axis(x, 3, self.nq * self.bq, fill)
 
   def get(self, x, qi):
     """Query block `qi` of a padded query-like `x`."""
