@@ -119,6 +119,12 @@ def _custom_calls_out_of_command_buffers() -> bool:
   return "CUSTOM_CALL" not in [t.lstrip("+") for t in types]
 
 
+def _settings() -> tuple:
+  """The module settings a ring's trace depends on, checked: `(_gather_limit(),
+  SMALL_STEP_ROWS, KERNEL_GATHER)`."""
+  return _gather_limit(), _small_step_rows(), _kernel_gather()
+
+
 def _gather_limit() -> int:
   """`GATHER_LIMIT_BYTES`, checked, its default resolved for the default backend's devices
   (this process's: another process's device reports no memory, under
@@ -965,6 +971,9 @@ class _Ring:
   # is `patterns[0]`.
   head_shards: tuple | None = None
   layout: str = "natural"  # the shards' order (`ring_dilated_attention`)
+  # The module settings the ring is traced under (`_settings()`): part of its hash, so that a
+  # trace cached by the kernel (`backends.attention`'s forward) is one of the same settings.
+  settings: tuple = dataclasses.field(default_factory=_settings)
   saves: typing.ClassVar[bool] = True  # a branch's kernel may gather keys (`KERNEL_GATHER`)
 
   def differentiable(self):
@@ -1275,7 +1284,7 @@ def sharded_dilated_attention(q, k, v, pattern: DilatedPattern, *, mesh, axis_na
   backends.check_config(config)
   fn = _sharded(pattern, mesh, axis_name, batch_axes or None, heads_axis, scale, names, config,
                 segment_ids is not None, layout,
-                (_gather_limit(), _small_step_rows(), _kernel_gather()))
+                _settings())
   specs = _specs(batch_axes or None, axis_name, heads_axis)
   arrays = (q, k, v) + (() if segment_ids is None else (segment_ids,))
   out, lse = fn(*(_onto(mesh, spec, x) for x, spec in zip(arrays, specs)))
@@ -1302,7 +1311,7 @@ def _sharded(pattern, mesh, axis_name, batch_axes, heads_axis, scale, names, con
              layout, settings):
   """The jitted shard_map of one configuration (cached: eager calls reuse its compilation);
   `packed`: it takes segment ids, `(q, k, v, segment_ids)`; `settings`: the module settings
-  it was traced with (`_gather_limit()`, `SMALL_STEP_ROWS`, `KERNEL_GATHER`)."""
+  it was traced with (`_settings()`)."""
   del settings  # a key of the cache only
   specs = _specs(batch_axes, axis_name, heads_axis)
   spec = specs[0]

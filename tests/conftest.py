@@ -27,6 +27,24 @@ hypothesis.settings.register_profile(
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(autouse=True)
+def _own_traces_where_patched(request):
+  """A test that patches the package (`monkeypatch`) traces its calls itself, and leaves no
+  trace made under its patches: the jitted entries cache their traces by their arguments
+  (`backends.attention`'s forward by the kernel, `dilated_attention`'s call by its
+  dispatch), not by the module attributes a patch changes."""
+  # pylint: disable=g-import-not-at-top,protected-access
+  from hilbert_ring_jax import api
+  from hilbert_ring_jax.backends import base
+  patched = "monkeypatch" in request.fixturenames
+  clear = lambda: [f.clear_cache() for f in (base._forward, api._attention_jit)]
+  if patched:
+    clear()
+  yield
+  if patched:
+    clear()
+
+
 def pytest_collection_modifyitems(config, items):
   if jax.default_backend() == "gpu":
     return

@@ -447,7 +447,8 @@ def test_supports_declines_without_tracing(monkeypatch):
 def test_ring_traces_each_step_once(monkeypatch):
   """A ring pass traces each branch's step calls only, never a probe: resolving a step's
   backend asks `supports`, it does not trace (3 branches, 4 shards: one local, two spanning
-  ones with small causal steps in natural order, the whole one gathered)."""
+  ones with small causal steps in natural order, the whole one gathered); differentiated, its
+  forward once."""
   traces = {"forward": 0, "backward": 0}
   for name in traces:
     original = getattr(xla, name)
@@ -468,6 +469,11 @@ def test_ring_traces_each_step_once(monkeypatch):
   # 2 (the other shards' keys, then the own shard's).
   assert traces == {"forward": 5, "backward": 0}
   traces.update(forward=0)
+  jax.jit(jax.grad(loss)).trace(x, x, x)  # the forward's trace above, from jit's cache
+  assert traces == {"forward": 0, "backward": 5}
+  # Traced afresh, differentiated: the forward once (the primal's and the fwd rule's trace).
+  jax.clear_caches()
+  traces.update(forward=0, backward=0)
   jax.jit(jax.grad(loss)).trace(x, x, x)
   assert traces == {"forward": 5, "backward": 5}
 
