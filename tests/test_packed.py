@@ -103,9 +103,7 @@ def test_xla_skips_the_tiles_of_other_documents(monkeypatch, causal):
   q, k, v, _, _ = helpers.random_inputs(case, jnp.float32, 0)
   fold, = xla._folds(case.pattern(causal), q, k, None)
   tiles = xla._Tiles.of(fold, config.key_block, packed=True)
-  q_ids, kv_ids = xla._folded_ids(fold, (jnp.asarray(ids),) * 2, q, k)
-  blocks = tiles.keys(fold, k, v, fold.key_valid(1), kv_ids)
-  meets = np.asarray(tiles.meets(q_ids, fold.query_valid(2), blocks[3], blocks[2]))
+  meets = np.asarray(xla._tile_inputs(fold, tiles, q, k, v, (jnp.asarray(ids),) * 2)[2])
   shared = [any(set(row[qi * 128:qi * 128 + 128]) & set(row[kj * 64:kj * 64 + 64]) for row in ids)
             for qi, kj in zip(*map(np.asarray, tiles.pairs()))]
   assert len(shared) == (72 if causal else 128) and meets.tolist() == shared

@@ -252,9 +252,10 @@ def _loaded(name):
 class Kernel(Protocol):
   """The two halves `attention` differentiates: any computation following the contract.
   A kernel called with `segment_ids` (`attention`'s argument) gets them as a keyword. A
-  kernel whose `saves` is true keeps residuals of its own for its backward: differentiated,
-  its forward is called with `save=True` and returns `(out, lse, saved)`, and its backward
-  gets `saved=` (the ring: keys its forward gathered, which the backward then need not).
+  kernel whose `saves` is true keeps residuals of its own for its backward: its forward is
+  called with `save=True` and returns `(out, lse, saved)` (undifferentiated, the program
+  drops them), and its backward gets `saved=` (the ring: keys its forward gathered, which
+  the backward then need not).
   A kernel may also provide `differentiable()`: the same computation by backends whose code
   JAX differentiates ("xla"), or None where its own is; where a gradient is itself
   differentiated (a gradient of a gradient), the halves take that one's derivatives (the GPU
@@ -281,7 +282,7 @@ def attention(q, k, v, kernel: Kernel, segment_ids=None):
   the one row statistic every backward needs. `segment_ids` (None, or integer arrays: the
   documents of packed sequences) go to both halves as a keyword and get no gradient.
   """
-  return _forward(q, k, v, kernel, segment_ids, save=True)[:2]  # (as `_attention_fwd`)
+  return _forward(q, k, v, kernel, segment_ids)[:2]  # (as `_attention_fwd`: one trace)
 
 
 def _differentiated_as(fallback, fn, *args):
@@ -309,9 +310,9 @@ def _differentiable(kernel):
   return None if differentiable is None else differentiable()
 
 
-@functools.partial(jax.jit, static_argnames=("kernel", "save"))
-def _forward(q, k, v, kernel, segment_ids, save: bool):
-  """`(out, lse, saved)`: `saved` the kernel's own residuals where `save` and it keeps some
+@functools.partial(jax.jit, static_argnames="kernel")
+def _forward(q, k, v, kernel, segment_ids):
+  """`(out, lse, saved)`: `saved` the kernel's own residuals where it keeps some
   (`Kernel.saves`), else None.
 
   Jitted, and called alike by `attention` and `_attention_fwd` (a primal call's program
@@ -323,7 +324,7 @@ def _forward(q, k, v, kernel, segment_ids, save: bool):
   # replicated): the kernel gets them typed alike, and the backward sums the gradients back.
   leaves, tree = jax.tree.flatten(segment_ids)
   q, k, v, *leaves = vary_alike(q, k, v, *leaves)
-  saves = save and getattr(kernel, "saves", False)
+  saves = getattr(kernel, "saves", False)
 
   def forward(kernel, saves, q, k, v, *leaves):
     ids = _ids(jax.tree.unflatten(tree, leaves))
@@ -339,7 +340,7 @@ def _forward(q, k, v, kernel, segment_ids, save: bool):
 
 
 def _attention_fwd(q, k, v, kernel, segment_ids):
-  out, lse, saved = _forward(q, k, v, kernel, segment_ids, save=True)
+  out, lse, saved = _forward(q, k, v, kernel, segment_ids)
   return (out, lse), (q, k, v, out, lse, segment_ids, saved)
 
 
